@@ -1,0 +1,18 @@
+"""App config: imports every installed app's ``jobs`` module so handlers are registered."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+from django.utils.module_loading import autodiscover_modules
+
+
+class PersistentJobsConfig(AppConfig):
+    name = "django_persistent_jobs"
+    label = "django_persistent_jobs"
+    verbose_name = "Persistent jobs"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the system checks)
+
+        autodiscover_modules("jobs")

@@ -1,0 +1,381 @@
+"""``enqueue()`` and ``enqueue_many()``: the only ways jobs are created.
+
+Both run on the caller's connection, so they join the caller's ``transaction.atomic()`` block:
+if it rolls back, the job never existed and no wake-up is sent (the NOTIFY comes from an insert
+trigger and PostgreSQL delivers notifications only on commit). Everything is validated before the
+first statement, so bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connections
+from django.utils import timezone
+
+from . import conf
+from .errors import ConfigurationError, EnqueueError, UnknownJobTypeError
+from .ids import uuid7
+from .models import JOB_COLUMNS, JOB_COLUMNS_SQL, PersistentJob, job_from_row
+from .payload import prepare_payload
+from .registry import HandlerSpec, registry
+from .types import Dedup
+
+logger = logging.getLogger("django_persistent_jobs.enqueue")
+
+_MAX_DEDUP_ROUNDS = 5
+_INSERT_COLUMNS = (
+    "id", "job_type", "payload", "queue", "priority", "max_retries", "next_run_at",
+    "timeout_seconds", "dedup_key", "dedup", "schedule",
+)
+_NEXT_RUN = "COALESCE(%s::timestamptz, now() + %s::float8 * interval '1 second')"
+_WAITING_KEY = (
+    "status IN ('pending', 'failed') AND dedup_key IS NOT NULL AND NOT (dedup = 'enqueue')"
+)
+_ON_CONFLICT = f"ON CONFLICT (job_type, dedup_key) WHERE {_WAITING_KEY} DO NOTHING"
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One validated job, ready to insert."""
+
+    id: Any
+    job_type: str
+    payload: Any
+    payload_json: str
+    queue: str
+    priority: int
+    max_retries: int
+    run_at: datetime | None
+    delay: float
+    timeout: float
+    dedup_key: str | None
+    dedup: Dedup
+    schedule_json: str | None
+
+    def params(self) -> list[Any]:
+        return [
+            self.id, self.job_type, self.payload_json, self.queue, self.priority,
+            self.max_retries, self.run_at, self.delay, self.timeout, self.dedup_key,
+            self.dedup.value, self.schedule_json,
+        ]
+
+
+def _spec_for(job_type: Any) -> HandlerSpec | None:
+    if not isinstance(job_type, str) or not job_type:
+        raise EnqueueError(f"job_type must be a non-empty string, got {job_type!r}.")
+    spec = registry.get(job_type)
+    if spec is None:
+        if conf.get("ALLOW_UNREGISTERED"):
+            return None
+        known = ", ".join(registry.job_types()) or "none registered"
+        raise UnknownJobTypeError(
+            f"No handler is registered for job type {job_type!r} (known: {known}). Register it "
+            "with @job_handler in an installed app's jobs.py, or set "
+            "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] = True if another service runs it."
+        )
+    if spec.errors:
+        raise ConfigurationError("; ".join(spec.errors))
+    return spec
+
+
+def _as_int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise EnqueueError(f"{name} must be an integer in {low}..{high}, got {value!r}.")
+    return value
+
+
+def _prepare(
+    job_type: str, payload: Any, *, run_at: datetime | None = None,
+    delay: timedelta | float | None = None, dedup_key: str | None = None,
+    dedup: Dedup | str | None = None, max_retries: int | None = None,
+    timeout: float | None = None, queue: str | None = None, priority: int | None = None,
+    schedule: Mapping[str, Any] | None = None,
+) -> _Prepared:
+    spec = _spec_for(job_type)
+    if run_at is not None and delay is not None:
+        raise EnqueueError("Give run_at or delay, not both.")
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise EnqueueError(f"run_at must be a datetime, got {type(run_at).__name__}.")
+        if timezone.is_naive(run_at):
+            raise EnqueueError(
+                "run_at must be timezone-aware (for example timezone.now() + timedelta(...)); "
+                "a naive datetime is ambiguous."
+            )
+    delay_s = 0.0
+    if delay is not None:
+        if isinstance(delay, timedelta):
+            delay_s = delay.total_seconds()
+        elif isinstance(delay, int | float) and not isinstance(delay, bool):
+            delay_s = float(delay)
+        else:
+            raise EnqueueError(f"delay must be a timedelta or seconds, got {delay!r}.")
+        if not math.isfinite(delay_s) or delay_s < 0:
+            raise EnqueueError(f"delay must be >= 0, got {delay!r}.")
+    if dedup_key is not None and (not isinstance(dedup_key, str) or not 0 < len(dedup_key) <= 255):
+        raise EnqueueError(f"dedup_key must be a string of 1..255 characters, got {dedup_key!r}.")
+    try:
+        strategy = Dedup(dedup) if dedup is not None else (
+            spec.effective_dedup() if spec else Dedup(conf.get("DEDUP"))
+        )
+    except ValueError:
+        raise EnqueueError(
+            f"dedup must be one of {[d.value for d in Dedup]}, got {dedup!r}."
+        ) from None
+    if max_retries is None:
+        max_retries = spec.effective_max_retries() if spec else int(conf.get("MAX_RETRIES"))
+    _as_int("max_retries", max_retries, 0, 1_000_000)
+    if timeout is None:
+        timeout = spec.effective_timeout() if spec else conf.seconds(conf.get("TIMEOUT"))
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+        math.isfinite(timeout) and timeout > 0
+    ):
+        raise EnqueueError(f"timeout must be a number of seconds > 0, got {timeout!r}.")
+    if queue is None:
+        queue = spec.effective_queue() if spec else str(conf.get("DEFAULT_QUEUE"))
+    if not isinstance(queue, str) or not 0 < len(queue) <= 100:
+        raise EnqueueError(f"queue must be a string of 1..100 characters, got {queue!r}.")
+    if priority is None:
+        priority = spec.priority if spec else 0
+    _as_int("priority", priority, -32768, 32767)
+    stored, text = prepare_payload({} if payload is None else payload)
+    if spec is not None and spec.validator is not None:
+        try:
+            spec.validator(stored)
+        except Exception as exc:
+            from .errors import PayloadError
+
+            raise PayloadError(
+                f"payload rejected by the validator of {job_type!r}: {exc}"
+            ) from exc
+    return _Prepared(
+        id=uuid7(), job_type=job_type, payload=stored, payload_json=text, queue=queue,
+        priority=priority, max_retries=max_retries, run_at=run_at, delay=delay_s,
+        timeout=float(timeout), dedup_key=dedup_key, dedup=strategy,
+        schedule_json=json.dumps(schedule) if schedule is not None else None,
+    )
+
+
+def _values_sql() -> str:
+    return f"%s, %s, %s::jsonb, %s, %s, %s, {_NEXT_RUN}, %s, %s, %s, %s::jsonb"
+
+
+def _select_active(cursor: Any, job_type: str, dedup_key: str) -> tuple[Any, ...] | None:
+    cursor.execute(
+        f"SELECT {JOB_COLUMNS_SQL} FROM persistent_jobs WHERE job_type = %s AND dedup_key = %s "
+        "AND status IN ('pending', 'failed', 'running') AND NOT (dedup = 'enqueue') "
+        "ORDER BY (status = 'running') DESC, id LIMIT 1",
+        [job_type, dedup_key],
+    )
+    row: tuple[Any, ...] | None = cursor.fetchone()
+    return row
+
+
+def _insert_one(cursor: Any, job: _Prepared) -> tuple[Any, ...] | None:
+    """Insert; ``None`` means a concurrent waiting duplicate won the unique index."""
+    columns = ", ".join(_INSERT_COLUMNS)
+    if job.dedup_key is None or job.dedup is Dedup.ENQUEUE:
+        sql = (f"INSERT INTO persistent_jobs ({columns}) VALUES ({_values_sql()}) "
+               f"RETURNING {JOB_COLUMNS_SQL}")
+    else:
+        sql = (f"INSERT INTO persistent_jobs ({columns}) VALUES ({_values_sql()}) "
+               f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}")
+    cursor.execute(sql, job.params())
+    row: tuple[Any, ...] | None = cursor.fetchone()
+    return row
+
+
+def _cancel_waiting_duplicates(cursor: Any, job_type: str, keys: list[str]) -> int:
+    cursor.execute(
+        "UPDATE persistent_jobs SET status = 'cancelled', last_error_code = 'REPLACED', "
+        "last_error = 'replaced by a newer job with the same dedup key', finished_at = now(), "
+        "updated_at = now() WHERE job_type = %s AND dedup_key = ANY(%s) AND "
+        f"{_WAITING_KEY}",
+        [job_type, keys],
+    )
+    return int(cursor.rowcount)
+
+
+def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
+    """Return ``(job, created)``; ``created`` is False when Skip returned an existing job."""
+    with connections[alias].cursor() as cursor:
+        for _ in range(_MAX_DEDUP_ROUNDS):
+            if job.dedup_key is not None and job.dedup is Dedup.SKIP:
+                existing = _select_active(cursor, job.job_type, job.dedup_key)
+                if existing is not None:
+                    return job_from_row(existing, alias), False
+            elif job.dedup_key is not None and job.dedup is Dedup.REPLACE:
+                _cancel_waiting_duplicates(cursor, job.job_type, [job.dedup_key])
+            row = _insert_one(cursor, job)
+            if row is not None:
+                return job_from_row(row, alias), True
+        raise EnqueueError(
+            f"Could not settle dedup key {job.dedup_key!r} for {job.job_type!r} after "
+            f"{_MAX_DEDUP_ROUNDS} rounds of concurrent enqueues; nothing was inserted."
+        )
+
+
+def enqueue(
+    job_type: str, payload: Any = None, *, run_at: datetime | None = None,
+    delay: timedelta | float | None = None, dedup_key: str | None = None,
+    dedup: Dedup | str | None = None, max_retries: int | None = None,
+    timeout: float | None = None, queue: str | None = None, priority: int | None = None,
+) -> PersistentJob:
+    """Create a job in the caller's transaction and return it.
+
+    With Skip dedup and an active job holding ``dedup_key``, nothing is inserted and the active
+    job is returned. Options left as ``None`` come from the handler, then from settings.
+    """
+    alias = str(conf.get("DATABASE"))
+    job = _prepare(
+        job_type, payload, run_at=run_at, delay=delay, dedup_key=dedup_key, dedup=dedup,
+        max_retries=max_retries, timeout=timeout, queue=queue, priority=priority,
+    )
+    result, created = _enqueue_prepared(job, alias)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "job %s %s", "enqueued" if created else "deduplicated", result.id,
+            extra={"event": "enqueue" if created else "dedup_skip", "job_id": str(result.id),
+                   "job_type": job_type, "queue": result.queue, "dedup_key": dedup_key},
+        )
+    return result
+
+
+def _item_kwargs(item: Any, common: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
+    if isinstance(item, tuple) and len(item) == 2:
+        return item[0], item[1], dict(common)
+    if isinstance(item, Mapping):
+        data = dict(item)
+        if "job_type" not in data:
+            raise EnqueueError(f"enqueue_many item {item!r} has no 'job_type'.")
+        job_type = data.pop("job_type")
+        payload = data.pop("payload", None)
+        allowed = {"run_at", "delay", "dedup_key", "dedup", "max_retries", "timeout", "queue",
+                   "priority"}
+        unknown = set(data) - allowed
+        if unknown:
+            raise EnqueueError(f"enqueue_many item has unknown keys {sorted(unknown)}.")
+        return job_type, payload, {**common, **data}
+    raise EnqueueError(
+        "enqueue_many takes (job_type, payload) tuples or dicts with 'job_type' and 'payload', "
+        f"got {item!r}."
+    )
+
+
+def enqueue_many(items: Iterable[Any], **common: Any) -> list[PersistentJob]:
+    """Insert many jobs in one statement, in the caller's transaction.
+
+    ``items`` are ``(job_type, payload)`` tuples or dicts with ``job_type``, ``payload`` and any
+    ``enqueue`` option; ``common`` options apply to every item. Every item is validated before
+    anything is written. The result is aligned with ``items``: a Skip-deduplicated item yields
+    the job that already held its key.
+    """
+    alias = str(conf.get("DATABASE"))
+    prepared: list[_Prepared] = []
+    for index, item in enumerate(items):
+        job_type, payload, kwargs = _item_kwargs(item, common)
+        try:
+            prepared.append(_prepare(job_type, payload, **kwargs))
+        except EnqueueError as exc:
+            raise type(exc)(f"item {index}: {exc}", exc.code) from exc
+    if not prepared:
+        return []
+    keyed = [p for p in prepared if p.dedup_key is not None and p.dedup is not Dedup.ENQUEUE]
+    with connections[alias].cursor() as cursor:
+        if keyed:
+            return _enqueue_many_dedup(cursor, prepared, alias)
+        _bulk_insert(cursor, prepared, on_conflict=False)
+    return [_instance(p, alias) for p in prepared]
+
+
+def _bulk_insert(cursor: Any, jobs: list[_Prepared], *, on_conflict: bool) -> set[Any]:
+    columns = ", ".join(_INSERT_COLUMNS)
+    skip_running = (
+        " WHERE NOT (u.dedup = 'skip' AND u.dedup_key IS NOT NULL AND EXISTS (SELECT 1 FROM "
+        "persistent_jobs r WHERE r.status = 'running' AND r.job_type = u.job_type AND "
+        "r.dedup_key = u.dedup_key AND NOT (r.dedup = 'enqueue')))"
+    ) if on_conflict else ""
+    sql = (
+        f"INSERT INTO persistent_jobs ({columns}) SELECT u.id, u.job_type, u.payload::jsonb, "
+        "u.queue, u.priority, u.max_retries, COALESCE(u.run_at, now() + u.delay * interval "
+        "'1 second'), u.timeout, u.dedup_key, u.dedup, u.schedule::jsonb FROM unnest("
+        "%s::uuid[], %s::text[], %s::text[], %s::text[], %s::int[], %s::int[], "
+        "%s::timestamptz[], %s::float8[], %s::float8[], %s::text[], %s::text[], %s::text[]) "
+        "AS u(id, job_type, payload, queue, priority, max_retries, run_at, delay, timeout, "
+        f"dedup_key, dedup, schedule){skip_running}"
+        + (f" {_ON_CONFLICT}" if on_conflict else "")
+        + (" RETURNING id" if on_conflict else "")
+    )
+    columns_data: list[list[Any]] = [[] for _ in range(12)]
+    for job in jobs:
+        for i, value in enumerate(job.params()):
+            columns_data[i].append(value)
+    cursor.execute(sql, columns_data)
+    if on_conflict:
+        return {row[0] for row in cursor.fetchall()}
+    return set()
+
+
+def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> list[PersistentJob]:
+    # Within one batch, Skip keeps the first item per key and Replace keeps the last.
+    chosen: dict[tuple[str, str], _Prepared] = {}
+    for job in prepared:
+        if job.dedup_key is None or job.dedup is Dedup.ENQUEUE:
+            continue
+        key = (job.job_type, job.dedup_key)
+        if job.dedup is Dedup.REPLACE or key not in chosen:
+            chosen[key] = job
+    to_insert = [
+        p for p in prepared
+        if p.dedup_key is None or p.dedup is Dedup.ENQUEUE
+        or chosen[(p.job_type, p.dedup_key)] is p
+    ]
+    replace_keys: dict[str, list[str]] = {}
+    for (job_type, key), job in chosen.items():
+        if job.dedup is Dedup.REPLACE:
+            replace_keys.setdefault(job_type, []).append(key)
+    for job_type, keys in replace_keys.items():
+        _cancel_waiting_duplicates(cursor, job_type, keys)
+    inserted = _bulk_insert(cursor, to_insert, on_conflict=True)
+    results: list[PersistentJob] = []
+    existing_cache: dict[tuple[str, str], PersistentJob] = {}
+    for job in prepared:
+        if job.id in inserted:
+            results.append(_instance(job, alias))
+            continue
+        if job.dedup_key is None or job.dedup is Dedup.ENQUEUE:
+            raise EnqueueError(f"job {job.id} was not inserted; nothing else explains it.")
+        key = (job.job_type, job.dedup_key)
+        winner = chosen[key]
+        if winner.id in inserted:
+            results.append(_instance(winner, alias))
+            continue
+        if key not in existing_cache:
+            row = _select_active(cursor, job.job_type, job.dedup_key)
+            if row is None:
+                # The holder finished between our insert and this lookup: insert it singly.
+                result, _ = _enqueue_prepared(winner, alias)
+                existing_cache[key] = result
+            else:
+                existing_cache[key] = job_from_row(row, alias)
+        results.append(existing_cache[key])
+    return results
+
+
+def _instance(job: _Prepared, alias: str) -> PersistentJob:
+    """A model instance for an inserted row; columns the database filled in load on access."""
+    known = {
+        "id": job.id, "job_type": job.job_type, "payload": job.payload, "status": "pending",
+        "queue": job.queue, "priority": job.priority, "attempts": 0,
+        "max_retries": job.max_retries, "timeout_seconds": job.timeout,
+        "dedup_key": job.dedup_key, "dedup": job.dedup.value,
+    }
+    names = [c for c in JOB_COLUMNS if c in known]
+    return PersistentJob.from_db(alias, names, [known[n] for n in names])

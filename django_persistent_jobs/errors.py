@@ -1,0 +1,97 @@
+"""Exceptions: the ones handlers raise to steer retries, and the ones our API raises on bad input.
+
+Handlers raise ``TransientJobError`` (retry with backoff) or ``PermanentJobError`` (dead-letter
+now). Anything else a handler raises is treated as transient with code ``HANDLER_ERROR``, because
+an unexpected exception is more often a passing fault than a verdict on the job.
+"""
+
+from __future__ import annotations
+
+from .conf import ConfigurationError
+
+__all__ = [
+    "ConfigurationError",
+    "DuplicateHandlerError",
+    "EnqueueError",
+    "InvalidJobStateError",
+    "JobCancelledError",
+    "JobError",
+    "JobNotFoundError",
+    "PayloadError",
+    "PermanentJobError",
+    "TransientJobError",
+    "UnknownJobTypeError",
+]
+
+
+class JobError(Exception):
+    """Base class of the errors a handler raises; ``code`` is stored on the job and attempt."""
+
+    default_code = "HANDLER_ERROR"
+    transient = True
+
+    def __init__(self, message: str = "", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+
+
+class TransientJobError(JobError):
+    """The attempt failed but may succeed later: retry after backoff (or ``retry_after``)."""
+
+    def __init__(
+        self, message: str = "", code: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, code)
+        if retry_after is not None and retry_after < 0:
+            raise ValueError("retry_after must be >= 0 seconds")
+        self.retry_after = retry_after
+
+
+class PermanentJobError(JobError):
+    """Retrying cannot help: dead-letter the job now."""
+
+    default_code = "PERMANENT_ERROR"
+    transient = False
+
+
+class JobCancelledError(JobError):
+    """Raised by ``JobContext.raise_if_cancelled()``; the job ends as ``cancelled``."""
+
+    default_code = "CANCELLED"
+    transient = False
+
+
+class EnqueueError(ValueError):
+    """``enqueue()`` refused its input; nothing was written."""
+
+    code = "ENQUEUE_INVALID"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        if code:
+            self.code = code
+
+
+class PayloadError(EnqueueError):
+    """The payload is not storable as given (``PAYLOAD_INVALID`` or ``PAYLOAD_TOO_LARGE``)."""
+
+    code = "PAYLOAD_INVALID"
+
+
+class UnknownJobTypeError(EnqueueError):
+    """No handler is registered for the job type in this process."""
+
+    code = "UNKNOWN_JOB_TYPE"
+
+
+class DuplicateHandlerError(ConfigurationError):
+    """Two handlers claim the same job type."""
+
+
+class JobNotFoundError(LookupError):
+    """No job has the given id."""
+
+
+class InvalidJobStateError(Exception):
+    """An operator action does not apply to the job's current status."""

@@ -1,0 +1,54 @@
+"""``python manage.py runjobs``: a thin wrapper around ``Runner``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_persistent_jobs.errors import ConfigurationError
+from django_persistent_jobs.runner import Runner
+
+
+class Command(BaseCommand):
+    help = ("Run persistent jobs. SIGTERM/SIGINT stop claiming and let running jobs finish "
+            "within the grace period; a second signal stops at once.")
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--concurrency", type=int, help="Jobs run at once (default: setting).")
+        parser.add_argument("--queues", help="Comma-separated queues to serve (default: all).")
+        parser.add_argument("--burst", action="store_true",
+                            help="Process every job that is due, then exit 0.")
+        parser.add_argument("--poll-interval", type=float,
+                            help="Seconds between polls when no NOTIFY arrives.")
+        parser.add_argument("--grace", type=float, help="Shutdown grace period in seconds.")
+        parser.add_argument("--no-scheduler", action="store_true",
+                            help="Do not run the recurring-job scheduler in this process.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["concurrency"] is not None and options["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1.")
+        if options["poll_interval"] is not None and options["poll_interval"] <= 0:
+            raise CommandError("--poll-interval must be greater than 0.")
+        queues = None
+        if options["queues"]:
+            queues = [q.strip() for q in options["queues"].split(",") if q.strip()]
+            if not queues:
+                raise CommandError("--queues needs at least one queue name.")
+        logging.getLogger("django_persistent_jobs").setLevel(
+            logging.DEBUG if options["verbosity"] >= 3 else logging.INFO
+            if options["verbosity"] >= 1 else logging.WARNING
+        )
+        try:
+            runner = Runner(
+                concurrency=options["concurrency"], queues=queues,
+                poll_interval=options["poll_interval"], burst=options["burst"],
+                shutdown_grace=options["grace"], scheduler=not options["no_scheduler"],
+            )
+            code = runner.run(install_signal_handlers=True)
+        except ConfigurationError as exc:
+            raise CommandError(str(exc)) from exc
+        if code:
+            sys.exit(code)

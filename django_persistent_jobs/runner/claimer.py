@@ -1,0 +1,72 @@
+"""Claim loop: fills free worker slots with due jobs.
+
+It claims only as many jobs as there are free slots, so a claimed job starts at once and its
+timeout clock is honest. It sleeps until a NOTIFY, a freed slot or the poll interval, whichever
+comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import store
+from .db import run_with_retry
+
+if TYPE_CHECKING:
+    from .supervisor import Runner
+
+logger = logging.getLogger("django_persistent_jobs.runner")
+
+
+def claim_loop(runner: Runner) -> None:
+    settings = runner.settings
+    pool = runner.pool
+    poll = settings.poll_interval
+    while not runner.stopping.is_set():
+        free = pool.wait_for_free_slot(timeout=poll)
+        if runner.stopping.is_set():
+            break
+        if free <= 0:
+            continue
+        limit = min(free, settings.batch_size or free)
+        runner.wake.clear()
+
+        def do_claim(cursor: Any, limit: int = limit) -> list[store.ClaimedJob]:
+            return store.claim(cursor, runner.runner_id, limit, settings.queues)
+
+        jobs = run_with_retry(runner.alias, do_claim, what="claiming jobs",
+                              interrupt=runner.stopping)
+        if jobs is None:
+            break
+        if jobs and runner.stopping.is_set():
+            # SIGTERM arrived while the claim was in flight: these were claimed before we
+            # noticed, so hand them straight back rather than start them.
+            runner.hand_back_unstarted(jobs)
+            break
+        for job in jobs:
+            runner.dispatch(job)
+        if logger.isEnabledFor(logging.DEBUG) and jobs:
+            logger.debug("claimed %d job(s)", len(jobs),
+                         extra={"event": "claim", "count": len(jobs),
+                                "job_ids": [str(j.id) for j in jobs],
+                                "runner_id": runner.runner_id})
+        if len(jobs) == limit:
+            continue  # there may be more due right now
+        if runner.burst:
+            if not jobs and pool.busy == 0:
+                runner.burst_done()
+                break
+            # Wait for a running job to finish (it may enqueue more) or a wake-up, then look again.
+            busy_now = pool.busy
+            _wait_for(runner, lambda: pool.busy < busy_now, 0.01)
+            continue
+        runner.wake.wait(poll)
+
+
+def _wait_for(runner: Runner, condition: Any, step: float) -> None:
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and not runner.stopping.is_set():
+        if runner.wake.wait(step) or condition():
+            return

@@ -1,0 +1,46 @@
+"""Cleanup loop: deletes finished jobs (and their attempts) older than ``RETENTION``.
+
+Dead letters are kept by default: they are the operator's to-do list. Deletion goes in batches so
+it never holds many locks or a long transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .. import conf
+from . import store
+from .db import run_with_retry
+
+if TYPE_CHECKING:
+    from .supervisor import Runner
+
+logger = logging.getLogger("django_persistent_jobs.runner")
+
+
+def cleanup_once(alias: str, interrupt: Any = None) -> int:
+    total = 0
+    for status, keep in conf.retention().items():
+        if keep is None:
+            continue
+        while True:
+            deleted = run_with_retry(
+                alias, lambda c, s=status, k=keep: store.cleanup(c, s, k),
+                what="cleanup", interrupt=interrupt,
+            )
+            if not deleted:
+                break
+            total += deleted
+            if deleted < 5000:
+                break
+    if total:
+        logger.info("cleanup deleted %d finished job(s)", total,
+                    extra={"event": "cleanup", "deleted": total})
+    return total
+
+
+def cleanup_loop(runner: Runner) -> None:
+    while not runner.halt.wait(0 if runner.cleanup_due_now else runner.settings.cleanup_interval):
+        runner.cleanup_due_now = False
+        cleanup_once(runner.alias, runner.halt)

@@ -1,0 +1,186 @@
+"""Running one claimed job: the handler and the fenced completion share one transaction.
+
+If the handler raises, its transaction rolls back and the failure is recorded in a second, fenced
+statement. If the completion finds the claim lost, it raises ``ClaimLost`` inside the transaction
+so the handler's business writes roll back with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback as tb_module
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, transaction
+
+from ..context import JobContext
+from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
+from ..registry import HandlerSpec, global_backoff, registry
+from . import store
+from .db import is_connection_error, run_with_retry
+
+if TYPE_CHECKING:
+    from .store import ClaimedJob, TransitionKind
+
+logger = logging.getLogger("django_persistent_jobs.runner")
+
+
+class ClaimLost(Exception):
+    """The job no longer carries our fencing token; our transaction must not commit."""
+
+
+class JobInterrupted(BaseException):
+    """Injected into a handler thread whose job timed out or was handed back at shutdown.
+
+    A ``BaseException`` so that a handler's ``except Exception`` cannot swallow it.
+    """
+
+
+@dataclass
+class InFlight:
+    """A job being executed by a worker thread, as the supervisor sees it."""
+
+    job: ClaimedJob
+    ctx: JobContext
+    deadline: float | None
+    thread_ident: int | None = None
+    backend_pid: int | None = None
+    taken_over: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Outcome:
+    kind: TransitionKind
+    code: str
+    message: str
+    traceback: str = ""
+    delay: float = 0.0
+
+
+def _backoff_for(spec: HandlerSpec | None, attempt: int) -> float:
+    fn = spec.effective_backoff() if spec is not None else global_backoff()
+    try:
+        return max(0.0, float(fn(attempt)))
+    except Exception:
+        logger.exception("backoff function failed; retrying in 60s")
+        return 60.0
+
+
+def classify(exc: BaseException, spec: HandlerSpec | None, attempt: int) -> Outcome:
+    """Map what a handler raised to the job's next state."""
+    trace = "".join(tb_module.format_exception(exc))
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, JobCancelledError):
+        return Outcome("cancel", exc.code, message, trace)
+    if isinstance(exc, PermanentJobError):
+        return Outcome("dead", exc.code, message, trace)
+    if isinstance(exc, TransientJobError):
+        delay = exc.retry_after if exc.retry_after is not None else _backoff_for(spec, attempt)
+        return Outcome("retry", exc.code, message, trace, delay)
+    if isinstance(exc, JobError):
+        kind: TransitionKind = "retry" if exc.transient else "dead"
+        return Outcome(kind, exc.code, message, trace, _backoff_for(spec, attempt))
+    if is_connection_error(exc):
+        return Outcome("retry", "DB_ERROR", f"database error: {message}", trace,
+                       _backoff_for(spec, attempt))
+    return Outcome("retry", "HANDLER_ERROR", f"{type(exc).__name__}: {message}", trace,
+                   _backoff_for(spec, attempt))
+
+
+def log_transition(job: ClaimedJob, status: str | None, outcome: Outcome, runner_id: str) -> None:
+    extra = {
+        "event": {"failed": "retry", "dead_lettered": "dead_letter", "cancelled": "cancelled",
+                  "pending": "handed_back"}.get(status or "", "claim_lost"),
+        "job_id": str(job.id), "job_type": job.job_type, "attempt": job.attempt,
+        "error_code": outcome.code, "runner_id": runner_id, "status": status,
+    }
+    if status == "failed":
+        logger.warning("job %s attempt %d failed (%s: %s); retry in %.1fs", job.id, job.attempt,
+                       outcome.code, outcome.message, outcome.delay, extra=extra)
+    elif status == "dead_lettered":
+        logger.error("job %s dead-lettered after attempt %d (%s: %s)", job.id, job.attempt,
+                     outcome.code, outcome.message, extra=extra)
+    elif status is None:
+        logger.warning("job %s: claim lost before the failure could be recorded", job.id,
+                       extra=extra)
+    else:
+        logger.info("job %s %s (%s)", job.id, status, outcome.code, extra=extra)
+
+
+def record_outcome(
+    alias: str, job: ClaimedJob, outcome: Outcome, runner_id: str,
+    interrupt: threading.Event | None, attempt_outcome: str | None = None,
+) -> str | None:
+    """Apply a fenced transition, retrying through connection loss; returns the new status."""
+
+    def apply(cursor: Any) -> str | None:
+        return store.transition(
+            cursor, job.id, job.token, kind=outcome.kind, code=outcome.code,
+            message=outcome.message, traceback=outcome.traceback, delay=outcome.delay,
+            outcome=attempt_outcome,
+        )
+
+    status = run_with_retry(alias, apply, what=f"recording the outcome of job {job.id}",
+                            interrupt=interrupt)
+    log_transition(job, status, outcome, runner_id)
+    return status
+
+
+def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading.Event) -> None:
+    """Run the handler and settle the job. Never raises except ``JobInterrupted``."""
+    job = inflight.job
+    spec = registry.get(job.job_type)
+    if spec is None:
+        record_outcome(alias, job, Outcome(
+            "dead", "UNKNOWN_JOB_TYPE",
+            f"no handler is registered for job type {job.job_type!r} in runner {runner_id}",
+        ), runner_id, interrupt)
+        return
+    if spec.validator is not None:
+        try:
+            spec.validator(job.payload)
+        except Exception as exc:
+            record_outcome(alias, job, Outcome(
+                "dead", "PAYLOAD_INVALID", f"payload rejected by the validator: {exc}",
+                "".join(tb_module.format_exception(exc)),
+            ), runner_id, interrupt)
+            return
+    connection = connections[alias]
+    try:
+        connection.ensure_connection()
+        raw = connection.connection
+        inflight.backend_pid = raw.info.backend_pid if raw is not None else None
+        with transaction.atomic(using=alias):
+            spec.func(job.payload, inflight.ctx)
+            with connection.cursor() as cursor:
+                if not store.complete(cursor, job):
+                    raise ClaimLost(job.id)
+    except ClaimLost:
+        logger.warning(
+            "job %s: claim lost (rescued, timed out or handed back); handler's writes rolled "
+            "back", job.id, extra={"event": "claim_lost", "job_id": str(job.id),
+                                   "job_type": job.job_type, "runner_id": runner_id},
+        )
+        return
+    except JobInterrupted:
+        raise
+    except BaseException as exc:
+        if inflight.taken_over.is_set():
+            # The supervisor already recorded a timeout or hand-back for this attempt.
+            return
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        if is_connection_error(exc):
+            from .db import reset_connection
+
+            reset_connection(alias)
+        record_outcome(alias, job, classify(exc, spec, job.attempt), runner_id, interrupt)
+        return
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "job %s completed", job.id,
+            extra={"event": "success", "job_id": str(job.id), "job_type": job.job_type,
+                   "attempt": job.attempt, "runner_id": runner_id},
+        )

@@ -1,0 +1,264 @@
+"""The runner's SQL. Every state change a runner makes is one statement, fenced by ``lock_token``.
+
+``lock_token`` is the id of the attempt row created at claim time. Completion and every failure
+transition require the job to still carry that token, so an execution that lost its claim
+(rescued, timed out, handed back) changes nothing: its completion updates zero rows and the
+handler's transaction, business writes included, rolls back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+TransitionKind = Literal["retry", "dead", "cancel", "handback"]
+
+_WAITING_SIBLING = (
+    "p.dedup_key IS NOT NULL AND NOT (p.dedup = 'enqueue') AND EXISTS (SELECT 1 FROM "
+    "persistent_jobs s WHERE s.job_type = p.job_type AND s.dedup_key = p.dedup_key AND "
+    "s.status IN ('pending', 'failed') AND NOT (s.dedup = 'enqueue') AND s.id <> p.id)"
+)
+
+
+@dataclass
+class ClaimedJob:
+    """What the runner knows about a job it owns."""
+
+    id: Any
+    job_type: str
+    payload: Any
+    attempt: int
+    max_retries: int
+    timeout: float | None
+    token: int
+    queue: str
+    priority: int
+    cancel_requested: bool
+
+
+def _claim_sql(with_queues: bool) -> str:
+    queue_filter = "AND j.queue = ANY(%(queues)s)" if with_queues else ""
+    return f"""
+WITH picked AS (
+    SELECT j.id FROM persistent_jobs j
+    WHERE j.status IN ('pending', 'failed') AND j.next_run_at <= now() {queue_filter}
+      AND (j.dedup_key IS NULL OR j.dedup = 'enqueue' OR NOT EXISTS (
+          SELECT 1 FROM persistent_jobs r WHERE r.status = 'running'
+            AND r.job_type = j.job_type AND r.dedup_key = j.dedup_key
+            AND NOT (r.dedup = 'enqueue')))
+    ORDER BY j.priority DESC, j.next_run_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), attempt AS (
+    INSERT INTO persistent_jobs_attempts (job_id, attempt, runner_id)
+    SELECT j.id, j.attempts + 1, %(runner)s FROM persistent_jobs j JOIN picked p ON p.id = j.id
+    RETURNING id, job_id
+)
+UPDATE persistent_jobs j SET status = 'running', attempts = j.attempts + 1,
+    locked_by = %(runner)s, locked_at = now(), lock_token = a.id, updated_at = now()
+FROM attempt a WHERE a.job_id = j.id
+RETURNING j.id, j.job_type, j.payload, j.attempts, j.max_retries, j.timeout_seconds,
+    j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at
+"""
+
+
+_CLAIM_ALL = _claim_sql(False)
+_CLAIM_QUEUES = _claim_sql(True)
+
+
+def claim(cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None) -> list[ClaimedJob]:
+    """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
+
+    The attempt is counted here, at claim time, so a job that kills its runner still uses up its
+    retries and ends dead-lettered instead of looping forever.
+    """
+    params: dict[str, Any] = {"runner": runner_id, "limit": limit}
+    if queues:
+        params["queues"] = list(queues)
+    cursor.execute(_CLAIM_QUEUES if queues else _CLAIM_ALL, params)
+    rows = cursor.fetchall()
+    rows.sort(key=lambda r: (-r[8], r[10]))
+    return [
+        ClaimedJob(
+            id=r[0], job_type=r[1], payload=json.loads(r[2]) if isinstance(r[2], str) else r[2],
+            attempt=r[3], max_retries=r[4], timeout=r[5], token=r[6], queue=r[7],
+            priority=r[8], cancel_requested=r[9],
+        )
+        for r in rows
+    ]
+
+
+_COMPLETE = """
+WITH done AS (
+    UPDATE persistent_jobs SET status = 'completed', locked_by = NULL, locked_at = NULL,
+        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp()
+    WHERE id = %s AND lock_token = %s AND status = 'running'
+    RETURNING id
+)
+UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
+    duration = clock_timestamp() - a.started_at, outcome = 'completed'
+FROM done WHERE a.id = %s
+RETURNING a.id
+"""
+
+
+def complete(cursor: Any, job: ClaimedJob) -> bool:
+    """Mark the job completed inside the handler's transaction; False if the claim was lost."""
+    cursor.execute(_COMPLETE, [job.id, job.token, job.token])
+    return cursor.fetchone() is not None
+
+
+_TRANSITION = f"""
+WITH cur AS (
+    SELECT p.id,
+        CASE
+            WHEN %(kind)s = 'cancel' OR p.cancel_requested THEN 'cancelled'
+            WHEN %(kind)s = 'dead' OR (%(kind)s = 'retry' AND p.attempts >= p.max_retries + 1)
+                THEN 'dead_lettered'
+            WHEN {_WAITING_SIBLING} THEN 'replaced'
+            WHEN %(kind)s = 'handback' THEN 'pending'
+            ELSE 'failed'
+        END AS verdict
+    FROM persistent_jobs p
+    WHERE p.id = %(id)s AND p.lock_token = %(token)s AND p.status = 'running'
+    FOR UPDATE
+), moved AS (
+    UPDATE persistent_jobs p SET
+        status = CASE cur.verdict WHEN 'replaced' THEN 'cancelled' ELSE cur.verdict END,
+        attempts = CASE WHEN cur.verdict = 'pending' THEN greatest(p.attempts - 1, 0)
+                   ELSE p.attempts END,
+        next_run_at = CASE WHEN cur.verdict IN ('failed', 'pending')
+                      THEN now() + %(delay)s * interval '1 second' ELSE p.next_run_at END,
+        locked_by = NULL, locked_at = NULL, lock_token = NULL,
+        last_error = CASE WHEN cur.verdict = 'replaced'
+                     THEN 'retry superseded by a newer job with the same dedup key: '
+                          || %(message)s
+                     ELSE %(message)s END,
+        last_error_code = CASE WHEN cur.verdict = 'replaced' THEN 'REPLACED'
+                          ELSE %(code)s END,
+        finished_at = CASE WHEN cur.verdict IN ('failed', 'pending') THEN NULL ELSE now() END,
+        updated_at = now()
+    FROM cur WHERE p.id = cur.id
+    RETURNING p.status
+)
+UPDATE persistent_jobs_attempts a SET finished_at = now(), duration = now() - a.started_at,
+    outcome = COALESCE(%(outcome)s, CASE moved.status
+        WHEN 'failed' THEN 'failed' WHEN 'dead_lettered' THEN 'dead_lettered'
+        WHEN 'cancelled' THEN 'cancelled' ELSE 'interrupted' END),
+    error_code = %(code)s, error_message = %(message)s, traceback = %(traceback)s
+FROM moved WHERE a.id = %(token)s
+RETURNING moved.status
+"""
+
+
+def transition(
+    cursor: Any, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
+    traceback: str = "", delay: float = 0.0, outcome: str | None = None,
+) -> str | None:
+    """Move a running job out of ``running``; return its new status, or None if not ours.
+
+    ``retry`` goes to ``failed`` (due after ``delay``) or, with retries used up, to
+    ``dead_lettered``; ``dead`` dead-letters; ``cancel`` cancels; ``handback`` returns the job to
+    ``pending`` without charging the attempt. A cancellation request always wins, and a retry
+    that would collide with a newer waiting job holding the same dedup key is cancelled as
+    ``REPLACED`` instead.
+    """
+    cursor.execute(_TRANSITION, {
+        "id": job_id, "token": token, "kind": kind, "code": code, "message": message[:10000],
+        "traceback": traceback[:50000], "delay": delay, "outcome": outcome,
+    })
+    row = cursor.fetchone()
+    return None if row is None else str(row[0])
+
+
+def register_runner(
+    cursor: Any, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
+    concurrency: int, version: str,
+) -> None:
+    cursor.execute(
+        "INSERT INTO persistent_jobs_runners (id, hostname, pid, queues, concurrency, version) "
+        "VALUES (%s, %s, %s, %s::jsonb, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+        "heartbeat_at = now()",
+        [runner_id, hostname, pid, json.dumps(list(queues) if queues else None), concurrency,
+         version],
+    )
+
+
+def heartbeat(cursor: Any, runner_id: str) -> bool:
+    """Refresh the heartbeat; False means another runner declared us dead and removed our row."""
+    cursor.execute(
+        "UPDATE persistent_jobs_runners SET heartbeat_at = now() WHERE id = %s", [runner_id]
+    )
+    return bool(cursor.rowcount)
+
+
+def unregister_runner(cursor: Any, runner_id: str) -> None:
+    cursor.execute("DELETE FROM persistent_jobs_runners WHERE id = %s", [runner_id])
+
+
+def cancel_requests(cursor: Any, runner_id: str) -> list[Any]:
+    cursor.execute(
+        "SELECT id FROM persistent_jobs WHERE locked_by = %s AND status = 'running' "
+        "AND cancel_requested",
+        [runner_id],
+    )
+    return [row[0] for row in cursor.fetchall()]
+
+
+def reap_dead_runners(cursor: Any, stale_seconds: float) -> list[tuple[str, Any]]:
+    """Delete runners whose heartbeat is older than ``stale_seconds`` by the database clock."""
+    cursor.execute(
+        "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %s * interval "
+        "'1 second' RETURNING id, heartbeat_at",
+        [stale_seconds],
+    )
+    return [(row[0], row[1]) for row in cursor.fetchall()]
+
+
+def orphaned_jobs(cursor: Any, limit: int = 1000) -> list[tuple[Any, int, str, int, str | None]]:
+    """Running jobs whose runner row is gone: ``(id, token, job_type, attempts, locked_by)``.
+
+    Runners insert their row before they claim anything and delete it only on exit, so a running
+    job without a live runner row has nobody executing it (or only a zombie, which fencing stops).
+    """
+    cursor.execute(
+        "SELECT j.id, j.lock_token, j.job_type, j.attempts, j.locked_by FROM persistent_jobs j "
+        "WHERE j.status = 'running' AND NOT EXISTS (SELECT 1 FROM persistent_jobs_runners r "
+        "WHERE r.id = j.locked_by) LIMIT %s",
+        [limit],
+    )
+    return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
+
+
+def cleanup(cursor: Any, status: str, older_than_seconds: float, batch: int = 5000) -> int:
+    """Delete one batch of ``status`` jobs finished more than ``older_than_seconds`` ago."""
+    cursor.execute(
+        """
+        WITH doomed AS (
+            SELECT id FROM persistent_jobs WHERE status = %s
+              AND finished_at < now() - %s * interval '1 second'
+            LIMIT %s FOR UPDATE SKIP LOCKED
+        ), gone_attempts AS (
+            DELETE FROM persistent_jobs_attempts WHERE job_id IN (SELECT id FROM doomed)
+        )
+        DELETE FROM persistent_jobs WHERE id IN (SELECT id FROM doomed)
+        """,
+        [status, older_than_seconds, batch],
+    )
+    return int(cursor.rowcount)
+
+
+def terminate_backend(cursor: Any, pid: int) -> bool:
+    cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    row = cursor.fetchone()
+    return bool(row and row[0])
+
+
+def report_progress(cursor: Any, job_id: Any, token: int, progress: Any) -> bool:
+    cursor.execute(
+        "UPDATE persistent_jobs SET progress = %s::jsonb, updated_at = now() "
+        "WHERE id = %s AND lock_token = %s AND status = 'running'",
+        [json.dumps(progress), job_id, token],
+    )
+    return bool(cursor.rowcount)

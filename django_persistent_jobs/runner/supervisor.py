@@ -1,0 +1,350 @@
+"""The runner: starts the loops, enforces timeouts, and shuts down gracefully.
+
+``runjobs`` calls ``Runner.run()`` in the foreground with signal handlers; a web process can embed
+the same runner with ``Runner.start()`` / ``Runner.stop()``. The supervisor watches the named loops
+and stops the runner loudly if one dies, instead of limping on without, say, its heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from django.db import ProgrammingError, connections
+
+from .. import conf
+from ..context import JobContext
+from ..errors import ConfigurationError
+from ..registry import registry
+from . import store
+from .claimer import claim_loop
+from .cleanup import cleanup_loop
+from .db import Backoff, is_connection_error, reset_connection, run_with_retry
+from .execute import InFlight, JobInterrupted, Outcome, _backoff_for, execute, record_outcome
+from .heartbeat import heartbeat_loop
+from .listener import listen_loop
+from .loop import Loop
+from .pool import WorkerPool, inject_exception
+
+logger = logging.getLogger("django_persistent_jobs.runner")
+
+VERSION = "0.1.0"
+SUPERVISOR_TICK = 0.05
+
+EXIT_OK = 0
+EXIT_FORCED = 1
+EXIT_LOOP_DIED = 2
+
+
+def make_runner_id() -> str:
+    """Host, pid and a random suffix: a restarted runner that reuses a pid is still a new runner,
+    so its predecessor's jobs are rescued rather than mistaken for its own."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+class Runner:
+    """A job runner. Construct, then ``run()`` (blocking) or ``start()``/``stop()`` (embedded)."""
+
+    def __init__(
+        self, *, concurrency: int | None = None, queues: list[str] | tuple[str, ...] | None = None,
+        poll_interval: float | None = None, burst: bool = False,
+        shutdown_grace: float | None = None, runner_id: str | None = None,
+        scheduler: bool = True, cleanup: bool = True,
+    ) -> None:
+        problems = [msg for spec in registry for msg in spec.errors]
+        if problems:
+            raise ConfigurationError("Invalid job handlers: " + "; ".join(problems))
+        if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
+            raise ConfigurationError(f"concurrency must be >= 1, got {concurrency!r}.")
+        if poll_interval is not None and poll_interval <= 0:
+            raise ConfigurationError(f"poll_interval must be > 0, got {poll_interval!r}.")
+        self.settings = conf.RunnerSettings.load(
+            concurrency=concurrency, queues=tuple(queues) if queues else None,
+            poll_interval=poll_interval, shutdown_grace=shutdown_grace,
+        )
+        self.alias = self.settings.database
+        self.runner_id = runner_id or make_runner_id()
+        self.burst = burst
+        self.enable_scheduler = scheduler
+        self.enable_cleanup = cleanup
+        self.stopping = threading.Event()  # stop claiming
+        self.halt = threading.Event()  # stop every loop
+        self.forced = threading.Event()  # stop now: give up the grace period
+        self.wake = threading.Event()
+        self.listening = threading.Event()
+        self.started = threading.Event()
+        self.finished = threading.Event()
+        self.cleanup_due_now = True
+        self.exit_code = EXIT_OK
+        self.pool = WorkerPool(self.settings.concurrency, self._execute)
+        self.loops: list[Loop] = []
+        self._supervisor: threading.Thread | None = None
+        self._side_lock = threading.Lock()
+        self._side: Any = None
+        self._stop_requested_at: float | None = None
+        self._extra_loops: list[tuple[str, Callable[[Runner], None]]] = []
+
+    # ---------------------------------------------------------------- public API
+    def run(self, install_signal_handlers: bool = False) -> int:
+        """Run in the current thread until stopped (or, in burst mode, until nothing is due)."""
+        if install_signal_handlers:
+            self._install_signal_handlers()
+        try:
+            self._boot()
+            self._supervise()
+        finally:
+            self.finished.set()
+        return self.exit_code
+
+    def start(self) -> Runner:
+        """Start in background threads (for embedding in another process); returns at once."""
+        self._supervisor = threading.Thread(target=self.run, name="pj-supervisor", daemon=True)
+        self._supervisor.start()
+        return self
+
+    def stop(self, wait: bool = True, timeout: float | None = None) -> int:
+        """Stop claiming, let in-flight jobs finish within the grace period, then exit."""
+        self.request_stop()
+        if wait:
+            self.finished.wait(timeout)
+        return self.exit_code
+
+    def request_stop(self) -> None:
+        if self._stop_requested_at is None:
+            self._stop_requested_at = time.monotonic()
+            logger.info("runner %s stopping: no new claims; waiting up to %.0fs for %d job(s)",
+                        self.runner_id, self.settings.shutdown_grace, self.pool.busy,
+                        extra={"event": "stopping", "runner_id": self.runner_id})
+        self.stopping.set()
+        self.wake.set()
+
+    def force_stop(self) -> None:
+        self.forced.set()
+        self.request_stop()
+
+    def wait_until_started(self, timeout: float | None = None) -> bool:
+        return self.started.wait(timeout)
+
+    def __enter__(self) -> Runner:
+        self.start()
+        self.wait_until_started(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def add_loop(self, name: str, body: Callable[[Runner], None]) -> None:
+        """Register an extra supervised loop (before ``start``)."""
+        self._extra_loops.append((name, body))
+
+    # ---------------------------------------------------------------- internals
+    def _install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if self.stopping.is_set():
+                logger.warning("second signal: stopping now; handing running jobs back",
+                               extra={"event": "force_stop"})
+                self.force_stop()
+            else:
+                self.request_stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _boot(self) -> None:
+        self._wait_for_database()
+        if self.stopping.is_set():
+            return
+        try:
+            run_with_retry(self.alias, self.register, what="registering the runner",
+                           interrupt=self.stopping)
+        except ProgrammingError as exc:
+            raise ConfigurationError(
+                "The persistent_jobs tables are missing; run `python manage.py migrate` first "
+                f"({exc})."
+            ) from exc
+        self.pool.start()
+        bodies: list[tuple[str, Callable[[Runner], None]]] = [
+            ("listener", listen_loop), ("claimer", claim_loop), ("heartbeat", heartbeat_loop),
+        ]
+        if self.enable_cleanup and not self.burst:
+            bodies.append(("cleanup", cleanup_loop))
+        if self.enable_scheduler:
+            from .scheduler import scheduler_loop
+
+            bodies.append(("scheduler", scheduler_loop))
+        bodies.extend(self._extra_loops)
+        for name, body in bodies:
+            loop = Loop(name, lambda body=body: body(self))  # type: ignore[misc]
+            self.loops.append(loop)
+            loop.start()
+        self.started.set()
+        logger.info(
+            "runner %s started: concurrency=%d queues=%s poll=%.2fs handlers=%d%s",
+            self.runner_id, self.settings.concurrency,
+            ",".join(self.settings.queues) if self.settings.queues else "*",
+            self.settings.poll_interval, len(registry), " (burst)" if self.burst else "",
+            extra={"event": "runner_started", "runner_id": self.runner_id},
+        )
+
+    def register(self, cursor: Any) -> None:
+        store.register_runner(
+            cursor, self.runner_id, socket.gethostname(), os.getpid(), self.settings.queues,
+            self.settings.concurrency, VERSION,
+        )
+
+    def _wait_for_database(self) -> None:
+        backoff = Backoff(first=0.5, cap=5.0)
+        while not self.stopping.is_set():
+            try:
+                connections[self.alias].ensure_connection()
+                return
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+                reset_connection(self.alias)
+                delay = backoff.next()
+                logger.warning("database not reachable (%s); retrying in %.1fs",
+                               str(exc).strip().splitlines()[0] if str(exc) else exc, delay,
+                               extra={"event": "db_wait"})
+                self.stopping.wait(delay)
+
+    def dispatch(self, job: store.ClaimedJob) -> None:
+        ctx = JobContext(
+            job_id=job.id, job_type=job.job_type, attempt=job.attempt,
+            max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
+            priority=job.priority, timeout=job.timeout, _progress_sink=self._report_progress,
+        )
+        if job.cancel_requested:
+            ctx._cancel_event.set()
+        deadline = ctx.started_monotonic + job.timeout if job.timeout else None
+        self.pool.submit(InFlight(job=job, ctx=ctx, deadline=deadline))
+
+    def hand_back_unstarted(self, jobs: list[store.ClaimedJob]) -> None:
+        for job in jobs:
+            record_outcome(self.alias, job, Outcome(
+                "handback", "SHUTDOWN", "runner stopping; claimed job handed back unstarted",
+            ), self.runner_id, self.forced, attempt_outcome="interrupted")
+
+    def burst_done(self) -> None:
+        logger.info("burst: nothing more is due; stopping", extra={"event": "burst_done"})
+        self.request_stop()
+
+    def _execute(self, item: InFlight) -> None:
+        item.ctx.started_monotonic = time.monotonic()
+        if item.deadline is not None and item.job.timeout:
+            item.deadline = item.ctx.started_monotonic + item.job.timeout
+        execute(self.alias, item, self.runner_id, self.forced)
+
+    def _report_progress(self, ctx: JobContext, progress: Any) -> None:
+        item = self.pool.in_flight.get(ctx.job_id)
+        if item is None:
+            return
+        with self._side_lock:
+            for _ in range(2):
+                try:
+                    if self._side is None:
+                        self._side = connections.create_connection(self.alias)
+                        self._side.inc_thread_sharing()
+                    with self._side.cursor() as cursor:
+                        store.report_progress(cursor, ctx.job_id, item.job.token, progress)
+                    return
+                except Exception as exc:
+                    if not is_connection_error(exc):
+                        raise
+                    self._close_side()
+            logger.warning("could not record progress of job %s", ctx.job_id)
+
+    def _close_side(self) -> None:
+        if self._side is not None:
+            try:
+                self._side.close()
+            except Exception:
+                pass
+            self._side = None
+
+    def _supervise(self) -> None:
+        while True:
+            self._enforce_timeouts()
+            dead = [loop for loop in self.loops if loop.failure is not None]
+            if dead and not self.halt.is_set():
+                logger.critical("stopping runner %s: loop %s died", self.runner_id,
+                                ", ".join(loop.name for loop in dead),
+                                extra={"event": "runner_failed", "runner_id": self.runner_id})
+                self.exit_code = EXIT_LOOP_DIED
+                self.request_stop()
+            if self.stopping.is_set():
+                break
+            self.stopping.wait(SUPERVISOR_TICK)
+        self._shutdown()
+
+    def _enforce_timeouts(self) -> None:
+        now = time.monotonic()
+        for item in self.pool.snapshot():
+            if item.deadline is not None and now >= item.deadline:
+                self._take_over(item, Outcome(
+                    "retry", "TIMEOUT",
+                    f"attempt {item.job.attempt} exceeded its timeout of {item.job.timeout:g}s",
+                    delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
+                ), "timed_out")
+
+    def _take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str) -> None:
+        """Settle a job its worker still holds: kill its connection, record, interrupt."""
+        if not self.pool.take_over(item):
+            return  # it finished on its own
+        pid = item.backend_pid
+        if pid:
+            run_with_retry(self.alias, lambda c: store.terminate_backend(c, pid),
+                           what="terminating a timed-out handler's connection",
+                           interrupt=self.forced)
+        status = record_outcome(self.alias, item.job, outcome, self.runner_id, self.forced,
+                                attempt_outcome=attempt_outcome)
+        if item.thread_ident is not None:
+            inject_exception(item.thread_ident, JobInterrupted)
+        if status is None:
+            logger.info("job %s finished just as it was taken over", item.job.id)
+
+    def _shutdown(self) -> None:
+        grace = self.settings.shutdown_grace
+        started = self._stop_requested_at or time.monotonic()
+        while self.pool.busy and not self.forced.is_set():
+            if time.monotonic() - started >= grace:
+                break
+            self._enforce_timeouts()
+            with self.pool.changed:
+                self.pool.changed.wait(SUPERVISOR_TICK)
+        for item in self.pool.snapshot():
+            self._take_over(item, Outcome(
+                "handback", "SHUTDOWN",
+                f"runner {self.runner_id} stopped before attempt {item.job.attempt} finished "
+                f"(grace period {grace:g}s); handed back for retry",
+            ), "interrupted")
+        self.halt.set()
+        self.pool.close()
+        for loop in self.loops:
+            loop.join(timeout=5)
+        self.pool.join(timeout=2)
+        if self.started.is_set():
+            run_with_retry(self.alias, lambda c: store.unregister_runner(c, self.runner_id),
+                           what="unregistering the runner", interrupt=self._unregister_interrupt())
+        self._close_side()
+        connections.close_all()
+        if self.forced.is_set() and self.exit_code == EXIT_OK:
+            self.exit_code = EXIT_FORCED
+        logger.info("runner %s stopped", self.runner_id,
+                    extra={"event": "runner_stopped", "runner_id": self.runner_id})
+
+    def _unregister_interrupt(self) -> threading.Event:
+        """Try for a few seconds; if the database stays away, rescue will clean up after us."""
+        event = threading.Event()
+        timer = threading.Timer(3.0, event.set)
+        timer.daemon = True
+        timer.start()
+        return event

@@ -1,0 +1,152 @@
+"""Operator actions on jobs: the one implementation the admin, commands and any HTTP view call.
+
+Each action is one conditional UPDATE, so it is atomic against a runner finishing the job at the
+same moment: whichever commits first wins, and the loser sees the state it lost to.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Literal
+
+from django.db import IntegrityError, connections, transaction
+
+from . import conf
+from .errors import InvalidJobStateError, JobNotFoundError
+from .models import JOB_COLUMNS_SQL, JobStatus, PersistentJob, job_from_row
+from .registry import global_backoff, registry
+
+logger = logging.getLogger("django_persistent_jobs.services")
+
+RetryMode = Literal["now", "later", "reset"]
+RETRY_MODES: tuple[str, ...] = ("now", "later", "reset")
+NOTIFY_CHANNEL = "persistent_jobs"
+
+
+def _alias() -> str:
+    return str(conf.get("DATABASE"))
+
+
+def _load(job_id: Any) -> PersistentJob:
+    try:
+        key = job_id if isinstance(job_id, uuid.UUID) else uuid.UUID(str(job_id))
+    except (ValueError, AttributeError, TypeError):
+        raise JobNotFoundError(f"{job_id!r} is not a job id (a UUID).") from None
+    try:
+        return PersistentJob.objects.using(_alias()).get(pk=key)
+    except PersistentJob.DoesNotExist:
+        raise JobNotFoundError(f"No job with id {key}.") from None
+
+
+def _backoff_seconds(job: PersistentJob) -> float:
+    spec = registry.get(job.job_type)
+    fn = spec.effective_backoff() if spec else global_backoff()
+    return max(0.0, float(fn(max(job.attempts, 1))))
+
+
+def retry_job(job_id: Any, mode: RetryMode = "now") -> PersistentJob:
+    """Put a failed, dead-lettered or cancelled job back in play and return it.
+
+    ``now``: due immediately, attempt count kept; ``later``: due after the backoff for its
+    attempt count; ``reset``: attempts and errors cleared, due now. When ``now``/``later`` find
+    the retries used up, the job is granted one more attempt (``max_retries`` is raised by one),
+    because an operator asking for a retry means it.
+    """
+    if mode not in RETRY_MODES:
+        raise ValueError(f"mode must be one of {RETRY_MODES}, got {mode!r}.")
+    job = _load(job_id)
+    allowed = (JobStatus.FAILED, JobStatus.DEAD_LETTERED, JobStatus.CANCELLED, JobStatus.PENDING)
+    if job.status not in allowed:
+        raise InvalidJobStateError(
+            f"Job {job.id} is {job.status}; only failed, dead-lettered, cancelled or pending "
+            "jobs can be retried."
+        )
+    delay = _backoff_seconds(job) if mode == "later" else 0.0
+    reset = mode == "reset"
+    sql = (
+        "UPDATE persistent_jobs SET status = 'pending', "
+        "next_run_at = now() + %s * interval '1 second', "
+        "attempts = CASE WHEN %s THEN 0 ELSE attempts END, "
+        "max_retries = CASE WHEN NOT %s AND attempts >= max_retries + 1 THEN attempts "
+        "ELSE max_retries END, "
+        "last_error = CASE WHEN %s THEN '' ELSE last_error END, "
+        "last_error_code = CASE WHEN %s THEN '' ELSE last_error_code END, "
+        "cancel_requested = false, finished_at = NULL, locked_by = NULL, locked_at = NULL, "
+        "lock_token = NULL, updated_at = now() "
+        "WHERE id = %s AND status = ANY(%s) "
+        f"RETURNING {JOB_COLUMNS_SQL}"
+    )
+    try:
+        with transaction.atomic(using=_alias()), connections[_alias()].cursor() as cursor:
+            cursor.execute(sql, [delay, reset, reset, reset, reset, job.id, list(allowed)])
+            row = cursor.fetchone()
+            if row is not None and delay == 0:
+                cursor.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, str(job.id)])
+    except IntegrityError:
+        raise InvalidJobStateError(
+            f"Job {job.id} cannot be retried: another waiting job of type {job.job_type!r} "
+            f"holds dedup key {job.dedup_key!r}. Cancel that one first or retry it instead."
+        ) from None
+    if row is None:
+        current = _load(job.id)
+        raise InvalidJobStateError(
+            f"Job {job.id} changed to {current.status} while being retried; nothing was done."
+        )
+    result = job_from_row(row, _alias())
+    logger.info(
+        "job %s retried by operator (mode=%s)", result.id, mode,
+        extra={"event": "operator_retry", "job_id": str(result.id), "job_type": result.job_type,
+               "mode": mode},
+    )
+    return result
+
+
+def cancel_job(job_id: Any) -> PersistentJob:
+    """Cancel a waiting job, or ask a running job's handler to stop; return the job.
+
+    A pending or failed job becomes ``cancelled`` at once. A running job keeps running but its
+    ``JobContext.cancel_requested`` turns true within a heartbeat; if it then fails it is not
+    retried, and if it calls ``ctx.raise_if_cancelled()`` it ends as ``cancelled``.
+    """
+    job = _load(job_id)
+    with connections[_alias()].cursor() as cursor:
+        cursor.execute(
+            "UPDATE persistent_jobs SET "
+            "status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END, "
+            "cancel_requested = true, "
+            "finished_at = CASE WHEN status = 'running' THEN finished_at ELSE now() END, "
+            "last_error_code = CASE WHEN status = 'running' THEN last_error_code "
+            "ELSE 'CANCELLED' END, "
+            "last_error = CASE WHEN status = 'running' THEN last_error "
+            "ELSE 'cancelled by an operator' END, "
+            "updated_at = now() "
+            "WHERE id = %s AND status IN ('pending', 'failed', 'running') "
+            f"RETURNING {JOB_COLUMNS_SQL}",
+            [job.id],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        current = _load(job.id)
+        raise InvalidJobStateError(
+            f"Job {job.id} is {current.status}; only pending, failed or running jobs can be "
+            "cancelled."
+        )
+    result = job_from_row(row, _alias())
+    logger.info(
+        "job %s %s by operator", result.id,
+        "cancellation requested" if result.status == JobStatus.RUNNING else "cancelled",
+        extra={"event": "operator_cancel", "job_id": str(result.id),
+               "job_type": result.job_type, "status": result.status},
+    )
+    return result
+
+
+def status_counts() -> dict[str, int]:
+    """Jobs per status, for summaries (the demo, dashboards)."""
+    counts = dict.fromkeys(JobStatus.values, 0)
+    with connections[_alias()].cursor() as cursor:
+        cursor.execute("SELECT status, count(*) FROM persistent_jobs GROUP BY status")
+        for status, count in cursor.fetchall():
+            counts[status] = count
+    return counts

@@ -1,0 +1,85 @@
+"""Shared fixtures: real PostgreSQL, real runner threads and processes, polls with deadlines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_persistent_jobs.runner import Runner
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
+             message: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def start_runner() -> Iterator[Callable[..., Runner]]:
+    """Start in-process runners (real threads, own connections); all are stopped at teardown."""
+    runners: list[Runner] = []
+
+    def start(**kwargs: Any) -> Runner:
+        kwargs.setdefault("cleanup", False)
+        runner = Runner(**kwargs)
+        runner.start()
+        assert runner.wait_until_started(30), "runner did not start"
+        runners.append(runner)
+        return runner
+
+    yield start
+    for runner in runners:
+        runner.force_stop() if runner.forced.is_set() else runner.request_stop()
+    for runner in runners:
+        runner.finished.wait(30)
+
+
+def test_database_env() -> dict[str, str]:
+    """Environment for runner subprocesses: same settings, pointed at the test database."""
+    settings = connection.settings_dict
+    url = (f"postgres://{settings['USER'] or 'postgres'}"
+           f"{':' + settings['PASSWORD'] if settings['PASSWORD'] else ''}"
+           f"@{settings['HOST'] or '127.0.0.1'}:{settings['PORT'] or 5432}/{settings['NAME']}")
+    env = dict(os.environ)
+    env.update({"DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "tests.settings",
+                "PYTHONUNBUFFERED": "1", "TEST_DATABASE_NAME": settings["NAME"]})
+    return env
+
+
+@pytest.fixture
+def spawn_runner() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start ``manage.py runjobs`` processes against the test database; killed at teardown."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        full_env = test_database_env()
+        full_env.update(env or {})
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), "runjobs", *args],
+            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        procs.append(proc)
+        return proc
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)

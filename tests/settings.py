@@ -1,0 +1,78 @@
+"""Settings for the test suite: a real PostgreSQL, from DATABASE_URL or testcontainers."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from django.core.exceptions import ImproperlyConfigured
+
+from tests.database import database_url
+
+SECRET_KEY = "tests-only-not-secret"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ROOT_URLCONF = "tests.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django_persistent_jobs",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+
+
+def _databases() -> dict:
+    import environ
+
+    url = database_url()
+    if url is None:
+        raise ImproperlyConfigured(
+            "The tests need a real PostgreSQL. Set DATABASE_URL, for example\n"
+            "  DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres\n"
+            "or make a Docker engine reachable so testcontainers can start one."
+        )
+    config = environ.Env.db_url_config(url)
+    config["TEST"] = {"NAME": os.environ.get("TEST_DATABASE_NAME", "test_persistent_jobs")}
+    return {"default": config}
+
+
+DATABASES = _databases()
+
+# Short timings so runner tests finish quickly; individual tests override what they need.
+PERSISTENT_JOBS = {
+    "POLL_INTERVAL": 0.2,
+    "STALE_LOCK_TIMEOUT": 3,
+    "HEARTBEAT_INTERVAL": 0.5,
+    "SHUTDOWN_GRACE": 5,
+    "CLEANUP_INTERVAL": 3600,
+    "RETENTION": {"completed": timedelta(days=7), "cancelled": timedelta(days=7),
+                  "dead_lettered": None},
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"null": {"class": "logging.NullHandler"}},
+    "loggers": {"django_persistent_jobs": {"handlers": ["null"], "level": "DEBUG",
+                                           "propagate": True}},
+}

@@ -1,0 +1,40 @@
+"""Handlers the tests (and the runner subprocesses the fault tests start) use.
+
+Behaviour is driven by the payload so one handler covers many scenarios:
+``sleep`` seconds, ``fail_times`` (fail transiently until that many attempts failed),
+``exit`` (kill the process: a poison pill), ``spin`` (a CPU-bound hang), ``permanent``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from django_persistent_jobs import JobContext, PermanentJobError, TransientJobError, job_handler
+from django_persistent_jobs.backoff import constant
+from tests.testapp.models import LedgerEntry, SideEffect
+
+
+@job_handler("test.noop", backoff=constant(0))
+def noop(payload: Any) -> None:
+    return None
+
+
+@job_handler("test.ledger", max_retries=3, backoff=constant(0.2), timeout=60)
+def ledger(payload: dict[str, Any], ctx: JobContext) -> None:
+    SideEffect.objects.create(job_id=ctx.job_id, attempt=ctx.attempt)
+    if payload.get("exit_on_attempts") and ctx.attempt <= payload["exit_on_attempts"]:
+        os._exit(1)
+    if payload.get("exit"):
+        os._exit(1)
+    if payload.get("sleep"):
+        time.sleep(float(payload["sleep"]))
+    if payload.get("spin"):
+        while True:
+            pass
+    if ctx.attempt <= int(payload.get("fail_times", 0)):
+        raise TransientJobError(f"planned failure {ctx.attempt}", code="PLANNED")
+    if payload.get("permanent"):
+        raise PermanentJobError("planned permanent failure", code="PLANNED_PERMANENT")
+    LedgerEntry.objects.create(job_id=ctx.job_id, note=str(payload.get("note", "")))
