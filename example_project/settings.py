@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import unquote
 
 import environ
 
@@ -22,6 +23,8 @@ DATABASES = {
         "DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/persistent_jobs_demo"
     )
 }
+# A Unix-socket directory may arrive URL-encoded (postgres://user@%2Fpath%2Fto%2Fdir/db).
+DATABASES["default"]["HOST"] = unquote(str(DATABASES["default"].get("HOST", "")))
 
 INSTALLED_APPS = [
     "django.contrib.admin",

