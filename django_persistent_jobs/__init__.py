@@ -34,7 +34,28 @@ _EXPORTS = {
     "Runner": ".runner",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ConfigurationError",
+    "Dedup",
+    "EnqueueError",
+    "InvalidJobStateError",
+    "JobCancelledError",
+    "JobContext",
+    "JobError",
+    "JobHandler",
+    "JobNotFoundError",
+    "PayloadError",
+    "PermanentJobError",
+    "Runner",
+    "TransientJobError",
+    "UnknownJobTypeError",
+    "cancel_job",
+    "enqueue",
+    "enqueue_many",
+    "job_handler",
+    "registry",
+    "retry_job",
+]
 
 if TYPE_CHECKING:
     from .context import JobContext

@@ -21,7 +21,6 @@ from .errors import InvalidJobStateError, JobNotFoundError
 from .models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from .services import cancel_job, retry_job
 
-
 if TYPE_CHECKING:
     _InlineBase = admin.TabularInline[JobAttempt, PersistentJob]
     _JobAdminBase = admin.ModelAdmin[PersistentJob]

@@ -69,7 +69,9 @@ def get(key: str) -> Any:
     return _raw().get(key, DEFAULTS[key])
 
 
-def _positive_number(key: str, value: Any, *, integer: bool, allow_zero: bool = False) -> str | None:
+def _positive_number(
+    key: str, value: Any, *, integer: bool, allow_zero: bool = False
+) -> str | None:
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
@@ -180,7 +182,8 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
     if isinstance(alias, str) and alias not in django_settings.DATABASES:
         errors.append(("persistent_jobs.E012",
                        f"PERSISTENT_JOBS['DATABASE'] names {alias!r}, which is not in "
-                       "settings.DATABASES.", "Use one of: " + ", ".join(django_settings.DATABASES)))
+                       "settings.DATABASES.",
+                       "Use one of: " + ", ".join(django_settings.DATABASES)))
     elif isinstance(alias, str):
         engine = django_settings.DATABASES[alias].get("ENGINE", "")
         if "postgresql" not in engine:
@@ -222,7 +225,7 @@ def resolve_encoder(value: Any) -> type[json.JSONEncoder]:
 def retention(conf: dict[str, Any] | None = None) -> dict[str, float | None]:
     """Seconds to keep each terminal status (``None`` keeps forever)."""
     raw = (conf if conf is not None else _raw()).get("RETENTION", DEFAULTS["RETENTION"])
-    if raw is None or isinstance(raw, int | float | timedelta) and not isinstance(raw, bool):
+    if raw is None or (isinstance(raw, int | float | timedelta) and not isinstance(raw, bool)):
         # One value applies to completed and cancelled; dead letters are kept for operators.
         base = None if raw is None else seconds(raw)
         if base is not None and base <= 0:

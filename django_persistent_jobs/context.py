@@ -50,7 +50,7 @@ class JobContext:
             raise JobCancelledError("cancelled by an operator while running")
 
     def wait_for_cancel(self, timeout: float | None = None) -> bool:
-        """Sleep up to ``timeout`` seconds, waking early on cancellation; returns whether cancelled."""
+        """Sleep up to ``timeout`` seconds, waking early if cancelled; True if cancelled."""
         return self._cancel_event.wait(timeout)
 
     @property
@@ -60,7 +60,7 @@ class JobContext:
         return max(0.0, self.timeout - (time.monotonic() - self.started_monotonic))
 
     def report_progress(self, progress: Any) -> None:
-        """Store JSON-serialisable progress (a number, or a dict such as ``{"done": 3, "of": 9}``)."""
+        """Store JSON progress (a number, or a dict such as ``{"done": 3, "of": 9}``)."""
         if self._progress_sink is not None:
             self._progress_sink(self, progress)
 

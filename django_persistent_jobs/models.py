@@ -218,3 +218,7 @@ def job_from_row(row: tuple[Any, ...] | list[Any], db: str = "default") -> Persi
         if isinstance(values[i], str):
             values[i] = json.loads(values[i])
     return PersistentJob.from_db(db, JOB_COLUMNS, values)
+
+
+# Recurring schedules live in their own module (issue 3); imported here so Django sees the model.
+from .schedule_models import JobSchedule  # noqa: E402,F401

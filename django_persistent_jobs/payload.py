@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from decimal import Decimal
 from typing import Any
 
 from . import conf
@@ -17,11 +18,30 @@ from .errors import PayloadError
 _SCALARS = (str, int, float, bool, type(None))
 
 
+#: Floats at least this large print in exponent form (``1e+16``); PostgreSQL's jsonb stores them
+#: as plain integers, so they would come back as ``int`` (and beyond 2**53, a different value).
+_EXPONENT_FLOAT = 1e16
+
+
 def _path(parts: list[str]) -> str:
     return "payload" + "".join(parts)
 
 
-def _walk(value: Any, parts: list[str], depth: int, limits: tuple[int, int], counter: list[int]) -> None:
+def _text_problem(text: str) -> str | None:
+    """Why jsonb cannot store ``text`` (NUL; lone surrogates are not UTF-8), or None."""
+    if "\x00" in text:
+        return "a NUL character, which PostgreSQL cannot store in jsonb"
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "a lone surrogate, which is not valid UTF-8"
+    return None
+
+
+def _walk(
+    value: Any, parts: list[str], depth: int, limits: tuple[int, int], counter: list[int]
+) -> None:
     max_depth, max_keys = limits
     if depth > max_depth:
         raise PayloadError(
@@ -35,6 +55,9 @@ def _walk(value: Any, parts: list[str], depth: int, limits: tuple[int, int], cou
                     f"{_path(parts)} has a {type(key).__name__} key {key!r}; JSON object keys "
                     "must be strings (it would come back as a different key)."
                 )
+            problem = _text_problem(key)
+            if problem:
+                raise PayloadError(f"{_path(parts)} has a key {key!r} containing {problem}.")
             counter[0] += 1
             if counter[0] > max_keys:
                 raise PayloadError(
@@ -45,12 +68,14 @@ def _walk(value: Any, parts: list[str], depth: int, limits: tuple[int, int], cou
         for index, item in enumerate(value):
             _walk(item, [*parts, f"[{index}]"], depth + 1, limits, counter)
     elif isinstance(value, str):
-        if "\x00" in value:
-            raise PayloadError(f"{_path(parts)} contains a NUL character, which PostgreSQL "
-                               "cannot store in jsonb.")
+        problem = _text_problem(value)
+        if problem:
+            raise PayloadError(f"{_path(parts)} contains {problem}.")
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise PayloadError(f"{_path(parts)} is {value!r}; JSON has no NaN or Infinity.")
+        if abs(value) >= _EXPONENT_FLOAT:
+            counter[1] = 1  # needs the plain-notation encoder
     elif not isinstance(value, _SCALARS):
         hint = ""
         if isinstance(value, tuple):
@@ -68,23 +93,63 @@ def _walk(value: Any, parts: list[str], depth: int, limits: tuple[int, int], cou
         )
 
 
-def prepare_payload(payload: Any) -> tuple[Any, str]:
+def _plain_float(value: float) -> str:
+    """A float in plain notation with a decimal point, so jsonb hands a float back."""
+    text = float.__repr__(value)
+    if "e" in text or "E" in text:
+        text = format(Decimal(text), "f")
+        if "." not in text:
+            text += ".0"
+    return text
+
+
+def _dumps_plain_floats(value: Any) -> str:
+    """Compact JSON like ``json.dumps``, but floats never use exponent notation."""
+    if isinstance(value, dict):
+        return "{" + ",".join(
+            json.dumps(k, ensure_ascii=False) + ":" + _dumps_plain_floats(v)
+            for k, v in value.items()
+        ) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_dumps_plain_floats(v) for v in value) + "]"
+    if isinstance(value, float):
+        return _plain_float(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+class PayloadLimits:
+    """The payload settings, read once per call of ``enqueue``/``enqueue_many``."""
+
+    __slots__ = ("encoder", "max_bytes", "max_depth", "max_keys")
+
+    def __init__(self) -> None:
+        self.max_bytes = int(conf.get("PAYLOAD_MAX_BYTES"))
+        self.max_depth = int(conf.get("PAYLOAD_MAX_DEPTH"))
+        self.max_keys = int(conf.get("PAYLOAD_MAX_KEYS"))
+        setting = conf.get("JSON_ENCODER")
+        self.encoder = conf.resolve_encoder(setting) if setting is not None else None
+
+
+def prepare_payload(payload: Any, limits: PayloadLimits | None = None) -> tuple[Any, str]:
     """Validate ``payload`` and return ``(value_to_store, json_text)``.
 
     With ``JSON_ENCODER`` configured, the payload is encoded with it first and the handler
     receives the decoded form (for example datetimes become ISO strings); that is documented.
     """
-    max_bytes = int(conf.get("PAYLOAD_MAX_BYTES"))
-    limits = (int(conf.get("PAYLOAD_MAX_DEPTH")), int(conf.get("PAYLOAD_MAX_KEYS")))
-    encoder_setting = conf.get("JSON_ENCODER")
-    if encoder_setting is not None:
-        encoder = conf.resolve_encoder(encoder_setting)
+    limits = limits or PayloadLimits()
+    max_bytes = limits.max_bytes
+    encoder = limits.encoder
+    if encoder is not None:
         try:
             payload = json.loads(json.dumps(payload, cls=encoder))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise PayloadError(f"payload cannot be encoded by {encoder.__name__}: {exc}") from exc
-    _walk(payload, [], 0, limits, [0])
-    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    state = [0, 0]  # keys seen, floats needing plain notation
+    _walk(payload, [], 0, (limits.max_depth, limits.max_keys), state)
+    if state[1]:
+        text = _dumps_plain_floats(payload)
+    else:
+        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     size = len(text.encode())
     if size > max_bytes:
         raise PayloadError(

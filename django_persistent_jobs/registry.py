@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 from . import conf
 from .errors import ConfigurationError, DuplicateHandlerError
@@ -64,6 +64,9 @@ class HandlerSpec:
     schedule_payload: Any = None
     timezone: str | None = None
     errors: list[str] = field(default_factory=list)
+    #: ``file:line`` of the handler's code; tells a harmless re-registration of the same code
+    #: from a second handler that happens to share the origin (two lambdas, a factory).
+    location: str | None = None
 
     @property
     def is_recurring(self) -> bool:
@@ -107,10 +110,15 @@ class Registry:
     def register(self, spec: HandlerSpec) -> HandlerSpec:
         with self._lock:
             existing = self._handlers.get(spec.job_type)
-            if existing is not None and existing.origin != spec.origin:
+            if existing is not None and (
+                existing.origin != spec.origin or existing.location != spec.location
+            ):
+                first, second = existing.origin, spec.origin
+                if first == second:
+                    first, second = f"{first} ({existing.location})", f"{second} ({spec.location})"
                 raise DuplicateHandlerError(
-                    f"Job type {spec.job_type!r} is already handled by {existing.origin}; "
-                    f"{spec.origin} cannot register it again. Give one of them another job type."
+                    f"Job type {spec.job_type!r} is already handled by {first}; "
+                    f"{second} cannot register it again. Give one of them another job type."
                 )
             self._handlers[spec.job_type] = spec
         return spec
@@ -147,6 +155,13 @@ class Registry:
 
 
 registry = Registry()
+
+
+def _code_location(target: Any) -> str | None:
+    code = getattr(target, "__code__", None)
+    if code is None and isinstance(target, type):
+        code = getattr(getattr(target, "execute", None), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
 
 
 def _positional_arity(func: Callable[..., Any]) -> int:
@@ -205,13 +220,10 @@ def _check_options(spec: HandlerSpec) -> list[str]:
     return problems
 
 
-T = TypeVar("T")
-
-
 @overload
-def job_handler(job_type: type[T], /) -> type[T]: ...
+def job_handler[T](job_type: type[T], /) -> type[T]: ...
 @overload
-def job_handler(
+def job_handler[T](
     job_type: str | None = None, *, max_retries: int | None = None,
     timeout: float | None = None, dedup: Dedup | str | None = None,
     backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,
@@ -235,7 +247,7 @@ def job_handler(
     if isinstance(job_type, type):  # bare @job_handler on a JobHandler subclass
         return job_handler()(job_type)
 
-    def decorate(target: T) -> T:
+    def decorate(target: Any) -> Any:
         options: dict[str, Any] = {
             "max_retries": max_retries, "timeout": timeout, "backoff": backoff,
             "queue": queue, "validator": validator, "cron": cron, "interval": interval,
@@ -292,7 +304,7 @@ def job_handler(
             job_type=resolved_type, func=func, origin=origin,
             dedup=str(resolved_dedup) if isinstance(resolved_dedup, Dedup) else resolved_dedup,
             priority=0 if resolved_priority is None else resolved_priority,
-            schedule_payload=resolved_payload, **options,
+            schedule_payload=resolved_payload, location=_code_location(target), **options,
         )
         spec.errors = _check_options(spec)
         registry.register(spec)

@@ -1,14 +1,52 @@
-"""Cron and interval schedules: parsing and next-tick computation."""
+"""Cron and interval schedules: validation and next-tick computation.
+
+Everything here is a pure function of its arguments: no clock, no database. The scheduler loop
+passes the *database's* ``now()`` in as ``after``, so the database clock decides what is due,
+while tests pass any instant they like (a controllable clock for the DST cases).
+
+Daylight-saving time (the policy ``docs/recurring.md`` documents, and ``tests`` pin down):
+
+* An expression whose hour field is ``*`` fires every hour, so it follows *elapsed* time: in the
+  skipped hour of spring-forward nothing is due (no real time is lost), and in the repeated hour
+  of fall-back it fires again (``*/15 * * * *`` keeps firing every 15 minutes all night).
+* Any other expression names wall-clock hours, so it follows the *wall clock*: a wall time that
+  does not exist (spring-forward) fires once, at the moment the clocks jump (03:00 local in
+  Europe/Berlin and America/New_York); a wall time that occurs twice (fall-back) fires once, at
+  its first occurrence. A daily 02:30 job therefore runs exactly once every day in both zones.
+* Interval schedules are elapsed time on a fixed grid and ignore time zones altogether.
+
+Cron walls are computed by croniter on *naive* local datetimes and mapped to instants here, so the
+policy does not depend on croniter's own DST heuristics, and every result is strictly after
+``after`` (a scheduler can never loop on the same instant).
+"""
 
 from __future__ import annotations
 
-from croniter import croniter
+import zoneinfo
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta, tzinfo
+from typing import Any, Protocol
+
+from croniter import CroniterBadCronError, CroniterBadDateError, croniter
+
+#: croniter candidates examined in one computation before we call the expression unusable.
+MAX_SCAN = 100_000
+#: Where ``count_ticks`` stops counting coalesced ticks (an operator only needs "many").
+COUNT_CAP = 1000
+_ONE_SECOND = timedelta(seconds=1)
+_MICROSECOND = timedelta(microseconds=1)
+
+
+class ScheduleError(ValueError):
+    """A schedule definition is unusable (bad cron, bad interval, unknown zone, ...)."""
 
 
 def cron_problem(expression: object) -> str | None:
     """Return why ``expression`` is not a usable cron expression, or ``None`` if it is.
 
-    Five fields are standard cron; a sixth (croniter's optional seconds field) is accepted.
+    Five fields are standard cron; a sixth (croniter's optional seconds field, last) is accepted.
+    An expression that can never fire (``0 0 30 2 *``) is refused too, because it would sit in
+    the schedules table looking healthy while nothing ever runs.
     """
     if not isinstance(expression, str) or not expression.strip():
         return f"cron must be a non-empty string, got {expression!r}."
@@ -18,4 +56,232 @@ def cron_problem(expression: object) -> str | None:
                 "weekday) or 6 (with seconds last).")
     if not croniter.is_valid(expression):
         return f"cron {expression!r} is not a valid cron expression."
+    try:
+        croniter(expression, datetime(2000, 1, 1), max_years_between_matches=30).get_next(datetime)
+    except (CroniterBadDateError, CroniterBadCronError):
+        return f"cron {expression!r} never matches a date."
     return None
+
+
+def interval_problem(interval: object) -> str | None:
+    """Return why ``interval`` is not a usable interval, or ``None`` if it is."""
+    if not isinstance(interval, timedelta) or interval <= timedelta(0):
+        return f"interval must be a positive timedelta, got {interval!r}."
+    if interval < _MICROSECOND * 1000:
+        return f"interval must be at least 1 ms, got {interval!r}."
+    return None
+
+
+def timezone_problem(name: object) -> str | None:
+    if not isinstance(name, str) or not name:
+        return f"time zone must be a non-empty string, got {name!r}."
+    try:
+        zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError):
+        return f"unknown time zone {name!r}."
+    return None
+
+
+def default_timezone() -> str:
+    """``settings.TIME_ZONE`` (read lazily), falling back to UTC when it is unset."""
+    from django.conf import settings
+
+    return str(getattr(settings, "TIME_ZONE", None) or "UTC")
+
+
+def fires_every_hour(expression: str) -> bool:
+    """True when the hour field is ``*``: the schedule then follows elapsed time across DST."""
+    return expression.split()[1] in ("*", "*/1")
+
+
+def _aware(value: datetime, name: str) -> datetime:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{name} must be timezone-aware, got naive {value!r}.")
+    return value
+
+
+def _transition(lo: datetime, hi: datetime, zone: tzinfo) -> datetime:
+    """The first instant in ``(lo, hi]`` that already has ``hi``'s UTC offset.
+
+    ``zoneinfo`` does not expose its transitions, so bisect on whole seconds (tzdata transitions
+    fall on whole seconds, and DST gaps and folds span at most a few hours: ~15 steps).
+    """
+    target = hi.astimezone(zone).utcoffset()
+    low, high = int(lo.timestamp()), int(hi.timestamp())
+    while high - low > 1:
+        mid = (low + high) // 2
+        if datetime.fromtimestamp(mid, UTC).astimezone(zone).utcoffset() == target:
+            high = mid
+        else:
+            low = mid
+    return datetime.fromtimestamp(high, UTC)
+
+
+def _instants(wall: datetime, zone: tzinfo, every_hour: bool) -> list[datetime]:
+    """The UTC instants at which a matching naive ``wall`` time fires, per the DST policy."""
+    first = wall.replace(tzinfo=zone, fold=0).astimezone(UTC)
+    second = wall.replace(tzinfo=zone, fold=1).astimezone(UTC)
+    if first == second:  # an ordinary wall time
+        return [first]
+    if first < second:  # fall-back: the wall time occurs twice
+        return [first, second] if every_hour else [first]
+    # spring-forward: the wall time does not exist (fold=0 lands after the jump, fold=1 before)
+    return [] if every_hour else [_transition(second, first, zone)]
+
+
+def next_cron_tick(expression: str, zone: tzinfo | str, after: datetime) -> datetime:
+    """The first instant strictly after ``after`` at which ``expression`` fires in ``zone``."""
+    _aware(after, "after")
+    tz = zoneinfo.ZoneInfo(zone) if isinstance(zone, str) else zone
+    every_hour = fires_every_hour(expression)
+    local_after = after.astimezone(tz)
+    wall_after = local_after.replace(tzinfo=None)
+    starts = [wall_after]
+    if every_hour and local_after.fold == 0:
+        first = wall_after.replace(tzinfo=tz, fold=0).astimezone(UTC)
+        second = wall_after.replace(tzinfo=tz, fold=1).astimezone(UTC)
+        if first < second:
+            # ``after`` is in the first pass of a repeated hour; the second pass repeats wall
+            # times we are already past, so also scan from where the repeat begins.
+            repeat = _transition(first, second, tz).astimezone(tz).replace(tzinfo=None)
+            starts.append(repeat - _ONE_SECOND)
+    best: datetime | None = None
+    for start in starts:
+        found = _scan(expression, tz, every_hour, start, after)
+        if best is None or found < best:
+            best = found
+    assert best is not None
+    return best
+
+
+def _scan(expression: str, tz: tzinfo, every_hour: bool, start: datetime,
+          after: datetime) -> datetime:
+    iterator = croniter(expression, start.replace(microsecond=0))
+    for _ in range(MAX_SCAN):
+        try:
+            wall: datetime = iterator.get_next(datetime)
+        except CroniterBadDateError as exc:
+            raise ScheduleError(f"cron {expression!r} never fires after {after}.") from exc
+        if wall <= start:
+            continue
+        instants = [i for i in _instants(wall, tz, every_hour) if i > after]
+        if instants:
+            return min(instants)
+    raise ScheduleError(
+        f"cron {expression!r} in {tz} has no tick within {MAX_SCAN} candidates after {after}."
+    )
+
+
+def next_interval_tick(interval: timedelta, anchor: datetime, after: datetime) -> datetime:
+    """The first ``anchor + k * interval`` (k >= 0) strictly after ``after``.
+
+    Anchoring to the previous tick keeps an interval schedule on a fixed grid: a late or
+    coalesced run does not make later runs drift.
+    """
+    _aware(anchor, "anchor")
+    _aware(after, "after")
+    step = interval // _MICROSECOND
+    if step <= 0:
+        raise ScheduleError(f"interval must be positive, got {interval!r}.")
+    if anchor > after:
+        return anchor
+    k = ((after - anchor) // _MICROSECOND) // step + 1
+    return anchor + _MICROSECOND * (k * step)
+
+
+class HasTiming(Protocol):
+    """Anything shaped like a schedule row: ``JobSchedule`` or ``Timing``."""
+
+    cron: str | None
+    interval_seconds: float | None
+    timezone: str
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When a schedule fires: a cron expression in a zone, or an interval."""
+
+    cron: str | None = None
+    interval_seconds: float | None = None
+    timezone: str = "UTC"
+
+    @classmethod
+    def of(cls, schedule: HasTiming) -> Timing:
+        return cls(schedule.cron or None, schedule.interval_seconds, schedule.timezone or "UTC")
+
+    @property
+    def interval(self) -> timedelta | None:
+        if self.interval_seconds is None:
+            return None
+        return timedelta(seconds=self.interval_seconds)
+
+    def first_after(self, now: datetime) -> datetime:
+        """The first tick of a new (or resumed) schedule: cron's next match, or now + interval."""
+        if self.cron is not None:
+            return next_cron_tick(self.cron, self.timezone, now)
+        assert self.interval is not None
+        return _aware(now, "now") + self.interval
+
+    def next_after(self, after: datetime, anchor: datetime | None = None) -> datetime:
+        """The first tick strictly after ``after``; intervals stay on ``anchor``'s grid."""
+        if self.cron is not None:
+            return next_cron_tick(self.cron, self.timezone, after)
+        assert self.interval is not None
+        return next_interval_tick(self.interval, anchor or after, after)
+
+    def count_ticks(self, start: datetime, end: datetime, cap: int = COUNT_CAP) -> int:
+        """Ticks ``t`` with ``start < t <= end`` (at most ``cap``): the runs a coalesced run stood
+        in for, reported on the job so operators can see how much was missed."""
+        if end <= start:
+            return 0
+        if self.cron is None:
+            assert self.interval is not None
+            return min(cap, (end - start) // self.interval)
+        count, tick = 0, start
+        while count < cap:
+            tick = next_cron_tick(self.cron, self.timezone, tick)
+            if tick > end:
+                break
+            count += 1
+        return count
+
+    def describe(self) -> str:
+        if self.cron is not None:
+            return f"cron {self.cron} ({self.timezone})"
+        seconds = self.interval_seconds or 0
+        return f"every {format_seconds(seconds)}"
+
+    def as_json(self) -> dict[str, Any]:
+        if self.cron is not None:
+            return {"cron": self.cron, "timezone": self.timezone}
+        return {"interval_seconds": self.interval_seconds}
+
+
+def next_tick(schedule: HasTiming, after: datetime, anchor: datetime | None = None) -> datetime:
+    """The first tick of ``schedule`` strictly after ``after`` (see the module's DST policy)."""
+    return Timing.of(schedule).next_after(after, anchor)
+
+
+def format_seconds(seconds: float) -> str:
+    """``90`` -> ``1m30s``; for labels in the admin and logs."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    whole = int(seconds)
+    frac = seconds - whole
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if whole >= size:
+            parts.append(f"{whole // size}{unit}")
+            whole %= size
+    if whole or frac or not parts:
+        parts.append(f"{whole + frac:g}s")
+    return "".join(parts)
+
+
+def tick_label(tick: datetime) -> str:
+    """The canonical text of a tick stored in a run's ``schedule`` JSON.
+
+    Every runner formats the same ``next_run_at`` identically, which is what lets the unique index
+    on ``(schedule->>'name', schedule->>'tick')`` reject a second run for the same tick.
+    """
+    return _aware(tick, "tick").astimezone(UTC).isoformat(timespec="microseconds")

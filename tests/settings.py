@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 
@@ -69,6 +70,12 @@ PERSISTENT_JOBS = {
                   "dead_lettered": None},
 }
 
+# Runner subprocesses (tests/faults starts real ``runjobs`` processes) cannot use
+# override_settings, so they take their timings from the environment: PJ_TEST_SETTINGS is a JSON
+# object merged into PERSISTENT_JOBS (numbers in seconds).
+if os.environ.get("PJ_TEST_SETTINGS"):
+    PERSISTENT_JOBS.update(json.loads(os.environ["PJ_TEST_SETTINGS"]))
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -76,3 +83,16 @@ LOGGING = {
     "loggers": {"django_persistent_jobs": {"handlers": ["null"], "level": "DEBUG",
                                            "propagate": True}},
 }
+
+# PJ_TEST_LOG=INFO (or DEBUG) makes a runner subprocess log to stdout, one line per event, so
+# the fault suite can wait for what a runner says (an event, not a sleep) and keep its logs.
+if os.environ.get("PJ_TEST_LOG"):
+    LOGGING["formatters"] = {"line": {
+        "format": "%(asctime)s.%(msecs)03d %(process)d %(threadName)s %(levelname)s %(message)s",
+        "datefmt": "%H:%M:%S",
+    }}
+    LOGGING["handlers"]["console"] = {"class": "logging.StreamHandler",
+                                      "stream": "ext://sys.stdout", "formatter": "line"}
+    LOGGING["loggers"]["django_persistent_jobs"] = {
+        "handlers": ["console"], "level": os.environ["PJ_TEST_LOG"], "propagate": False,
+    }

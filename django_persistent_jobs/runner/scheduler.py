@@ -1,12 +1,174 @@
-"""Recurring scheduler loop (cron and interval schedules)."""
+"""Recurring scheduler loop: turns due schedule ticks into job rows, once per tick.
+
+Every runner runs this loop; none is a leader. Each pass is one short transaction:
+
+1. ``SELECT ... FROM persistent_jobs_schedules WHERE active AND NOT paused AND next_run_at <=
+   now() FOR UPDATE SKIP LOCKED``: a due schedule is locked by exactly one runner; the others
+   skip it without waiting, and once the winner commits the row is no longer due for them
+   (PostgreSQL re-checks the condition on the row's newest version before locking it).
+2. Insert the run as a new ``persistent_jobs`` row through the enqueue path, labelled with its
+   tick; a unique index on ``(schedule->>'name', schedule->>'tick')`` refuses a second run for a
+   tick even if everything above went wrong.
+3. Advance ``next_run_at`` to the first tick strictly after the database's ``now()``: however
+   many ticks passed while no runner was up, they coalesce into this one run.
+
+A schedule whose definition cannot be computed is deactivated with its error; any other error in
+one schedule is recorded on it and the schedule moves on, so one bad schedule can neither stop
+the others nor make the scheduler spin on it.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+import zoneinfo
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, transaction
+
+from .. import conf
+from ..registry import registry
+from .db import is_connection_error, run_with_retry
 
 if TYPE_CHECKING:
+    from ..schedule_models import JobSchedule
     from .supervisor import Runner
+
+logger = logging.getLogger("django_persistent_jobs.scheduler")
+
+#: Schedules fired per transaction; more due ones are fired by the next pass right away.
+BATCH = 50
+#: Shortest sleep between passes, so a tick that is due "now" is not polled in a busy loop.
+MIN_SLEEP = 0.005
+
+_DUE_SQL = """
+SELECT id, now() FROM persistent_jobs_schedules
+WHERE active AND NOT paused AND next_run_at <= now() {types}
+ORDER BY next_run_at
+LIMIT %s
+FOR UPDATE SKIP LOCKED
+"""
+_NEXT_DUE_SQL = """
+SELECT EXTRACT(EPOCH FROM (min(next_run_at) - now()))::float8
+FROM persistent_jobs_schedules WHERE active AND NOT paused {types}
+"""
+
+
+@dataclass
+class PassReport:
+    """What one pass did; ``next_due_in`` is seconds until the earliest future tick."""
+
+    enqueued: int = 0
+    skipped: int = 0
+    errors: int = 0
+    more: bool = False
+    next_due_in: float | None = None
+
+
+def _type_filter() -> tuple[str, list[Any]]:
+    """Only fire schedules this process has a handler for (unless ALLOW_UNREGISTERED): during a
+    rolling deploy an old runner leaves a new schedule to the runners that can run it."""
+    if conf.get("ALLOW_UNREGISTERED"):
+        return "", []
+    return "AND job_type = ANY(%s)", [registry.job_types()]
+
+
+def fire_due(runner_id: str | None = None, limit: int = BATCH) -> PassReport:
+    """Fire every due schedule this process may fire (up to ``limit``) in one transaction."""
+    from ..schedule_models import JobSchedule
+
+    alias = str(conf.get("DATABASE"))
+    report = PassReport()
+    types_sql, types_params = _type_filter()
+    with transaction.atomic(using=alias):
+        with connections[alias].cursor() as cursor:
+            cursor.execute(_DUE_SQL.format(types=types_sql), [*types_params, limit])
+            rows = cursor.fetchall()
+            if rows:
+                now: datetime = rows[0][1]
+                locked = JobSchedule.objects.using(alias).in_bulk([r[0] for r in rows])
+                for schedule in sorted(locked.values(), key=lambda s: (s.next_run_at, s.pk)):
+                    _fire_one(schedule, now, runner_id, report)
+                report.more = len(rows) == limit
+            cursor.execute(_NEXT_DUE_SQL.format(types=types_sql), types_params)
+            row = cursor.fetchone()
+            report.next_due_in = None if row is None or row[0] is None else float(row[0])
+    return report
+
+
+def _fire_one(schedule: JobSchedule, now: datetime, runner_id: str | None,
+              report: PassReport) -> None:
+    from ..schedule_services import deactivate_invalid, insert_run, record_result
+    from ..schedules import ScheduleError, Timing
+
+    tick = schedule.next_run_at
+    assert tick is not None  # the due query only returns rows with a next_run_at
+    try:
+        timing = Timing.of(schedule)
+        next_run_at = timing.next_after(now, anchor=tick)
+        coalesced = timing.count_ticks(tick, now)
+    except (ScheduleError, zoneinfo.ZoneInfoNotFoundError, ValueError, KeyError) as exc:
+        report.errors += 1
+        deactivate_invalid(schedule, f"cannot compute the next tick: {exc}")
+        return
+    try:
+        job, result, error = insert_run(schedule, tick=tick, coalesced=coalesced,
+                                        fired_by=runner_id)
+    except Exception as exc:
+        if is_connection_error(exc):
+            raise  # the transaction is gone; the whole pass is retried
+        logger.exception("schedule %s: inserting the run for tick %s failed", schedule.name,
+                         tick, extra={"event": "schedule_error", "schedule": schedule.name})
+        job, result, error = None, "error", f"{type(exc).__name__}: {exc}"
+    record_result(schedule, now, job, result, error, next_run_at=next_run_at)
+    extra = {"event": f"schedule_{result}", "schedule": schedule.name,
+             "job_type": schedule.job_type, "tick": tick.isoformat(),
+             "next_run_at": next_run_at.isoformat(), "coalesced_ticks": coalesced,
+             "job_id": str(job.id) if job is not None else None, "runner_id": runner_id}
+    if result == "enqueued":
+        report.enqueued += 1
+        logger.info("schedule %s: tick %s -> job %s%s; next %s", schedule.name, tick.isoformat(),
+                    job.id if job else "-",
+                    f" (coalesced {coalesced} missed tick(s))" if coalesced else "",
+                    next_run_at.isoformat(), extra=extra)
+    elif result == "skipped":
+        report.skipped += 1
+        logger.info("schedule %s: tick %s skipped (%s); next %s", schedule.name,
+                    tick.isoformat(), error or f"run {job.id if job else '-'} still active",
+                    next_run_at.isoformat(), extra=extra)
+    else:
+        report.errors += 1
+        logger.error("schedule %s: tick %s could not enqueue a run: %s; next %s",
+                     schedule.name, tick.isoformat(), error, next_run_at.isoformat(), extra=extra)
 
 
 def scheduler_loop(runner: Runner) -> None:
-    runner.halt.wait()
+    """Sync code-declared schedules once, then fire due ticks until the runner stops.
+
+    It sleeps until the earliest next tick, at most ``SCHEDULER_INTERVAL`` (a schedule added or
+    resumed meanwhile is noticed within that). In burst mode it fires what is due once and ends.
+    """
+    from ..schedule_services import sync_code_schedules
+
+    alias = runner.alias
+    interval = runner.settings.scheduler_interval
+    synced = run_with_retry(alias, lambda cursor: sync_code_schedules(),
+                            what="syncing code-declared schedules", interrupt=runner.stopping)
+    if synced is None:
+        return
+    while not runner.stopping.is_set():
+        report = run_with_retry(alias, lambda cursor: fire_due(runner.runner_id),
+                                what="firing due schedules", interrupt=runner.stopping)
+        if report is None:
+            return
+        if report.enqueued:
+            runner.wake.set()  # NOTIFY wakes claimers anywhere; this skips the round trip here
+        if runner.burst:
+            return
+        if report.more:
+            continue
+        wait = interval
+        if report.next_due_in is not None:
+            wait = min(interval, max(report.next_due_in, MIN_SLEEP))
+        runner.stopping.wait(wait)

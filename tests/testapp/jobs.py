@@ -38,3 +38,21 @@ def ledger(payload: dict[str, Any], ctx: JobContext) -> None:
     if payload.get("permanent"):
         raise PermanentJobError("planned permanent failure", code="PLANNED_PERMANENT")
     LedgerEntry.objects.create(job_id=ctx.job_id, note=str(payload.get("note", "")))
+
+
+@job_handler("test.hang_first", max_retries=3, backoff=constant(0.1), timeout=120)
+def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Hangs (``sleep`` seconds, default 60) on attempt 1 only, then writes its ledger entry.
+
+    Runner tests use it for a job that is in flight when its runner is killed or force-stopped
+    and must complete normally once it is back in play.
+    """
+    SideEffect.objects.create(job_id=ctx.job_id, attempt=ctx.attempt)
+    if ctx.attempt == 1:
+        time.sleep(float(payload.get("sleep", 60)))
+    LedgerEntry.objects.create(job_id=ctx.job_id, note="hang_first")
+
+
+# The fault-injection suite's handler lives with the suite; importing it here registers it in
+# every runner subprocess (autodiscovery imports each installed app's ``jobs`` module).
+from tests.faults import handlers as _fault_handlers  # noqa: E402, F401

@@ -1,0 +1,66 @@
+"""Helpers for the API-level (non-fault) tests: settings overrides and extra connections."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from django.conf import settings
+from django.db import connection
+from django.test import override_settings
+
+
+def pj_settings(**overrides: Any) -> override_settings:
+    """``override_settings`` for some ``PERSISTENT_JOBS`` keys, keeping the suite's others."""
+    return override_settings(PERSISTENT_JOBS={**settings.PERSISTENT_JOBS, **overrides})
+
+
+def conninfo() -> dict[str, Any]:
+    """psycopg connection arguments for the test database (the one Django's connection uses)."""
+    s = connection.settings_dict
+    args: dict[str, Any] = {"dbname": s["NAME"], "user": s["USER"] or "postgres",
+                            "host": s["HOST"] or "127.0.0.1", "port": s["PORT"] or 5432}
+    if s["PASSWORD"]:
+        args["password"] = s["PASSWORD"]
+    return args
+
+
+@contextmanager
+def raw_connection(autocommit: bool = True) -> Iterator[psycopg.Connection[Any]]:
+    """A second, independent connection (its own backend and transaction) to the test database."""
+    conn = psycopg.connect(**conninfo(), autocommit=autocommit)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def blocked_backends(conn: psycopg.Connection[Any]) -> int:
+    """Backends of this database currently waiting on a heavyweight lock."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def notifications_until_marker(
+    conn: psycopg.Connection[Any], marker: str, channel: str = "persistent_jobs",
+    timeout: float = 10.0,
+) -> list[str]:
+    """Payloads received on ``conn`` (which LISTENs) before ``marker``, sent after the test's work.
+
+    PostgreSQL delivers notifications in commit order, so everything a test's earlier commits
+    sent arrives before the marker: an absent notification is proven absent without sleeping.
+    """
+    with psycopg.connect(**conninfo(), autocommit=True) as sender:
+        sender.execute("SELECT pg_notify(%s, %s)", [channel, marker])
+    payloads: list[str] = []
+    for note in conn.notifies(timeout=timeout):
+        if note.channel == channel and note.payload == marker:
+            return payloads
+        payloads.append(note.payload)
+    raise AssertionError(f"marker notification not received within {timeout}s; got {payloads}")

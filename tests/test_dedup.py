@@ -1,0 +1,291 @@
+"""Deduplication: Skip (default), Enqueue, Replace, against waiting and running jobs, under
+real concurrency (two connections racing for the same key)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import pytest
+from django.db import connection, connections, transaction
+
+from django_persistent_jobs import Dedup, enqueue, enqueue_many, job_handler
+from django_persistent_jobs.models import JobStatus, PersistentJob
+from django_persistent_jobs.runner import store
+from tests.conftest import wait_for
+from tests.core_support import blocked_backends, pj_settings, raw_connection
+
+T = TypeVar("T")
+
+
+@job_handler("core.dedup.replace", dedup=Dedup.REPLACE)
+def replace_handler(payload: Any) -> None:
+    return None
+
+
+@job_handler("core.dedup.enqueue", dedup="enqueue")
+def enqueue_handler(payload: Any) -> None:
+    return None
+
+
+class Rollback(Exception):
+    pass
+
+
+def claim(limit: int = 10) -> list[store.ClaimedJob]:
+    with connection.cursor() as cursor:
+        return store.claim(cursor, "core-test-runner", limit, None)
+
+
+def statuses(**filters: Any) -> list[tuple[Any, str, Any]]:
+    return list(PersistentJob.objects.filter(**filters).order_by("id")
+                .values_list("id", "status", "payload"))
+
+
+# ------------------------------------------------------------------ Skip
+
+@pytest.mark.django_db
+def test_skip_is_the_default_and_returns_the_waiting_job() -> None:
+    first = enqueue("test.noop", {"v": 1}, dedup_key="order-1")
+    second = enqueue("test.noop", {"v": 2}, dedup_key="order-1")
+    assert second.id == first.id and second.payload == {"v": 1}
+    assert second.dedup == "skip"
+    assert statuses() == [(first.id, "pending", {"v": 1})]
+    # Keys are per job type, and jobs without a key never deduplicate.
+    other_type = enqueue("test.ledger", {}, dedup_key="order-1")
+    other_key = enqueue("test.noop", {}, dedup_key="order-2")
+    keyless = [enqueue("test.noop", {}) for _ in range(2)]
+    assert len({first.id, other_type.id, other_key.id, *(j.id for j in keyless)}) == 5
+
+
+@pytest.mark.django_db
+def test_skip_returns_a_job_awaiting_retry_and_a_running_job() -> None:
+    job = enqueue("test.noop", {"v": 1}, dedup_key="k")
+    (claimed,) = claim()
+    assert enqueue("test.noop", {"v": 2}, dedup_key="k").id == job.id  # running
+    with connection.cursor() as cursor:
+        assert store.transition(cursor, job.id, claimed.token, kind="retry", code="X",
+                                message="boom", delay=3600) == "failed"
+    assert enqueue("test.noop", {"v": 3}, dedup_key="k").id == job.id  # awaiting retry
+    assert PersistentJob.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_finished_job_does_not_block_its_key() -> None:
+    job = enqueue("test.noop", dedup_key="k")
+    (claimed,) = claim()
+    with connection.cursor() as cursor:
+        assert store.complete(cursor, claimed)
+    fresh = enqueue("test.noop", {"again": True}, dedup_key="k")
+    assert fresh.id != job.id and fresh.status == "pending"
+
+
+# ------------------------------------------------------------------ Enqueue
+
+@pytest.mark.django_db
+def test_enqueue_strategy_keeps_every_job_and_stores_the_key() -> None:
+    jobs = [enqueue("test.noop", {"i": i}, dedup_key="k", dedup="enqueue") for i in range(3)]
+    jobs += [enqueue("core.dedup.enqueue", {"i": i}, dedup_key="k") for i in range(2)]
+    assert len({j.id for j in jobs}) == 5
+    assert PersistentJob.objects.filter(dedup_key="k", status="pending").count() == 5
+    # Enqueue-strategy jobs do not hold the key against Skip either.
+    skip = enqueue("test.noop", dedup_key="k")
+    assert skip.id not in {j.id for j in jobs}
+    with pj_settings(DEDUP="enqueue"):
+        a = enqueue("test.ledger", dedup_key="x")
+        b = enqueue("test.ledger", dedup_key="x")
+    assert a.id != b.id
+
+
+# ------------------------------------------------------------------ Replace
+
+@pytest.mark.django_db
+def test_replace_cancels_the_waiting_duplicate() -> None:
+    old = enqueue("core.dedup.replace", {"v": 1}, dedup_key="k")
+    new = enqueue("core.dedup.replace", {"v": 2}, dedup_key="k")
+    assert new.id != old.id and new.payload == {"v": 2} and new.status == "pending"
+    old.refresh_from_db()
+    assert old.status == JobStatus.CANCELLED and old.last_error_code == "REPLACED"
+    assert old.finished_at is not None
+    assert "replaced by a newer job" in old.last_error
+    # Per call: Replace on a handler whose default is Skip.
+    a = enqueue("test.noop", {"v": 1}, dedup_key="z")
+    b = enqueue("test.noop", {"v": 2}, dedup_key="z", dedup=Dedup.REPLACE)
+    assert PersistentJob.objects.get(id=a.id).status == "cancelled"
+    assert PersistentJob.objects.get(id=b.id).status == "pending"
+
+
+@pytest.mark.django_db
+def test_replace_cancels_a_duplicate_awaiting_retry() -> None:
+    old = enqueue("core.dedup.replace", {"v": 1}, dedup_key="k")
+    (claimed,) = claim()
+    with connection.cursor() as cursor:
+        store.transition(cursor, old.id, claimed.token, kind="retry", code="X", message="m",
+                         delay=60)
+    assert PersistentJob.objects.get(id=old.id).status == "failed"
+    new = enqueue("core.dedup.replace", {"v": 2}, dedup_key="k")
+    assert PersistentJob.objects.get(id=old.id).status == "cancelled"
+    assert PersistentJob.objects.get(id=new.id).status == "pending"
+
+
+@pytest.mark.django_db
+def test_replace_never_interrupts_a_running_duplicate_and_waits_for_it() -> None:
+    running = enqueue("core.dedup.replace", {"v": 1}, dedup_key="k")
+    (claimed,) = claim()
+    waiting = enqueue("core.dedup.replace", {"v": 2}, dedup_key="k")
+    assert waiting.id != running.id
+    running.refresh_from_db()
+    assert running.status == "running" and running.lock_token == claimed.token
+    assert not running.cancel_requested
+    # Due, but the claim query will not start it while the duplicate runs.
+    assert claim() == []
+    newest = enqueue("core.dedup.replace", {"v": 3}, dedup_key="k")
+    assert PersistentJob.objects.get(id=waiting.id).status == "cancelled"
+    assert PersistentJob.objects.get(id=running.id).status == "running"
+    assert claim() == []
+    with connection.cursor() as cursor:
+        assert store.complete(cursor, claimed)
+    (next_one,) = claim()
+    assert next_one.id == newest.id and next_one.payload == {"v": 3}
+
+
+@pytest.mark.django_db
+def test_replace_waits_for_a_running_duplicate_until_it_is_dead_lettered() -> None:
+    running = enqueue("core.dedup.replace", {"v": 1}, dedup_key="k")
+    (claimed,) = claim()
+    waiting = enqueue("core.dedup.replace", {"v": 2}, dedup_key="k")
+    with connection.cursor() as cursor:
+        assert store.transition(cursor, running.id, claimed.token, kind="dead", code="P",
+                                message="no") == "dead_lettered"
+    assert [j.id for j in claim()] == [waiting.id]
+
+
+@pytest.mark.django_db
+def test_a_running_job_superseded_by_replace_is_not_retried() -> None:
+    running = enqueue("core.dedup.replace", {"v": 1}, dedup_key="k")
+    (claimed,) = claim()
+    waiting = enqueue("core.dedup.replace", {"v": 2}, dedup_key="k")
+    with connection.cursor() as cursor:
+        status = store.transition(cursor, running.id, claimed.token, kind="retry",
+                                  code="HANDLER_ERROR", message="boom")
+    assert status == "cancelled"
+    old = PersistentJob.objects.get(id=running.id)
+    assert old.last_error_code == "REPLACED" and "boom" in old.last_error
+    assert [j.id for j in claim()] == [waiting.id]
+
+
+# ------------------------------------------------------------------ enqueue_many
+
+@pytest.mark.django_db
+def test_enqueue_many_deduplicates_within_the_batch_and_against_the_table() -> None:
+    existing = enqueue("test.noop", {"v": "old"}, dedup_key="a")
+    jobs = enqueue_many([
+        ("test.noop", {"v": 1}),  # no key
+        {"job_type": "test.noop", "payload": {"v": 2}, "dedup_key": "a"},  # skip -> existing
+        {"job_type": "test.noop", "payload": {"v": 3}, "dedup_key": "b"},  # first b wins
+        {"job_type": "test.noop", "payload": {"v": 4}, "dedup_key": "b"},
+        {"job_type": "core.dedup.replace", "payload": {"v": 5}, "dedup_key": "c"},
+        {"job_type": "core.dedup.replace", "payload": {"v": 6}, "dedup_key": "c"},  # last wins
+    ])
+    assert jobs[1].id == existing.id and jobs[1].payload == {"v": "old"}
+    assert jobs[2].id == jobs[3].id and jobs[2].payload == {"v": 3}
+    assert jobs[4].id == jobs[5].id and jobs[5].payload == {"v": 6}
+    pending = PersistentJob.objects.filter(status="pending")
+    assert sorted(str(p["v"]) for p in pending.values_list("payload", flat=True)) == [
+        "1", "3", "6", "old"]
+    assert PersistentJob.objects.count() == 4
+
+    replaced = enqueue_many([{"job_type": "core.dedup.replace", "payload": {"v": 7},
+                              "dedup_key": "c"}])
+    assert PersistentJob.objects.get(id=jobs[5].id).status == "cancelled"
+    assert PersistentJob.objects.get(id=replaced[0].id).status == "pending"
+
+
+@pytest.mark.django_db
+def test_enqueue_many_against_a_running_duplicate() -> None:
+    skip_running = enqueue("test.noop", {"v": 1}, dedup_key="s")
+    repl_running = enqueue("core.dedup.replace", {"v": 1}, dedup_key="r")
+    assert len(claim()) == 2
+    jobs = enqueue_many([
+        {"job_type": "test.noop", "payload": {"v": 2}, "dedup_key": "s"},
+        {"job_type": "core.dedup.replace", "payload": {"v": 2}, "dedup_key": "r"},
+    ])
+    assert jobs[0].id == skip_running.id  # Skip returns the running job
+    assert jobs[1].id != repl_running.id  # Replace queues behind it
+    assert PersistentJob.objects.get(id=jobs[1].id).status == "pending"
+    assert PersistentJob.objects.get(id=repl_running.id).status == "running"
+    assert PersistentJob.objects.count() == 3
+
+
+# ------------------------------------------------------------------ concurrency
+
+def _run(fn: Callable[[], T]) -> Callable[[], T]:
+    """Wrap a thread body so the thread's own Django connection is closed afterwards."""
+
+    def body() -> T:
+        try:
+            return fn()
+        finally:
+            connections.close_all()
+
+    return body
+
+
+def _race(strategy: str, first_rolls_back: bool) -> tuple[Future[Any], Future[Any]]:
+    """T1 enqueues and keeps its transaction open; T2 enqueues the same key and must block on
+    the unique index (seen in pg_stat_activity) until T1 commits or rolls back."""
+    inserted, release = threading.Event(), threading.Event()
+
+    def first() -> PersistentJob:
+        with transaction.atomic():
+            job = enqueue("test.noop", {"who": 1}, dedup_key="race", dedup=strategy)
+            inserted.set()
+            assert release.wait(20)
+            if first_rolls_back:
+                raise Rollback
+        return job
+
+    def second() -> PersistentJob:
+        with transaction.atomic():
+            return enqueue("test.noop", {"who": 2}, dedup_key="race", dedup=strategy)
+
+    pool = ThreadPoolExecutor(2)
+    with raw_connection() as monitor:
+        try:
+            f1 = pool.submit(_run(first))
+            assert inserted.wait(20)
+            f2 = pool.submit(_run(second))
+            wait_for(lambda: blocked_backends(monitor) >= 1 or f2.done(),
+                     message="the second enqueue to block on the first one's key")
+            assert not f2.done(), "the second enqueue did not wait for the first transaction"
+        finally:
+            release.set()
+            pool.shutdown(wait=True)
+    return f1, f2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_skip_enqueues_produce_one_job() -> None:
+    f1, f2 = _race("skip", first_rolls_back=False)
+    winner, loser = f1.result(), f2.result()
+    assert loser.id == winner.id and loser.payload == {"who": 1}
+    assert statuses() == [(winner.id, "pending", {"who": 1})]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_skip_enqueue_inserts_when_the_holder_rolls_back() -> None:
+    f1, f2 = _race("skip", first_rolls_back=True)
+    assert isinstance(f1.exception(), Rollback)
+    job = f2.result()
+    assert statuses() == [(job.id, "pending", {"who": 2})]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_replace_enqueues_leave_one_waiting_job_the_latest() -> None:
+    f1, f2 = _race("replace", first_rolls_back=False)
+    first, second = f1.result(), f2.result()
+    assert first.id != second.id
+    assert statuses(status="pending") == [(second.id, "pending", {"who": 2})]
+    assert PersistentJob.objects.get(id=first.id).status == "cancelled"

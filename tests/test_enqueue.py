@@ -1,0 +1,335 @@
+"""enqueue() and enqueue_many(): transactional insert, wake-ups, scheduling, option validation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from django_persistent_jobs import (
+    ConfigurationError,
+    Dedup,
+    EnqueueError,
+    UnknownJobTypeError,
+    enqueue,
+    enqueue_many,
+    job_handler,
+)
+from django_persistent_jobs.models import JobStatus, PersistentJob
+from django_persistent_jobs.registry import registry
+from tests.core_support import notifications_until_marker, pj_settings, raw_connection
+
+
+@job_handler("core.enq.configured", max_retries=5, timeout=12, queue="emails", priority=7,
+             dedup=Dedup.ENQUEUE)
+def configured(payload: Any) -> None:
+    return None
+
+
+class Rollback(Exception):
+    pass
+
+
+def db_now() -> datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        return cursor.fetchone()[0]
+
+
+@pytest.fixture
+def listener() -> Iterator[psycopg.Connection[Any]]:
+    with raw_connection() as conn:
+        conn.execute("LISTEN persistent_jobs")
+        yield conn
+
+
+# ------------------------------------------------------------------ transactional enqueue
+
+@pytest.mark.django_db(transaction=True)
+def test_rollback_leaves_no_job_and_sends_no_wakeup(listener: psycopg.Connection[Any]) -> None:
+    with pytest.raises(Rollback), transaction.atomic():
+        doomed = enqueue("test.noop", {"n": 1})
+        assert PersistentJob.objects.filter(id=doomed.id).exists()  # visible inside
+        raise Rollback
+    assert not PersistentJob.objects.filter(id=doomed.id).exists()
+
+    with transaction.atomic():
+        kept = enqueue("test.noop", {"n": 2})
+    # Commit order is delivery order: had the rollback sent a NOTIFY, it would come first.
+    assert notifications_until_marker(listener, "marker") == [str(kept.id)]
+    assert list(PersistentJob.objects.values_list("id", flat=True)) == [kept.id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_job_is_invisible_to_others_until_the_callers_commit(
+    listener: psycopg.Connection[Any],
+) -> None:
+    with raw_connection() as other, transaction.atomic():
+        job = enqueue("test.noop")
+        seen = other.execute("SELECT count(*) FROM persistent_jobs WHERE id = %s",
+                             [job.id]).fetchone()
+        assert seen == (0,)
+        assert notifications_until_marker(listener, "before-commit") == []
+    with raw_connection() as other:
+        assert other.execute("SELECT status FROM persistent_jobs WHERE id = %s",
+                             [job.id]).fetchone() == ("pending",)
+    # The NOTIFY carries the job id and nothing else.
+    assert notifications_until_marker(listener, "after-commit") == [str(job.id)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_delayed_job_sends_no_wakeup_but_a_due_one_does(
+    listener: psycopg.Connection[Any],
+) -> None:
+    later = enqueue("test.noop", delay=3600)
+    due = enqueue("test.noop")
+    assert notifications_until_marker(listener, "m") == [str(due.id)]
+    assert later.id != due.id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_many_sends_one_wakeup_per_statement(listener: psycopg.Connection[Any]) -> None:
+    with transaction.atomic():
+        jobs = enqueue_many([("test.noop", {"i": i}) for i in range(50)])
+    notes = notifications_until_marker(listener, "m")
+    assert len(notes) == 1
+    assert notes[0] in {str(j.id) for j in jobs}
+
+
+# ------------------------------------------------------------------ defaults and scheduling
+
+@pytest.mark.django_db
+def test_enqueue_returns_the_stored_job_with_handler_defaults() -> None:
+    job = enqueue("test.ledger", {"note": "x"})
+    assert isinstance(job, PersistentJob)
+    assert job.status == JobStatus.PENDING
+    assert job.payload == {"note": "x"}
+    assert (job.max_retries, job.timeout_seconds, job.queue, job.priority) == (3, 60.0,
+                                                                               "default", 0)
+    assert job.attempts == 0 and job.dedup == "skip" and job.schedule is None
+    stored = PersistentJob.objects.get(id=job.id)
+    assert stored.payload == {"note": "x"}
+    assert stored.next_run_at == job.next_run_at == db_now()  # due at once, by the DB clock
+    assert job.id.version == 7
+
+
+@pytest.mark.django_db
+def test_handler_options_then_settings_then_defaults() -> None:
+    job = enqueue("core.enq.configured")
+    assert (job.max_retries, job.timeout_seconds, job.queue, job.priority, job.dedup) == (
+        5, 12.0, "emails", 7, "enqueue")
+    with pj_settings(MAX_RETRIES=9, TIMEOUT=timedelta(minutes=2), DEFAULT_QUEUE="bulk",
+                     DEDUP="replace"):
+        merged = enqueue("test.noop")  # test.noop sets none of these
+        own = enqueue("core.enq.configured")  # the handler's options win over settings
+    assert (merged.max_retries, merged.timeout_seconds, merged.queue, merged.dedup) == (
+        9, 120.0, "bulk", "replace")
+    assert (own.max_retries, own.timeout_seconds, own.queue) == (5, 12.0, "emails")
+    explicit = enqueue("core.enq.configured", max_retries=0, timeout=1.5, queue="q",
+                       priority=-3, dedup="skip")
+    assert (explicit.max_retries, explicit.timeout_seconds, explicit.queue, explicit.priority,
+            explicit.dedup) == (0, 1.5, "q", -3, "skip")
+
+
+@pytest.mark.django_db
+def test_run_at_and_delay_set_next_run_at() -> None:
+    now = db_now()  # inside the test's transaction, now() is fixed: exact comparisons hold
+    at = datetime(2031, 5, 17, 12, 30, tzinfo=UTC)
+    assert enqueue("test.noop", run_at=at).next_run_at == at
+    assert enqueue("test.noop", delay=90).next_run_at == now + timedelta(seconds=90)
+    assert enqueue("test.noop", delay=2.5).next_run_at == now + timedelta(seconds=2.5)
+    assert enqueue("test.noop", delay=timedelta(hours=2)).next_run_at == now + timedelta(hours=2)
+    assert enqueue("test.noop", delay=0).next_run_at == now
+    past = now - timedelta(days=1)
+    assert enqueue("test.noop", run_at=past).next_run_at == past  # due at once
+
+
+@pytest.mark.django_db(transaction=True)
+def test_delay_is_measured_by_the_database_clock() -> None:
+    job = enqueue("test.noop", delay=600)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT next_run_at - now() FROM persistent_jobs WHERE id = %s", [job.id])
+        remaining = cursor.fetchone()[0]
+    assert timedelta(seconds=595) < remaining <= timedelta(seconds=600)
+
+
+# ------------------------------------------------------------------ bad input
+
+AWARE = datetime(2030, 1, 1, tzinfo=UTC)
+
+BAD_ARGS: list[tuple[dict[str, Any], str]] = [
+    ({"run_at": AWARE, "delay": 5}, "Give run_at or delay, not both"),
+    ({"run_at": datetime(2030, 1, 1)}, "run_at must be timezone-aware"),
+    ({"run_at": "2030-01-01T00:00:00Z"}, "run_at must be a datetime"),
+    ({"delay": -1}, "delay must be >= 0"),
+    ({"delay": timedelta(seconds=-5)}, "delay must be >= 0"),
+    ({"delay": math.nan}, "delay must be >= 0"),
+    ({"delay": "5"}, "delay must be a timedelta or seconds"),
+    ({"delay": True}, "delay must be a timedelta or seconds"),
+    ({"dedup": "sometimes"}, "dedup must be one of ['skip', 'enqueue', 'replace']"),
+    ({"dedup_key": ""}, "dedup_key must be a string of 1..255 characters"),
+    ({"dedup_key": "k" * 256}, "dedup_key must be a string of 1..255 characters"),
+    ({"dedup_key": 42}, "dedup_key must be a string"),
+    ({"queue": ""}, "queue must be a string of 1..100 characters"),
+    ({"queue": "q" * 101}, "queue must be a string of 1..100 characters"),
+    ({"queue": 3}, "queue must be a string"),
+    ({"priority": 40000}, "priority must be an integer in -32768..32767"),
+    ({"priority": 1.5}, "priority must be an integer"),
+    ({"priority": True}, "priority must be an integer"),
+    ({"max_retries": -1}, "max_retries must be an integer in 0..1000000"),
+    ({"max_retries": "3"}, "max_retries must be an integer"),
+    ({"timeout": 0}, "timeout must be a number of seconds > 0"),
+    ({"timeout": -5}, "timeout must be a number of seconds > 0"),
+    ({"timeout": math.inf}, "timeout must be a number of seconds > 0"),
+    ({"timeout": "30"}, "timeout must be a number of seconds > 0"),
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("kwargs", "message"), BAD_ARGS,
+                         ids=[f"{next(iter(k))}={v!r}"[:40] for k, _ in BAD_ARGS
+                              for v in [next(iter(k.values()))]])
+def test_bad_arguments_are_refused_before_anything_is_written(
+    kwargs: dict[str, Any], message: str,
+) -> None:
+    with pytest.raises(EnqueueError) as info:
+        enqueue("test.noop", {"a": 1}, **kwargs)
+    assert message in str(info.value)
+    assert info.value.code == "ENQUEUE_INVALID"
+    with pytest.raises(EnqueueError) as many:
+        enqueue_many([("test.noop", {}), {"job_type": "test.noop", **kwargs}])
+    assert str(many.value).startswith("item 1: ") and message in str(many.value)
+    assert PersistentJob.objects.count() == 0
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("job_type", ["", None, 5])
+def test_job_type_must_be_a_non_empty_string(job_type: Any) -> None:
+    with pytest.raises(EnqueueError, match="job_type must be a non-empty string"):
+        enqueue(job_type)
+
+
+@pytest.mark.django_db
+def test_unknown_job_type_is_refused_unless_allowed() -> None:
+    with pytest.raises(UnknownJobTypeError) as info:
+        enqueue("core.nobody.handles.this", {"x": 1})
+    message = str(info.value)
+    assert info.value.code == "UNKNOWN_JOB_TYPE"
+    assert "'core.nobody.handles.this'" in message and "test.noop" in message
+    assert "@job_handler" in message and "ALLOW_UNREGISTERED" in message
+    assert PersistentJob.objects.count() == 0
+
+    with pj_settings(ALLOW_UNREGISTERED=True, MAX_RETRIES=2, TIMEOUT=40, DEFAULT_QUEUE="remote"):
+        job = enqueue("core.nobody.handles.this", {"x": 1}, dedup_key="k")
+        again = enqueue("core.nobody.handles.this", {"x": 2}, dedup_key="k")
+    assert (job.max_retries, job.timeout_seconds, job.queue, job.dedup) == (2, 40.0, "remote",
+                                                                           "skip")
+    assert again.id == job.id  # global DEDUP default (skip) applies to unregistered types
+    assert PersistentJob.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_handler_with_invalid_options_cannot_be_enqueued() -> None:
+    with registry.isolated():
+        job_handler("core.enq.broken", max_retries=-2)(lambda payload: None)
+        with pytest.raises(ConfigurationError, match="max_retries must be an integer >= 0"):
+            enqueue("core.enq.broken")
+    assert PersistentJob.objects.count() == 0
+
+
+# ------------------------------------------------------------------ enqueue_many
+
+@pytest.fixture
+def insert_statements() -> Callable[[], list[int]]:
+    """Count INSERT/COPY statements into persistent_jobs (rows per statement) with a
+    statement-level trigger; created inside the test's transaction, so it rolls back with it."""
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            CREATE TABLE core_insert_statements (seq serial, n int);
+            CREATE FUNCTION core_count_inserts() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO core_insert_statements (n) SELECT count(*) FROM new_rows;
+                RETURN NULL;
+            END $$;
+            CREATE TRIGGER core_count_inserts AFTER INSERT ON persistent_jobs
+            REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT
+            EXECUTE FUNCTION core_count_inserts();
+        """)
+
+    def counts() -> list[int]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT n FROM core_insert_statements ORDER BY seq")
+            return [row[0] for row in cursor.fetchall()]
+
+    return counts
+
+
+@pytest.mark.django_db
+def test_enqueue_many_inserts_the_batch_in_one_statement(
+    insert_statements: Callable[[], list[int]],
+) -> None:
+    items: list[Any] = [("test.noop", {"i": i}) for i in range(200)]
+    items.append({"job_type": "core.enq.configured", "payload": {"d": 1}, "priority": 2,
+                  "delay": 60})
+    with CaptureQueriesContext(connection) as queries:
+        jobs = enqueue_many(items, queue="batch")
+    assert insert_statements() == [201]  # one statement wrote every row
+    assert not [q for q in queries.captured_queries if "INSERT" in q["sql"].upper()]
+    assert len(jobs) == 201
+    assert [j.payload for j in jobs[:3]] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    stored = {j.id: j for j in PersistentJob.objects.all()}
+    assert set(stored) == {j.id for j in jobs}
+    assert all(stored[j.id].payload == j.payload and stored[j.id].queue == "batch" for j in jobs)
+    assert all(stored[j.id].status == "pending" for j in jobs)
+    last = stored[jobs[-1].id]
+    assert (last.job_type, last.priority, last.max_retries, last.timeout_seconds) == (
+        "core.enq.configured", 2, 5, 12.0)
+    assert last.next_run_at == db_now() + timedelta(seconds=60)
+    assert stored[jobs[0].id].next_run_at == db_now()
+    # FIFO: ids (UUIDv7) follow the input order.
+    assert [j.id for j in jobs] == sorted(j.id for j in jobs)
+    # With dedup keys the batch still goes in one INSERT.
+    keyed = enqueue_many([("test.noop", {"i": i}) for i in range(5)], dedup_key="same")
+    assert len({j.id for j in keyed}) == 1
+    assert insert_statements() == [201, 1]
+
+
+@pytest.mark.django_db
+def test_enqueue_many_validates_every_item_before_writing() -> None:
+    items: list[Any] = [("test.noop", {"i": i}) for i in range(10)]
+    items.insert(7, ("test.noop", {"when": datetime(2030, 1, 1, tzinfo=UTC)}))
+    with CaptureQueriesContext(connection) as queries, pytest.raises(EnqueueError) as info:
+        enqueue_many(items)
+    assert str(info.value).startswith("item 7: payload['when'] is a datetime")
+    assert info.value.code == "PAYLOAD_INVALID"
+    assert queries.captured_queries == []
+    with pytest.raises(UnknownJobTypeError, match="item 2: No handler"):
+        enqueue_many([("test.noop", {}), ("test.noop", {}), ("core.nope", {})])
+    assert PersistentJob.objects.count() == 0
+
+
+@pytest.mark.django_db
+def test_enqueue_many_rejects_malformed_items() -> None:
+    with pytest.raises(EnqueueError, match="has no 'job_type'"):
+        enqueue_many([{"payload": {}}])
+    with pytest.raises(EnqueueError, match=r"unknown keys \['colour'\]"):
+        enqueue_many([{"job_type": "test.noop", "colour": "red"}])
+    with pytest.raises(EnqueueError, match="takes \\(job_type, payload\\) tuples"):
+        enqueue_many(["test.noop"])
+    assert enqueue_many([]) == []
+    assert PersistentJob.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_many_joins_the_callers_transaction() -> None:
+    with pytest.raises(Rollback), transaction.atomic():
+        enqueue_many([("test.noop", {"i": i}) for i in range(20)])
+        assert PersistentJob.objects.count() == 20
+        raise Rollback
+    assert PersistentJob.objects.count() == 0

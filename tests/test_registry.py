@@ -1,0 +1,217 @@
+"""Handlers: @job_handler on functions and JobHandler subclasses, autodiscovery, duplicates and
+per-handler options merged over settings."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from django_persistent_jobs import (
+    ConfigurationError,
+    Dedup,
+    JobContext,
+    JobHandler,
+    enqueue,
+    job_handler,
+)
+from django_persistent_jobs.backoff import constant, default_backoff
+from django_persistent_jobs.errors import DuplicateHandlerError
+from django_persistent_jobs.models import PersistentJob
+from django_persistent_jobs.registry import HandlerSpec, registry
+from django_persistent_jobs.runner import Runner
+from tests.core_support import pj_settings
+
+SEEN: dict[str, Any] = {}
+
+
+def triple(attempt: int) -> float:
+    return 3.0 * attempt
+
+
+@job_handler("core.reg.one")
+def one_param(payload: dict[str, Any]) -> None:
+    SEEN["one"] = payload
+
+
+@job_handler("core.reg.two", max_retries=1, timeout=5, queue="reg", priority=3,
+             dedup=Dedup.REPLACE, backoff=constant(7))
+def two_params(payload: dict[str, Any], ctx: JobContext) -> None:
+    SEEN["two"] = (payload, ctx)
+
+
+@job_handler
+class ClassHandler(JobHandler):
+    job_type = "core.reg.class"
+    max_retries = 6
+    timeout = 9.5
+    queue = "classy"
+    priority = -2
+    dedup = Dedup.ENQUEUE
+
+    def execute(self, payload: Any, ctx: JobContext) -> None:
+        SEEN["class"] = (payload, ctx.job_type, ctx.attempt)
+
+
+def test_installed_apps_jobs_modules_are_autodiscovered() -> None:
+    noop, ledger = registry.get("test.noop"), registry.get("test.ledger")
+    assert noop is not None and ledger is not None
+    assert noop.origin == "tests.testapp.jobs.noop"
+    assert ledger.origin == "tests.testapp.jobs.ledger"
+    assert (ledger.max_retries, ledger.timeout) == (3, 60)
+    assert {"test.noop", "test.ledger", "core.reg.one"} <= set(registry.job_types())
+    assert "test.noop" in registry and "core.reg.missing" not in registry
+
+
+def test_function_and_class_registrations_keep_their_options() -> None:
+    two = registry.get("core.reg.two")
+    assert two is not None and not two.errors
+    assert (two.max_retries, two.timeout, two.queue, two.priority, two.dedup) == (
+        1, 5, "reg", 3, "replace")
+    assert two.effective_backoff()(4) == 7
+    cls = registry.get("core.reg.class")
+    assert cls is not None and not cls.errors
+    assert (cls.max_retries, cls.timeout, cls.queue, cls.priority, cls.dedup) == (
+        6, 9.5, "classy", -2, "enqueue")
+    assert cls.origin == f"{__name__}.ClassHandler"
+    # The decorator hands back what it decorated, tagged with its job type.
+    assert one_param.job_type == "core.reg.one"  # type: ignore[attr-defined]
+    assert ClassHandler.job_type == "core.reg.class"
+    one_param({"direct": True})
+    assert SEEN.pop("one") == {"direct": True}
+
+
+def test_decorator_options_override_class_attributes() -> None:
+    with registry.isolated():
+        @job_handler("core.reg.renamed", max_retries=0, priority=9)
+        class Renamed(ClassHandler):
+            pass
+
+        spec = registry.get("core.reg.renamed")
+        assert spec is not None
+        assert (spec.max_retries, spec.priority, spec.timeout, spec.queue) == (0, 9, 9.5,
+                                                                               "classy")
+    assert registry.get("core.reg.renamed") is None  # isolated() dropped it
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_handler_kind_runs_with_what_it_asked_for(
+    start_runner: Callable[..., Runner],
+) -> None:
+    SEEN.clear()
+    one = enqueue("core.reg.one", {"a": 1})
+    two = enqueue("core.reg.two", {"b": 2})
+    three = enqueue("core.reg.class", {"c": 3})
+    runner = start_runner(burst=True, scheduler=False)
+    assert runner.finished.wait(20)
+    assert set(PersistentJob.objects.values_list("status", flat=True)) == {"completed"}
+    assert SEEN["one"] == {"a": 1}
+    payload, ctx = SEEN["two"]
+    assert payload == {"b": 2}
+    assert isinstance(ctx, JobContext)
+    assert (ctx.job_id, ctx.job_type, ctx.attempt, ctx.max_retries, ctx.runner_id) == (
+        two.id, "core.reg.two", 1, 1, runner.runner_id)
+    assert (ctx.queue, ctx.priority, ctx.timeout) == ("reg", 3, 5.0)
+    assert not ctx.cancel_requested and not ctx.is_last_attempt
+    assert SEEN["class"] == ({"c": 3}, "core.reg.class", 1)
+    assert one.id != three.id
+
+
+def test_registering_a_job_type_twice_is_an_error() -> None:
+    original = registry.get("test.noop")
+    with registry.isolated():
+        with pytest.raises(DuplicateHandlerError) as info:
+            @job_handler("test.noop")
+            def impostor(payload: Any) -> None:
+                return None
+
+        message = str(info.value)
+        assert "'test.noop' is already handled by tests.testapp.jobs.noop" in message
+        assert "impostor cannot register it again" in message
+
+        with pytest.raises(DuplicateHandlerError):
+            @job_handler
+            class Impostor(JobHandler):
+                job_type = "core.reg.one"
+
+                def execute(self, payload: Any, ctx: JobContext) -> None:
+                    return None
+
+        job_handler("core.reg.lambda")(lambda payload: None)
+        with pytest.raises(DuplicateHandlerError):  # same module and name, different code
+            job_handler("core.reg.lambda")(lambda payload: 1)
+    assert registry.get("test.noop") is original
+
+
+def test_bad_handler_shapes_fail_at_decoration() -> None:
+    with registry.isolated():
+        with pytest.raises(ConfigurationError, match=r"must accept \(payload\) or \(payload, ctx\);"
+                                                     " it takes 3 positional parameters"):
+            @job_handler("core.reg.three")
+            def three(payload: Any, ctx: Any, extra: Any) -> None:
+                return None
+
+        with pytest.raises(ConfigurationError, match="it takes 0 positional parameters"):
+            job_handler("core.reg.zero")(lambda: None)
+        with pytest.raises(ConfigurationError, match="not a JobHandler subclass|"
+                                                     "a function or a JobHandler subclass"):
+            @job_handler("core.reg.plain")
+            class Plain:
+                pass
+
+        with pytest.raises(ConfigurationError, match="has no job type"):
+            @job_handler
+            class Nameless(JobHandler):
+                def execute(self, payload: Any, ctx: JobContext) -> None:
+                    return None
+
+        with pytest.raises(ConfigurationError, match="cannot decorate"):
+            job_handler("core.reg.value")(42)  # type: ignore[arg-type]
+        assert [t for t in registry.job_types() if t.startswith("core.reg.")] == [
+            "core.reg.class", "core.reg.one", "core.reg.two"]
+
+
+def test_handler_options_merge_over_settings_at_call_time() -> None:
+    spec = HandlerSpec(job_type="core.reg.bare", func=lambda p, c: None, origin="x")
+    assert (spec.effective_max_retries(), spec.effective_timeout(), spec.effective_dedup(),
+            spec.effective_queue()) == (3, 300.0, Dedup.SKIP, "default")
+    assert spec.effective_backoff() is default_backoff
+    with pj_settings(MAX_RETRIES=0, TIMEOUT=timedelta(seconds=90), DEDUP="enqueue",
+                     DEFAULT_QUEUE="q2", BACKOFF=f"{__name__}.triple"):
+        assert (spec.effective_max_retries(), spec.effective_timeout(), spec.effective_dedup(),
+                spec.effective_queue()) == (0, 90.0, Dedup.ENQUEUE, "q2")
+        assert spec.effective_backoff()(2) == 6.0
+        two = registry.get("core.reg.two")
+        assert two is not None
+        assert (two.effective_max_retries(), two.effective_timeout(), two.effective_dedup(),
+                two.effective_queue(), two.effective_backoff()(1)) == (1, 5, Dedup.REPLACE,
+                                                                       "reg", 7.0)
+    with pj_settings(BACKOFF=triple):
+        assert spec.effective_backoff() is triple
+
+
+def test_default_backoff_doubles_with_ten_percent_jitter_capped_at_2_pow_10() -> None:
+    for attempt, base in ((1, 2), (2, 4), (5, 32), (10, 1024), (30, 1024)):
+        values = [default_backoff(attempt) for _ in range(200)]
+        assert all(0.9 * base <= v <= 1.1 * base for v in values), (attempt, min(values))
+        assert len(set(values)) > 1  # jittered
+
+
+def test_job_context_reports_and_cancels() -> None:
+    progress: list[Any] = []
+    ctx = JobContext(job_id=uuid.uuid4(), job_type="t", attempt=2, max_retries=1, runner_id="r",
+                     timeout=30, _progress_sink=lambda c, p: progress.append(p))
+    assert ctx.is_last_attempt and ctx.time_left is not None and 29 < ctx.time_left <= 30
+    ctx.report_progress({"done": 1, "of": 3})
+    assert progress == [{"done": 1, "of": 3}]
+    ctx.raise_if_cancelled()
+    assert not ctx.wait_for_cancel(0)
+    ctx._cancel_event.set()
+    assert ctx.cancel_requested and ctx.wait_for_cancel(0)
+    from django_persistent_jobs import JobCancelledError
+
+    with pytest.raises(JobCancelledError):
+        ctx.raise_if_cancelled()

@@ -1,0 +1,158 @@
+"""Stale-lock recovery at the runner level (invariant 6): a dead runner's jobs come back within
+STALE_LOCK_TIMEOUT; a live runner's long job is never taken away from it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from django_persistent_jobs import JobContext, enqueue, job_handler
+from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
+from django_persistent_jobs.registry import Registry
+from django_persistent_jobs.runner import Runner, store
+from tests.test_runner_support import (
+    Gate,
+    attempts_of,
+    db_now,
+    get_job,
+    isolated_registry,
+    wait_for,
+    wait_status,
+)
+from tests.testapp.models import LedgerEntry, SideEffect
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+__all__ = ["isolated_registry"]  # a fixture, used by name
+
+StartRunner = Callable[..., Runner]
+Spawn = Callable[..., "subprocess.Popen[bytes]"]
+STALE = float(settings.PERSISTENT_JOBS["STALE_LOCK_TIMEOUT"])
+HEARTBEAT = float(settings.PERSISTENT_JOBS["HEARTBEAT_INTERVAL"])
+
+
+def _claim_as(runner_id: str, *, register: bool = True, heartbeat_age: float = 0.0) -> Any:
+    """Claim the next due job as a runner that then stops doing anything (a frozen/dead one)."""
+    with connection.cursor() as cursor:
+        if register:
+            store.register_runner(cursor, runner_id, "ghost-host", 99999, None, 1, "test")
+            cursor.execute(
+                "UPDATE persistent_jobs_runners SET heartbeat_at = now() - %s * interval "
+                "'1 second' WHERE id = %s", [heartbeat_age, runner_id],
+            )
+        [claimed] = store.claim(cursor, runner_id, 1, None)
+    return claimed
+
+
+def test_jobs_of_a_runner_with_an_old_heartbeat_are_rescued(start_runner: StartRunner) -> None:
+    job = enqueue("test.ledger", {"note": "rescued"})
+    claimed = _claim_as("ghost:1", heartbeat_age=60)
+    assert claimed.id == job.id and get_job(job.id).status == JobStatus.RUNNING
+    live = start_runner(concurrency=1)
+    done = wait_status(job.id, JobStatus.COMPLETED, timeout=15)
+    assert done.attempts == 2  # the lost attempt counts
+    first, second = attempts_of(job.id)
+    assert (first.runner_id, first.outcome, first.error_code) == ("ghost:1", "rescued",
+                                                                  "RUNNER_LOST")
+    assert "ghost:1" in first.error_message and live.runner_id in first.error_message
+    assert (second.runner_id, second.outcome) == (live.runner_id, "completed")
+    assert not JobRunnerRecord.objects.filter(pk="ghost:1").exists()
+    assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
+
+
+def test_job_locked_by_an_unregistered_runner_is_rescued(start_runner: StartRunner) -> None:
+    job = enqueue("test.ledger", {})
+    _claim_as("never-registered", register=False)
+    start_runner(concurrency=1)
+    done = wait_status(job.id, JobStatus.COMPLETED, timeout=15)
+    assert [a.outcome for a in attempts_of(job.id)] == ["rescued", "completed"]
+    assert done.attempts == 2
+
+
+def test_rescue_waits_for_the_stale_lock_timeout_then_acts_within_it(
+    start_runner: StartRunner,
+) -> None:
+    job = enqueue("test.ledger", {}, max_retries=0)  # rescue uses up the only attempt
+    _claim_as("ghost:fresh", heartbeat_age=0)
+    last_beat = JobRunnerRecord.objects.get(pk="ghost:fresh").heartbeat_at
+    start_runner(concurrency=1)
+    dead = wait_status(job.id, JobStatus.DEAD_LETTERED, timeout=STALE + 10)
+    [attempt] = attempts_of(job.id)
+    assert (attempt.outcome, attempt.error_code) == ("rescued", "RUNNER_LOST")
+    waited = (attempt.finished_at - last_beat).total_seconds()  # both by the database clock
+    assert STALE <= waited <= STALE + 4 * HEARTBEAT + 1.0, waited
+    assert dead.last_error_code == "RUNNER_LOST"
+
+
+def test_a_live_runners_long_job_is_never_rescued(
+    isolated_registry: Registry, start_runner: StartRunner
+) -> None:
+    gate, started = Gate(), Gate()
+
+    @job_handler("rt.long", timeout=120, max_retries=3)
+    def long_job(payload: Any, ctx: JobContext) -> None:
+        started.open()
+        gate.wait()
+        LedgerEntry.objects.create(job_id=ctx.job_id, note="long")
+
+    job = enqueue("rt.long", {})
+    owner = start_runner(concurrency=1)
+    assert started.wait()
+    other = start_runner(concurrency=1)  # a second live runner that would rescue if it could
+    assert get_job(job.id).locked_by == owner.runner_id
+
+    def long_enough() -> bool:
+        current = get_job(job.id)
+        # At every look, the job is still the owner's first and only attempt.
+        assert current.status == JobStatus.RUNNING and current.attempts == 1
+        assert current.locked_by == owner.runner_id
+        assert current.locked_at is not None
+        return db_now() - current.locked_at > timedelta(seconds=STALE + 4 * HEARTBEAT)
+
+    wait_for(long_enough, timeout=STALE + 20, interval=0.1,
+             message="the job to run longer than STALE_LOCK_TIMEOUT")
+    assert JobRunnerRecord.objects.filter(pk__in=[owner.runner_id, other.runner_id]).count() == 2
+    gate.open()
+    done = wait_status(job.id, JobStatus.COMPLETED)
+    assert done.attempts == 1
+    [attempt] = attempts_of(job.id)
+    assert attempt.outcome == "completed" and attempt.runner_id == owner.runner_id
+    assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
+
+
+def test_killed_runner_process_job_is_rescued_and_completed(
+    spawn_runner: Spawn, start_runner: StartRunner
+) -> None:
+    job = enqueue("test.hang_first", {"sleep": 120})
+    proc = spawn_runner("--concurrency", "1")
+    running = wait_status(job.id, JobStatus.RUNNING, timeout=30)
+    victim = running.locked_by
+    assert victim and JobRunnerRecord.objects.filter(pk=victim).exists()
+    # A live runner that serves another queue: it rescues but does not run the job itself yet.
+    start_runner(concurrency=1, queues=["elsewhere"])
+    proc.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    proc.wait(10)
+    rescued = wait_status(job.id, JobStatus.FAILED, timeout=STALE + 15)
+    elapsed = time.monotonic() - killed_at
+    assert STALE - 2 * HEARTBEAT - 0.5 <= elapsed <= STALE + 4 * HEARTBEAT + 2.0, elapsed
+    assert rescued.last_error_code == "RUNNER_LOST" and rescued.attempts == 1
+    assert not JobRunnerRecord.objects.filter(pk=victim).exists()
+    # Back in play: a runner for its queue completes it (attempt 2 does not hang).
+    start_runner(concurrency=1)
+    done = wait_status(job.id, JobStatus.COMPLETED, timeout=15)
+    assert done.attempts == 2
+    assert [(a.outcome, a.error_code) for a in attempts_of(job.id)] == [
+        ("rescued", "RUNNER_LOST"), ("completed", "")]
+    # The killed attempt's writes never committed; the rescued run's did, once.
+    assert list(SideEffect.objects.values_list("attempt", flat=True)) == [2]
+    assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
+    assert PersistentJob.objects.count() == 1

@@ -1,0 +1,184 @@
+"""Graceful shutdown: stop claiming, let in-flight jobs finish within the grace period, hand the
+rest back uncharged; a second signal stops at once. In process and as a ``runjobs`` process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from django_persistent_jobs import JobContext, enqueue, job_handler
+from django_persistent_jobs.models import JobRunnerRecord, JobStatus
+from django_persistent_jobs.registry import Registry
+from django_persistent_jobs.runner import Runner
+from tests.test_runner_support import (
+    Gate,
+    attempts_of,
+    get_job,
+    isolated_registry,
+    wait_for,
+    wait_status,
+)
+from tests.testapp.models import LedgerEntry, SideEffect
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+__all__ = ["isolated_registry"]  # a fixture, used by name
+
+StartRunner = Callable[..., Runner]
+Spawn = Callable[..., "subprocess.Popen[bytes]"]
+
+
+def _register_gated(job_type: str, gate: Gate, started: Gate) -> None:
+    @job_handler(job_type, timeout=120, max_retries=3)
+    def gated(payload: Any, ctx: JobContext) -> None:
+        SideEffect.objects.create(job_id=ctx.job_id, attempt=ctx.attempt)
+        started.open()
+        gate.wait()
+        LedgerEntry.objects.create(job_id=ctx.job_id, note=job_type)
+
+
+def test_stop_lets_an_in_flight_job_finish_within_the_grace_period(
+    isolated_registry: Registry, start_runner: StartRunner
+) -> None:
+    gate, started = Gate(), Gate()
+    _register_gated("rt.graceful", gate, started)
+    job = enqueue("rt.graceful", {})
+    runner = start_runner(concurrency=2, shutdown_grace=20)
+    assert started.wait()
+    runner.request_stop()
+    assert runner.stopping.is_set()
+    # Stopped claiming: a job enqueued now is left for another runner.
+    late = enqueue("rt.graceful", {})
+    assert not runner.finished.is_set()
+    gate.open()
+    assert runner.finished.wait(15)
+    assert runner.exit_code == 0
+    done = get_job(job.id)
+    assert done.status == JobStatus.COMPLETED and done.attempts == 1
+    assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
+    left = get_job(late.id)
+    assert left.status == JobStatus.PENDING and left.attempts == 0
+    assert not LedgerEntry.objects.filter(job_id=late.id).exists()
+    assert not JobRunnerRecord.objects.filter(pk=runner.runner_id).exists()
+
+
+def test_job_outliving_the_grace_period_is_handed_back_uncharged(
+    isolated_registry: Registry, start_runner: StartRunner
+) -> None:
+    gate, started = Gate(), Gate()
+    _register_gated("rt.too_long", gate, started)
+    job = enqueue("rt.too_long", {})
+    runner = start_runner(concurrency=1, shutdown_grace=0.5)
+    assert started.wait()
+    began = time.monotonic()
+    assert runner.stop(timeout=15) == 0
+    assert time.monotonic() - began < 10
+    back = get_job(job.id)
+    assert back.status == JobStatus.PENDING
+    assert back.attempts == 0  # a hand-back does not use up a retry
+    assert back.locked_by is None and back.lock_token is None
+    assert back.last_error_code == "SHUTDOWN"
+    [attempt] = attempts_of(job.id)
+    assert (attempt.outcome, attempt.error_code) == ("interrupted", "SHUTDOWN")
+    assert not SideEffect.objects.exists()
+    # The abandoned handler wakes up later and still cannot complete the job.
+    gate.open()
+    assert not LedgerEntry.objects.exists()
+    assert get_job(job.id).status == JobStatus.PENDING
+    # Back in play: the next runner runs it as attempt 1 again.
+    start_runner(concurrency=1)
+    done = wait_status(job.id, JobStatus.COMPLETED)
+    assert done.attempts == 1
+    assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
+
+
+def test_force_stop_hands_back_at_once(
+    isolated_registry: Registry, start_runner: StartRunner
+) -> None:
+    gate, started = Gate(), Gate()
+    _register_gated("rt.forced", gate, started)
+    job = enqueue("rt.forced", {})
+    runner = start_runner(concurrency=1, shutdown_grace=60)
+    assert started.wait()
+    runner.request_stop()
+    runner.force_stop()
+    assert runner.finished.wait(15), "force_stop waited for the grace period"
+    assert runner.exit_code == 1
+    back = get_job(job.id)
+    assert back.status == JobStatus.PENDING and back.attempts == 0
+    gate.open()
+
+
+# --------------------------------------------------------------------------- runjobs process
+
+
+def _thread_count(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no thread count")
+
+
+def _output(proc: subprocess.Popen[bytes]) -> str:
+    try:
+        out, _ = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        return "<still running>"
+    return out.decode(errors="replace")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_lets_in_flight_job_finish_and_exits_zero(
+    spawn_runner: Spawn, signum: signal.Signals
+) -> None:
+    job = enqueue("test.ledger", {"sleep": 1.5, "note": "in flight"})
+    proc = spawn_runner("--concurrency", "2")
+    wait_status(job.id, JobStatus.RUNNING, timeout=30)
+    proc.send_signal(signum)
+    # Stopped claiming: a job enqueued after the signal stays pending.
+    late = enqueue("test.ledger", {"note": "late"})
+    try:
+        code = proc.wait(20)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("runjobs did not exit after the signal") from None
+    assert code == 0, _output(proc)
+    done = get_job(job.id)
+    assert done.status == JobStatus.COMPLETED and done.attempts == 1
+    assert LedgerEntry.objects.get(job_id=job.id).note == "in flight"
+    left = get_job(late.id)
+    assert left.status == JobStatus.PENDING and left.attempts == 0
+    assert not JobRunnerRecord.objects.exists()
+
+
+def test_second_signal_forces_exit_and_hands_the_job_back(spawn_runner: Spawn) -> None:
+    job = enqueue("test.hang_first", {"sleep": 120})
+    proc = spawn_runner("--concurrency", "1", "--grace", "60")
+    wait_status(job.id, JobStatus.RUNNING, timeout=30)
+    threads = _thread_count(proc.pid)  # every loop started before the job was claimed
+    proc.send_signal(signal.SIGTERM)
+    # The first signal stops the claim loop (its thread exits); the job keeps running.
+    wait_for(lambda: _thread_count(proc.pid) < threads, timeout=15,
+             message="the claim loop to stop after the first SIGTERM")
+    assert proc.poll() is None, "the first SIGTERM did not wait for the in-flight job"
+    assert get_job(job.id).status == JobStatus.RUNNING
+    forced_at = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(20)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the second SIGTERM did not force an exit") from None
+    assert time.monotonic() - forced_at < 20
+    assert code == 1, _output(proc)
+    back = get_job(job.id)
+    assert back.status == JobStatus.PENDING and back.attempts == 0
+    assert back.last_error_code == "SHUTDOWN"
+    [attempt] = attempts_of(job.id)
+    assert (attempt.outcome, attempt.error_code) == ("interrupted", "SHUTDOWN")
+    assert not SideEffect.objects.exists() and not LedgerEntry.objects.exists()
+    assert not JobRunnerRecord.objects.exists()

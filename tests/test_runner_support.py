@@ -1,0 +1,135 @@
+"""Helpers shared by the runner test modules (this module holds no tests itself)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_persistent_jobs.models import JobAttempt, PersistentJob
+from django_persistent_jobs.registry import Registry, registry
+from tests.conftest import wait_for
+
+__all__ = [
+    "Gate",
+    "Tracker",
+    "attempts_of",
+    "db_now",
+    "get_job",
+    "isolated_registry",
+    "wait_for",
+    "wait_status",
+]
+
+
+@pytest.fixture
+def isolated_registry() -> Iterator[Registry]:
+    """Handlers registered during the test are dropped afterwards.
+
+    Request it *before* ``start_runner`` so it is torn down after the runners stop: the runner
+    looks handlers up in the global registry each time it executes a job.
+    """
+    with registry.isolated() as reg:
+        yield reg
+
+
+def get_job(job_id: Any) -> PersistentJob:
+    return PersistentJob.objects.get(pk=job_id)
+
+
+def attempts_of(job_id: Any) -> list[JobAttempt]:
+    return list(JobAttempt.objects.filter(job_id=job_id).order_by("attempt", "id"))
+
+
+def db_now() -> datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        value: datetime = cursor.fetchone()[0]
+    return value
+
+
+def wait_status(job_id: Any, *statuses: str, timeout: float = 15.0) -> PersistentJob:
+    """Wait until the job is in one of ``statuses`` and return it."""
+    seen: dict[str, str] = {}
+
+    def check() -> PersistentJob | None:
+        job = get_job(job_id)
+        seen["status"] = job.status
+        return job if job.status in statuses else None
+
+    try:
+        result: PersistentJob = wait_for(check, timeout=timeout,
+                                         message=f"job {job_id} to reach {statuses}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last status {seen.get('status')!r}") from None
+    return result
+
+
+class Gate:
+    """An event a handler waits on; tests open it. Never waits forever."""
+
+    def __init__(self, limit: float = 20.0) -> None:
+        self.event = threading.Event()
+        self.limit = limit
+
+    def wait(self) -> bool:
+        return self.event.wait(self.limit)
+
+    def open(self) -> None:
+        self.event.set()
+
+
+class Tracker:
+    """Thread-safe record of what handlers did, with events tests can wait on."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.max_running = 0
+        self.order: list[Any] = []
+        self.started: dict[uuid.UUID, float] = {}
+        self.finished: dict[uuid.UUID, float] = {}
+        self.changed = threading.Condition(self.lock)
+
+    def enter(self, job_id: uuid.UUID, label: Any = None) -> int:
+        with self.lock:
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+            self.order.append(label if label is not None else job_id)
+            self.started[job_id] = time.monotonic()
+            self.changed.notify_all()
+            return self.running
+
+    def leave(self, job_id: uuid.UUID) -> None:
+        with self.lock:
+            self.running -= 1
+            self.finished[job_id] = time.monotonic()
+            self.changed.notify_all()
+
+    def wait_started(self, job_id: uuid.UUID, timeout: float = 15.0) -> float:
+        """Wait until the handler for ``job_id`` has started; return its monotonic start."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while job_id not in self.started:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"handler for job {job_id} did not start in {timeout}s")
+                self.changed.wait(remaining)
+            return self.started[job_id]
+
+    def wait_running(self, count: int, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while self.running < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(
+                        f"expected {count} handlers running, saw {self.running} after {timeout}s"
+                    )
+                self.changed.wait(remaining)

@@ -1,0 +1,185 @@
+"""Timeouts: a hung handler loses its job, gives back its slot and can never complete it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from django_persistent_jobs import JobContext, enqueue, job_handler
+from django_persistent_jobs.backoff import constant
+from django_persistent_jobs.models import JobStatus
+from django_persistent_jobs.registry import Registry
+from django_persistent_jobs.runner import Runner
+from tests.test_runner_support import (
+    Gate,
+    attempts_of,
+    isolated_registry,
+    wait_for,
+    wait_status,
+)
+from tests.testapp.models import LedgerEntry, SideEffect
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+__all__ = ["isolated_registry"]  # a fixture, used by name
+
+
+def _assert_timed_out(attempt: Any, timeout: float) -> None:
+    assert attempt.outcome == "timed_out"
+    assert attempt.error_code == "TIMEOUT"
+    assert f"timeout of {timeout:g}s" in attempt.error_message
+    assert attempt.duration is not None and attempt.duration.total_seconds() >= timeout * 0.9
+
+
+def test_sleeping_handler_times_out_is_retried_and_frees_its_slot(
+    isolated_registry: Registry, start_runner: Any
+) -> None:
+    calls: list[int] = []
+
+    @job_handler("rt.sleeper", timeout=1, max_retries=1, backoff=constant(0), priority=10)
+    def sleeper(payload: Any, ctx: JobContext) -> None:
+        calls.append(ctx.attempt)
+        SideEffect.objects.create(job_id=ctx.job_id, attempt=ctx.attempt)
+        if ctx.attempt == 1:
+            time.sleep(3600)  # stuck in C: cannot be interrupted, only abandoned
+
+    @job_handler("rt.bystander")
+    def bystander(payload: Any, ctx: JobContext) -> None:
+        LedgerEntry.objects.create(job_id=ctx.job_id, note="bystander")
+
+    hung = enqueue("rt.sleeper", {})
+    other = enqueue("rt.bystander", {})  # lower priority: claimed after the sleeper
+    start_runner(concurrency=1)
+    # With one slot, the bystander can only run once the timed-out sleeper gave its slot back.
+    wait_status(other.id, JobStatus.COMPLETED, timeout=20)
+    done = wait_status(hung.id, JobStatus.COMPLETED, timeout=20)
+    assert done.attempts == 2 and calls == [1, 2]
+    first, second = attempts_of(hung.id)
+    _assert_timed_out(first, 1)
+    assert second.outcome == "completed"
+    [bystander_attempt] = attempts_of(other.id)
+    # (The slot is handed back as the timeout fires, a moment before the timeout is recorded.)
+    assert bystander_attempt.started_at >= first.started_at + timedelta(seconds=0.9)
+    # The stuck attempt's write rolled back (its connection was terminated); only attempt 2's.
+    assert list(SideEffect.objects.values_list("attempt", flat=True)) == [2]
+
+
+def test_spinning_handler_times_out_and_dead_letters_without_retries(
+    isolated_registry: Registry, start_runner: Any
+) -> None:
+    exited = threading.Event()
+
+    @job_handler("rt.spinner", timeout=1, max_retries=0)
+    def spinner(payload: Any, ctx: JobContext) -> None:
+        SideEffect.objects.create(job_id=ctx.job_id, attempt=ctx.attempt)
+        try:
+            while True:
+                pass
+        finally:
+            exited.set()
+
+    @job_handler("rt.after_spinner")
+    def after(payload: Any, ctx: JobContext) -> None:
+        LedgerEntry.objects.create(job_id=ctx.job_id, note="after")
+
+    spinning = enqueue("rt.spinner", {}, priority=5)
+    other = enqueue("rt.after_spinner", {})
+    runner = start_runner(concurrency=1)
+    dead = wait_status(spinning.id, JobStatus.DEAD_LETTERED, timeout=20)
+    assert dead.attempts == 1 and dead.last_error_code == "TIMEOUT"
+    [attempt] = attempts_of(spinning.id)
+    _assert_timed_out(attempt, 1)
+    # The busy loop itself was stopped (not just abandoned): the thread left the handler.
+    assert exited.wait(10), "the spinning handler was never interrupted"
+    wait_status(other.id, JobStatus.COMPLETED, timeout=20)
+    assert not SideEffect.objects.exists()
+    assert runner.pool.busy == 0
+    wait_for(lambda: len(runner.pool.workers) == 1, message="a replacement worker")
+    assert all(w.thread.is_alive() for w in runner.pool.workers)
+
+
+def test_timed_out_handler_that_carries_on_can_never_complete(
+    isolated_registry: Registry, start_runner: Any
+) -> None:
+    """A handler that swallows the interrupt, writes and returns still leaves nothing behind."""
+    finished = threading.Event()
+    report: dict[str, Any] = {}
+
+    @job_handler("rt.stubborn", timeout=1, max_retries=0)
+    def stubborn(payload: Any, ctx: JobContext) -> None:
+        try:
+            time.sleep(2.5)  # past its timeout
+        except BaseException as exc:  # the worst case: it ignores the runner's interrupt
+            report["swallowed"] = type(exc).__name__
+        try:
+            LedgerEntry.objects.create(job_id=ctx.job_id, note="too late")
+            report["wrote"] = True
+        except BaseException as exc:
+            report["write_error"] = type(exc).__name__
+            raise
+        finally:
+            finished.set()
+
+    job = enqueue("rt.stubborn", {})
+    start_runner(concurrency=1)
+    dead = wait_status(job.id, JobStatus.DEAD_LETTERED, timeout=20)
+    assert dead.last_error_code == "TIMEOUT"
+    assert finished.wait(15), "the stubborn handler never got to its write"
+    # Either its write failed on the terminated connection, or it went through and rolled back;
+    # in no case may it commit or change the job.
+    assert report.get("swallowed") == "JobInterrupted" or "write_error" in report
+    assert not LedgerEntry.objects.filter(job_id=job.id).exists()
+    again = wait_status(job.id, JobStatus.DEAD_LETTERED)
+    assert again.attempts == 1
+    [attempt] = attempts_of(job.id)
+    assert attempt.outcome == "timed_out"
+
+
+def test_handler_released_after_its_timeout_cannot_complete(
+    isolated_registry: Registry, start_runner: Any
+) -> None:
+    """A handler blocked past its timeout is abandoned; when it wakes it changes nothing."""
+    gate = Gate()
+    woke = threading.Event()
+
+    @job_handler("rt.blocked", timeout=0.5, max_retries=2, backoff=constant(3600))
+    def blocked(payload: Any, ctx: JobContext) -> None:
+        try:
+            gate.wait()
+            LedgerEntry.objects.create(job_id=ctx.job_id, note="late")
+        finally:
+            woke.set()
+
+    job = enqueue("rt.blocked", {})
+    runner = start_runner(concurrency=1)
+    failed = wait_status(job.id, JobStatus.FAILED, timeout=20)
+    assert failed.attempts == 1 and failed.last_error_code == "TIMEOUT"
+    assert runner.pool.busy == 0  # the slot is free while the old thread is still blocked
+    gate.open()
+    assert woke.wait(10)
+    assert not LedgerEntry.objects.exists()
+    after = wait_status(job.id, JobStatus.FAILED)
+    assert after.attempts == 1 and after.lock_token is None
+    [attempt] = attempts_of(job.id)
+    _assert_timed_out(attempt, 0.5)
+
+
+def test_timeout_given_at_enqueue_overrides_the_handler(
+    isolated_registry: Registry, start_runner: Any
+) -> None:
+    gate = Gate()
+
+    @job_handler("rt.enqueue_timeout", timeout=600, max_retries=0)
+    def slow(payload: Any) -> None:
+        gate.wait()
+
+    job = enqueue("rt.enqueue_timeout", {}, timeout=0.5)
+    runner: Runner = start_runner(concurrency=1)
+    dead = wait_status(job.id, JobStatus.DEAD_LETTERED, timeout=20)
+    gate.open()
+    assert dead.timeout_seconds == 0.5 and dead.last_error_code == "TIMEOUT"
+    assert runner.exit_code == 0
