@@ -65,6 +65,7 @@ PICKUP_CHANNEL = "pj_bench_pickup"
 ENQUEUE_BATCH = 5000
 PGBENCH_CLIENTS = 4
 ACTIVE = "status IN ('pending', 'failed', 'running')"
+SECTIONS = ("ceiling", "drain", "pickup", "enqueue")
 
 
 # --------------------------------------------------------------------------- output
@@ -289,10 +290,10 @@ def pgbench_ceiling(bench_url: str, jobs: int, prepared: bool, workdir: Path) ->
 class RunnerProcess:
     """One ``manage.py runjobs`` subprocess, with its CPU time and RSS read from /proc."""
 
-    def __init__(self, concurrency: int | None, workdir: Path) -> None:
+    def __init__(self, concurrency: int | None, workdir: Path, verbosity: int = 0) -> None:
         self.concurrency = concurrency
         self.log_path = workdir / f"runjobs-c{concurrency or 'default'}-{time.time_ns()}.log"
-        args = [sys.executable, str(ROOT / "manage.py"), "runjobs", "--verbosity", "0"]
+        args = [sys.executable, str(ROOT / "manage.py"), "runjobs", "--verbosity", str(verbosity)]
         if concurrency is not None:
             args += ["--concurrency", str(concurrency)]
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": SETTINGS_MODULE}
@@ -351,8 +352,9 @@ class RunnerProcess:
 
 
 @contextmanager
-def runner(concurrency: int | None, workdir: Path) -> Iterator[RunnerProcess]:
-    proc = RunnerProcess(concurrency, workdir)
+def runner(concurrency: int | None, workdir: Path, verbosity: int = 0) -> Iterator[RunnerProcess]:
+    """A runner at ``verbosity`` 0 (WARNING) unless asked: INFO logs a line per job."""
+    proc = RunnerProcess(concurrency, workdir, verbosity)
     try:
         yield proc
     finally:
@@ -500,6 +502,120 @@ def best_of(runs: list[Drain]) -> Drain:
     return max(runs, key=lambda d: d.rate)
 
 
+def section_ceiling(args: argparse.Namespace, ctx: Context) -> None:
+    """Both pgbench protocols; the ceiling is the better one, so the ratio is never flattered."""
+    if not (shutil.which("pgbench") or Path("/usr/bin/pgbench").exists()):
+        ctx.report.notes.append("pgbench not found: no ceiling, drain ratios not computed")
+        return
+    say(f"pgbench ceiling over {args.jobs} jobs, {PGBENCH_CLIENTS} clients")
+    simple = pgbench_ceiling(ctx.bench_url, args.jobs, prepared=False, workdir=ctx.workdir)
+    prepared = pgbench_ceiling(ctx.bench_url, args.jobs, prepared=True, workdir=ctx.workdir)
+    ctx.ceiling = max(simple, prepared)
+    ctx.report.add(f"pgbench claim+complete, {PGBENCH_CLIENTS} clients, simple protocol",
+                   f"{simple:,.0f} tps")
+    ctx.report.add(f"pgbench claim+complete, {PGBENCH_CLIENTS} clients, prepared",
+                   f"{prepared:,.0f} tps")
+    ctx.report.add("pgbench ceiling (the better of the two)", f"{ctx.ceiling:,.0f} tps")
+
+
+def section_drain(args: argparse.Namespace, ctx: Context) -> None:
+    drains: list[Drain] = []
+    for concurrency in args.concurrency:
+        say(f"drain of {args.jobs} no-op jobs, concurrency {concurrency}")
+        d = measure_drain(concurrency, args.jobs, ctx.workdir)
+        drains.append(d)
+        ratio = f"{d.rate / ctx.ceiling:.2f}x ceiling; " if ctx.ceiling else ""
+        ctx.report.add(f"drain {args.jobs:,} no-op jobs, runjobs --concurrency {concurrency}",
+                       f"{d.rate:,.0f} jobs/s", "",
+                       f"{ratio}{d.cpu_ms_per_job:.2f} ms runner CPU/job")
+    best = best_of(drains)
+    ctx.best_concurrency = best.concurrency
+    if ctx.ceiling:
+        ratio = best.rate / ctx.ceiling
+        met = "0.8x MET" if ratio >= 0.8 else (
+            "0.8x MISSED, milestone 0.5x MET" if ratio >= 0.5 else "0.8x and 0.5x MISSED")
+        ctx.report.add(f"drain, best (concurrency {best.concurrency})",
+                       f"{best.rate:,.0f} jobs/s", ">= 0.8x ceiling (0.5x first)",
+                       f"{ratio:.2f}x  {met}")
+    ctx.report.add("runner CPU per job at the best drain", f"{best.cpu_ms_per_job:.2f} ms",
+                   "(PgQueuer 0.24, Procrastinate 1.9)")
+
+
+def section_pickup(args: argparse.Namespace, ctx: Context) -> None:
+    say(f"pickup latency, {args.pickup_samples} samples")
+    from_commit, from_call = measure_pickup(ctx.bench_url, args.pickup_samples, ctx.workdir)
+    p50, p99 = pct(from_commit, 50), pct(from_commit, 99)
+    ctx.report.add("pickup latency p50 (commit -> handler start)", f"{p50:.2f} ms",
+                   "<= 1.5 ms", verdict(p50 <= 1.5, f"{p50 / 1.5:.2f}x target"))
+    ctx.report.add("pickup latency p99 (commit -> handler start)", f"{p99:.2f} ms", "<= 8 ms",
+                   verdict(p99 <= 8, f"{p99 / 8:.2f}x target"))
+    ctx.report.add("pickup latency p50 / p99 from the enqueue() call",
+                   f"{pct(from_call, 50):.2f} / {pct(from_call, 99):.2f} ms")
+
+
+def section_enqueue(args: argparse.Namespace, ctx: Context) -> None:
+    say(f"enqueue() x {args.enqueue_samples}")
+    durations = measure_enqueue(args.enqueue_samples)
+    e99 = pct(durations, 99)
+    ctx.report.add("enqueue() p50 (own transaction, commit included)",
+                   f"{pct(durations, 50):.2f} ms")
+    ctx.report.add("enqueue() p99 (own transaction, commit included)", f"{e99:.2f} ms",
+                   "<= 1.5 ms", verdict(e99 <= 1.5, f"{e99 / 1.5:.2f}x target"))
+    say(f"enqueue_many() {args.many_total} jobs")
+    batched = measure_enqueue_many(args.many_total, ENQUEUE_BATCH)
+    whole = measure_enqueue_many(args.many_total, args.many_total)
+    ctx.report.add(f"enqueue_many() {args.many_total:,} in batches of {ENQUEUE_BATCH:,}",
+                   f"{batched:,.0f} jobs/s", ">= 30,000 jobs/s",
+                   verdict(batched >= 30000, f"{batched / 30000:.2f}x target"))
+    ctx.report.add(f"enqueue_many() {args.many_total:,} in one batch", f"{whole:,.0f} jobs/s",
+                   ">= 30,000 jobs/s", verdict(whole >= 30000, f"{whole / 30000:.2f}x target"))
+
+
+def section_history(args: argparse.Namespace, ctx: Context) -> None:
+    """Empty table and then ``--finished-rows`` finished rows, back to back, same concurrency."""
+    concurrency = ctx.best_concurrency
+    say(f"drain with an empty table again, concurrency {concurrency}")
+    empty = measure_drain(concurrency, args.jobs, ctx.workdir)
+    say(f"prefilling {args.finished_rows} finished jobs (and their attempts)")
+    reset_jobs()
+    prefill_finished(args.finished_rows)
+    say("drain with the finished rows in place")
+    with runner(concurrency, ctx.workdir) as proc:
+        full = drain_once(proc, args.jobs)
+    ratio = full.rate / empty.rate
+    ctx.report.add(f"drain, empty table (again, concurrency {concurrency})",
+                   f"{empty.rate:,.0f} jobs/s")
+    ctx.report.add(f"drain with {args.finished_rows:,} finished rows", f"{full.rate:,.0f} jobs/s",
+                   ">= 0.8x empty", verdict(ratio >= 0.8, f"{ratio:.2f}x empty"))
+
+
+def section_memory(args: argparse.Namespace, ctx: Context) -> None:
+    """RSS of one runner after each drain; the first drain warms caches, so growth is from it."""
+    reset_jobs()
+    rss: list[float] = []
+    with runner(ctx.best_concurrency, ctx.workdir) as proc:
+        rss.append(proc.rss_mib())
+        for round_no in range(args.memory_rounds):
+            say(f"memory: drain {round_no + 1}/{args.memory_rounds}")
+            reset_jobs()
+            drain_once(proc, args.jobs)
+            rss.append(proc.rss_mib())
+    growth = rss[-1] - rss[1]
+    ctx.report.add(f"runner RSS idle, then after each of {args.memory_rounds} drains",
+                   " ".join(f"{v:.0f}" for v in rss) + " MiB")
+    ctx.report.add("RSS growth from drain 1 to the last", f"{growth:+.1f} MiB", "flat",
+                   verdict(abs(growth) <= max(2.0, 0.05 * rss[1]), "within 5% or 2 MiB"))
+
+
+@dataclass
+class Context:
+    bench_url: str
+    workdir: Path
+    report: Report
+    ceiling: float | None = None
+    best_concurrency: int | None = None
+
+
 def run(args: argparse.Namespace) -> int:
     server_url = os.environ.get("DATABASE_URL") or DEFAULT_SERVER_URL
     os.environ.pop("PJ_BENCH_DATABASE_URL", None)
@@ -508,115 +624,29 @@ def run(args: argparse.Namespace) -> int:
     recreate_database(server_url, BENCH_DB_NAME)
     setup_django(bench_url)
     facts = server_facts()
-    workdir = Path(tempfile.mkdtemp(prefix="pj-bench-"))
-    report = Report()
+    ctx = Context(bench_url=bench_url, workdir=Path(tempfile.mkdtemp(prefix="pj-bench-")),
+                  report=Report(), best_concurrency=args.concurrency[0])
     load_start = os.getloadavg()
     started = datetime.now(UTC)
-    jobs = args.jobs
-
-    # a. pgbench ceiling
-    ceiling: float | None = None
-    if shutil.which("pgbench") or Path("/usr/bin/pgbench").exists():
-        say(f"pgbench ceiling over {jobs} jobs, {PGBENCH_CLIENTS} clients")
-        simple = pgbench_ceiling(bench_url, jobs, prepared=False, workdir=workdir)
-        prepared = pgbench_ceiling(bench_url, jobs, prepared=True, workdir=workdir)
-        ceiling = max(simple, prepared)
-        report.add(f"pgbench claim+complete, {PGBENCH_CLIENTS} clients, simple protocol",
-                   f"{simple:,.0f} tps")
-        report.add(f"pgbench claim+complete, {PGBENCH_CLIENTS} clients, prepared",
-                   f"{prepared:,.0f} tps")
-        report.add("pgbench ceiling (the better of the two)", f"{ceiling:,.0f} tps")
-    else:
-        report.notes.append("pgbench not found: no ceiling, drain ratios not computed")
-
-    # b. drain
-    drains: list[Drain] = []
-    for concurrency in args.concurrency:
-        say(f"drain of {jobs} no-op jobs, concurrency {concurrency}")
-        d = measure_drain(concurrency, jobs, workdir)
-        drains.append(d)
-        ratio = f"{d.rate / ceiling:.2f}x ceiling" if ceiling else ""
-        report.add(f"drain {jobs:,} no-op jobs, runjobs --concurrency {concurrency}",
-                   f"{d.rate:,.0f} jobs/s", "", f"{ratio}; {d.cpu_ms_per_job:.2f} ms CPU/job")
-    best = best_of(drains)
-    if ceiling:
-        ratio = best.rate / ceiling
-        met = "0.8x MET" if ratio >= 0.8 else (
-            "0.8x MISSED, milestone 0.5x MET" if ratio >= 0.5 else "0.8x and 0.5x MISSED")
-        report.add(f"drain, best (concurrency {best.concurrency})", f"{best.rate:,.0f} jobs/s",
-                   ">= 0.8x ceiling (0.5x first)", f"{ratio:.2f}x  {met}")
-    report.add("runner CPU per job at best drain", f"{best.cpu_ms_per_job:.2f} ms",
-               "(PgQueuer 0.24, Procrastinate 1.9)")
-
-    # c. pickup latency
-    say(f"pickup latency, {args.pickup_samples} samples")
-    from_commit, from_call = measure_pickup(bench_url, args.pickup_samples, workdir)
-    p50, p99 = pct(from_commit, 50), pct(from_commit, 99)
-    report.add("pickup latency p50 (commit -> handler start)", f"{p50:.2f} ms", "<= 1.5 ms",
-               verdict(p50 <= 1.5, f"{p50 / 1.5:.2f}x target"))
-    report.add("pickup latency p99 (commit -> handler start)", f"{p99:.2f} ms", "<= 8 ms",
-               verdict(p99 <= 8, f"{p99 / 8:.2f}x target"))
-    report.add("pickup latency p50 / p99 from enqueue() call",
-               f"{pct(from_call, 50):.2f} / {pct(from_call, 99):.2f} ms")
-
-    # d. enqueue
-    say(f"enqueue() x {args.enqueue_samples}")
-    durations = measure_enqueue(args.enqueue_samples)
-    e99 = pct(durations, 99)
-    report.add("enqueue() p50 (own transaction, commit included)",
-               f"{pct(durations, 50):.2f} ms")
-    report.add("enqueue() p99 (own transaction, commit included)", f"{e99:.2f} ms", "<= 1.5 ms",
-               verdict(e99 <= 1.5, f"{e99 / 1.5:.2f}x target"))
-    say(f"enqueue_many() {args.many_total} jobs")
-    batched = measure_enqueue_many(args.many_total, ENQUEUE_BATCH)
-    whole = measure_enqueue_many(args.many_total, args.many_total)
-    report.add(f"enqueue_many() {args.many_total:,} in batches of {ENQUEUE_BATCH:,}",
-               f"{batched:,.0f} jobs/s", ">= 30,000 jobs/s",
-               verdict(batched >= 30000, f"{batched / 30000:.2f}x target"))
-    report.add(f"enqueue_many() {args.many_total:,} in one batch", f"{whole:,.0f} jobs/s",
-               ">= 30,000 jobs/s", verdict(whole >= 30000, f"{whole / 30000:.2f}x target"))
-
-    # e. optional: history, memory
+    sections = {"ceiling": section_ceiling, "drain": section_drain, "pickup": section_pickup,
+                "enqueue": section_enqueue}
+    for name, section in sections.items():
+        if name in args.only:
+            section(args, ctx)
     if args.finished_rows:
-        say(f"drain with an empty table again, concurrency {best.concurrency}")
-        empty = measure_drain(best.concurrency, jobs, workdir)
-        say(f"prefilling {args.finished_rows} finished jobs (and their attempts)")
-        reset_jobs()
-        prefill_finished(args.finished_rows)
-        say("drain with the finished rows in place")
-        with runner(best.concurrency, workdir) as proc:
-            full = drain_once(proc, jobs)
-        ratio = full.rate / empty.rate
-        report.add(f"drain, empty table (re-measured, concurrency {best.concurrency})",
-                   f"{empty.rate:,.0f} jobs/s")
-        report.add(f"drain with {args.finished_rows:,} finished rows", f"{full.rate:,.0f} jobs/s",
-                   ">= 0.8x empty", verdict(ratio >= 0.8, f"{ratio:.2f}x empty"))
+        section_history(args, ctx)
     if args.memory:
-        reset_jobs()
-        rss: list[float] = []
-        with runner(best.concurrency, workdir) as proc:
-            rss.append(proc.rss_mib())
-            for round_no in range(args.memory_rounds):
-                say(f"memory: drain {round_no + 1}/{args.memory_rounds}")
-                reset_jobs()
-                drain_once(proc, jobs)
-                rss.append(proc.rss_mib())
-        growth = rss[-1] - rss[1]
-        report.add(f"runner RSS idle, then after each of {args.memory_rounds} drains",
-                   " ".join(f"{v:.0f}" for v in rss) + " MiB")
-        report.add("RSS growth from drain 1 to the last", f"{growth:+.1f} MiB", "flat",
-                   verdict(abs(growth) <= max(2.0, 0.05 * rss[1]), "within 5% / 2 MiB"))
-
+        section_memory(args, ctx)
     load_end = os.getloadavg()
     header = [
         f"django-persistent-jobs bench, {started:%Y-%m-%d %H:%M} UTC, {platform.node()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
         f"PostgreSQL {facts['version']} (synchronous_commit={facts['synchronous_commit']}, "
-        f"fsync={facts['fsync']}), database {BENCH_DB_NAME}; {jobs:,} jobs per drain",
-        f"load average at start {load_start[0]:.2f}, at end {load_end[0]:.2f}; "
-        f"runner logs in {workdir}",
+        f"fsync={facts['fsync']}), database {BENCH_DB_NAME}; {args.jobs:,} jobs per drain",
+        f"load average (1 min) at start {load_start[0]:.2f}, at end {load_end[0]:.2f}; "
+        f"runner logs in {ctx.workdir}",
     ]
-    print(report.render(header))
+    print(ctx.report.render(header), flush=True)
     if not args.keep_db:
         from django.db import connections
 
@@ -638,6 +668,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enqueue-samples", type=int, default=None)
     parser.add_argument("--many-total", type=int, default=None,
                         help="jobs for the enqueue_many rate (default 50000)")
+    parser.add_argument("--only", type=_sections, default=set(SECTIONS),
+                        help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
     parser.add_argument("--finished-rows", type=int, default=0,
                         help="also drain with this many finished rows in the table")
     parser.add_argument("--memory", action="store_true",
@@ -658,6 +690,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
+
+
+def _sections(text: str) -> set[str]:
+    chosen = {v.strip() for v in text.split(",") if v.strip()}
+    unknown = chosen - set(SECTIONS)
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(f"sections are {','.join(SECTIONS)}")
+    return chosen
 
 
 def _int_list(text: str) -> list[int]:

@@ -6,7 +6,9 @@ it must not touch models before the app registry is ready.
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
@@ -32,6 +34,16 @@ _EXPORTS = {
     "retry_job": ".services",
     "cancel_job": ".services",
     "Runner": ".runner",
+    # recurring schedules (issue 3)
+    "add_schedule": ".schedule_services",
+    "update_schedule": ".schedule_services",
+    "remove_schedule": ".schedule_services",
+    "pause_schedule": ".schedule_services",
+    "resume_schedule": ".schedule_services",
+    "run_schedule_now": ".schedule_services",
+    "ScheduleNotFoundError": ".schedule_services",
+    "ScheduleError": ".schedules",
+    "next_tick": ".schedules",
 }
 
 __all__ = [
@@ -47,14 +59,23 @@ __all__ = [
     "PayloadError",
     "PermanentJobError",
     "Runner",
+    "ScheduleError",
+    "ScheduleNotFoundError",
     "TransientJobError",
     "UnknownJobTypeError",
+    "add_schedule",
     "cancel_job",
     "enqueue",
     "enqueue_many",
     "job_handler",
+    "next_tick",
+    "pause_schedule",
     "registry",
+    "remove_schedule",
+    "resume_schedule",
     "retry_job",
+    "run_schedule_now",
+    "update_schedule",
 ]
 
 if TYPE_CHECKING:
@@ -74,6 +95,16 @@ if TYPE_CHECKING:
     )
     from .registry import JobHandler, job_handler, registry
     from .runner import Runner
+    from .schedule_services import (
+        ScheduleNotFoundError,
+        add_schedule,
+        pause_schedule,
+        remove_schedule,
+        resume_schedule,
+        run_schedule_now,
+        update_schedule,
+    )
+    from .schedules import ScheduleError, next_tick
     from .services import cancel_job, retry_job
     from .types import Dedup
 
@@ -85,3 +116,26 @@ def __getattr__(name: str) -> Any:
     value = getattr(import_module(module, __name__), name)
     globals()[name] = value
     return value
+
+
+#: Public names that are also the names of the submodules defining them.
+_SHADOWED = frozenset({"enqueue", "registry"})
+
+
+class _Package(ModuleType):
+    """Keep ``enqueue`` (the function) and ``registry`` (the Registry) reachable as package
+    attributes.
+
+    When a submodule such as ``django_persistent_jobs.enqueue`` is first imported (the admin
+    imports it during ``django.setup()``), Python sets the package attribute of that name to the
+    submodule, and ``from django_persistent_jobs import enqueue`` would then hand out the
+    module instead of the function. The submodules stay importable by their dotted names.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SHADOWED and isinstance(value, ModuleType) and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -17,7 +17,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html
 
-from .errors import InvalidJobStateError, JobNotFoundError
+from .errors import ConfigurationError, InvalidJobStateError, JobNotFoundError
 from .models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from .services import cancel_job, retry_job
 
@@ -55,7 +55,7 @@ def _bulk(
         try:
             action(job_id)
             done += 1
-        except (InvalidJobStateError, JobNotFoundError) as exc:
+        except (InvalidJobStateError, JobNotFoundError, ConfigurationError) as exc:
             refused.append(str(exc))
     if done:
         modeladmin.message_user(request, f"{verb} {done} job(s).", messages.SUCCESS)
@@ -78,7 +78,7 @@ class PersistentJobAdmin(_JobAdminBase):
     )
     search_fields = ("dedup_key",)
     search_help_text = "Search by job id (exact) or dedup key."
-    readonly_fields = [f.name for f in PersistentJob._meta.fields]
+    readonly_fields = [f.name for f in PersistentJob._meta.fields] + ["schedule_link"]
     inlines = [JobAttemptInline]
     actions = ["retry_now", "retry_later", "retry_reset", "cancel"]
     list_per_page = 50
@@ -118,6 +118,12 @@ class PersistentJobAdmin(_JobAdminBase):
         }.get(JobStatus(obj.status), "inherit")
         return format_html('<b style="color:{}">{}</b>', color, obj.get_status_display())
 
+    @admin.display(description="recurring schedule")
+    def schedule_link(self, obj: PersistentJob) -> str:  # issue 3: a run links to its schedule
+        from .admin_schedules import schedule_link
+
+        return schedule_link(obj)
+
     @admin.display(description="attempts")
     def attempts_used(self, obj: PersistentJob) -> str:
         return f"{obj.attempts}/{obj.max_retries + 1}"
@@ -150,3 +156,7 @@ class JobRunnerAdmin(_RunnerAdminBase):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+# Recurring schedules have their own admin module (issue 3).
+from . import admin_schedules  # noqa: E402,F401

@@ -8,6 +8,7 @@ here too so that the system check (``checks.py``) and the runner report the same
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,6 +45,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
+#: The largest ``max_retries`` ``enqueue`` accepts (and so the largest MAX_RETRIES setting).
+MAX_RETRIES_LIMIT = 1_000_000
+#: Retention must fit PostgreSQL's interval arithmetic; timedelta's own maximum does.
+_MAX_RETENTION_SECONDS = timedelta.max.total_seconds()
 DEDUP_CHOICES = ("skip", "enqueue", "replace")
 
 
@@ -76,9 +81,10 @@ def _positive_number(
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
         return f"PERSISTENT_JOBS['{key}'] must be {kind}, got {value!r}."
-    if value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        return f"PERSISTENT_JOBS['{key}'] must be {bound}, got {value!r}."
+        kind = "an integer" if integer else "a finite number"
+        return f"PERSISTENT_JOBS['{key}'] must be {kind} {bound}, got {value!r}."
     return None
 
 
@@ -114,6 +120,11 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
         msg = _positive_number(key, value(key), integer=integer, allow_zero=zero)
         if msg:
             errors.append(("persistent_jobs.E003", msg, "Use a whole number."))
+    if not _positive_number("MAX_RETRIES", value("MAX_RETRIES"), integer=True, allow_zero=True) \
+            and value("MAX_RETRIES") > MAX_RETRIES_LIMIT:
+        errors.append(("persistent_jobs.E003",
+                       f"PERSISTENT_JOBS['MAX_RETRIES'] must be at most {MAX_RETRIES_LIMIT}, "
+                       f"got {value('MAX_RETRIES')!r}.", "Use a whole number."))
     for key in ("TIMEOUT", "POLL_INTERVAL", "STALE_LOCK_TIMEOUT", "CLEANUP_INTERVAL",
                 "SHUTDOWN_GRACE", "SCHEDULER_INTERVAL"):
         raw_value = value(key)
@@ -178,6 +189,15 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
         if not isinstance(value(key), str) or not value(key):
             errors.append(("persistent_jobs.E011",
                            f"PERSISTENT_JOBS['{key}'] must be a non-empty string.", ""))
+    default_queue = value("DEFAULT_QUEUE")
+    if isinstance(default_queue, str) and len(default_queue) > 100:
+        errors.append(("persistent_jobs.E011",
+                       "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be at most 100 characters "
+                       f"(the queue column's length), got {len(default_queue)}.", ""))
+    if not isinstance(value("ALLOW_UNREGISTERED"), bool):
+        errors.append(("persistent_jobs.E014",
+                       "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got "
+                       f"{value('ALLOW_UNREGISTERED')!r}.", ""))
     alias = value("DATABASE")
     if isinstance(alias, str) and alias not in django_settings.DATABASES:
         errors.append(("persistent_jobs.E012",
@@ -228,8 +248,10 @@ def retention(conf: dict[str, Any] | None = None) -> dict[str, float | None]:
     if raw is None or (isinstance(raw, int | float | timedelta) and not isinstance(raw, bool)):
         # One value applies to completed and cancelled; dead letters are kept for operators.
         base = None if raw is None else seconds(raw)
-        if base is not None and base <= 0:
-            raise ConfigurationError("PERSISTENT_JOBS['RETENTION'] must be positive.")
+        if base is not None and not 0 < base <= _MAX_RETENTION_SECONDS:
+            raise ConfigurationError(
+                f"PERSISTENT_JOBS['RETENTION'] must be positive and finite, got {raw!r}."
+            )
         return {"completed": base, "cancelled": base, "dead_lettered": None}
     if not isinstance(raw, dict):
         raise ConfigurationError(
@@ -247,9 +269,10 @@ def retention(conf: dict[str, Any] | None = None) -> dict[str, float | None]:
                 f"PERSISTENT_JOBS['RETENTION']['{status}'] must be a timedelta, seconds or "
                 f"None, got {item!r}."
             )
-        if seconds(item) <= 0:
+        if not 0 < seconds(item) <= _MAX_RETENTION_SECONDS:
             raise ConfigurationError(
-                f"PERSISTENT_JOBS['RETENTION']['{status}'] must be positive."
+                f"PERSISTENT_JOBS['RETENTION']['{status}'] must be positive and finite, "
+                f"got {item!r}."
             )
         result[status] = seconds(item)
     unknown = set(raw) - set(TERMINAL_RETENTION_KEYS)

@@ -234,6 +234,16 @@ def _cancel_waiting_duplicates(cursor: Any, job_type: str, keys: list[str]) -> i
 
 def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
     """Return ``(job, created)``; ``created`` is False when Skip returned an existing job."""
+    if job.dedup_key is not None and job.dedup is Dedup.REPLACE:
+        # Cancelling the old job and inserting the new one must commit together, also when the
+        # caller runs in autocommit: otherwise a failed insert would leave neither job waiting.
+        # Inside the caller's atomic block this adds nothing (no savepoint).
+        with transaction.atomic(using=alias, savepoint=False):
+            return _enqueue_prepared_in(job, alias)
+    return _enqueue_prepared_in(job, alias)
+
+
+def _enqueue_prepared_in(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
     with connections[alias].cursor() as cursor:
         for _ in range(_MAX_DEDUP_ROUNDS):
             if job.dedup_key is not None and job.dedup is Dedup.SKIP:

@@ -7,6 +7,8 @@ an unexpected exception is more often a passing fault than a verdict on the job.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from .conf import ConfigurationError
 
 __all__ = [
@@ -22,6 +24,11 @@ __all__ = [
     "TransientJobError",
     "UnknownJobTypeError",
 ]
+
+
+#: The longest ``retry_after`` accepted (about 1,000 years): far beyond any real retry, and well
+#: inside what PostgreSQL's ``now() + seconds * interval '1 second'`` can compute.
+MAX_RETRY_AFTER = 1000 * 365 * 86400.0
 
 
 class JobError(Exception):
@@ -40,12 +47,23 @@ class TransientJobError(JobError):
     """The attempt failed but may succeed later: retry after backoff (or ``retry_after``)."""
 
     def __init__(
-        self, message: str = "", code: str | None = None, retry_after: float | None = None
+        self, message: str = "", code: str | None = None,
+        retry_after: float | timedelta | None = None,
     ) -> None:
         super().__init__(message, code)
-        if retry_after is not None and retry_after < 0:
-            raise ValueError("retry_after must be >= 0 seconds")
-        self.retry_after = retry_after
+        if isinstance(retry_after, timedelta):
+            retry_after = retry_after.total_seconds()
+        if retry_after is not None and (
+            isinstance(retry_after, bool) or not isinstance(retry_after, int | float)
+            or not 0 <= retry_after <= MAX_RETRY_AFTER
+        ):
+            # NaN, infinity or millennia would make the retry's next_run_at overflow in SQL
+            # when the runner records the failure.
+            raise ValueError(
+                "retry_after must be seconds (or a timedelta) between 0 and 1000 years, "
+                f"got {retry_after!r}"
+            )
+        self.retry_after: float | None = retry_after
 
 
 class PermanentJobError(JobError):

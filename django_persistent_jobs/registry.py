@@ -9,6 +9,7 @@ them with ids; the runner refuses to start while any remain.
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 import zoneinfo
 from collections.abc import Callable, Iterator
@@ -180,12 +181,13 @@ def _check_options(spec: HandlerSpec) -> list[str]:
         problems.append(f"{name}: job_type must be a non-empty string of at most 200 characters.")
     if spec.max_retries is not None and (
         isinstance(spec.max_retries, bool) or not isinstance(spec.max_retries, int)
-        or spec.max_retries < 0
+        or not 0 <= spec.max_retries <= conf.MAX_RETRIES_LIMIT
     ):
-        problems.append(f"{name}: max_retries must be an integer >= 0, got {spec.max_retries!r}.")
+        problems.append(f"{name}: max_retries must be an integer >= 0 (at most "
+                        f"{conf.MAX_RETRIES_LIMIT}), got {spec.max_retries!r}.")
     if spec.timeout is not None and (
         isinstance(spec.timeout, bool) or not isinstance(spec.timeout, int | float)
-        or spec.timeout <= 0
+        or not math.isfinite(spec.timeout) or spec.timeout <= 0
     ):
         problems.append(f"{name}: timeout must be a number of seconds > 0, got {spec.timeout!r}.")
     if spec.dedup is not None and spec.dedup not in conf.DEDUP_CHOICES:

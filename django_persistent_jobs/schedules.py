@@ -32,7 +32,7 @@ from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 #: croniter candidates examined in one computation before we call the expression unusable.
 MAX_SCAN = 100_000
 #: Where ``count_ticks`` stops counting coalesced ticks (an operator only needs "many").
-COUNT_CAP = 1000
+COUNT_CAP = 100
 _ONE_SECOND = timedelta(seconds=1)
 _MICROSECOND = timedelta(microseconds=1)
 

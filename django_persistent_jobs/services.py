@@ -7,13 +7,14 @@ same moment: whichever commits first wins, and the loser sees the state it lost 
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from typing import Any, Literal
 
 from django.db import IntegrityError, connections, transaction
 
 from . import conf
-from .errors import InvalidJobStateError, JobNotFoundError
+from .errors import MAX_RETRY_AFTER, ConfigurationError, InvalidJobStateError, JobNotFoundError
 from .models import JOB_COLUMNS_SQL, JobStatus, PersistentJob, job_from_row
 from .registry import global_backoff, registry
 
@@ -42,7 +43,15 @@ def _load(job_id: Any) -> PersistentJob:
 def _backoff_seconds(job: PersistentJob) -> float:
     spec = registry.get(job.job_type)
     fn = spec.effective_backoff() if spec else global_backoff()
-    return max(0.0, float(fn(max(job.attempts, 1))))
+    seconds = float(fn(max(job.attempts, 1)))
+    if not math.isfinite(seconds) or seconds > MAX_RETRY_AFTER:
+        # Checked here so the operator gets a message instead of an SQL overflow.
+        raise ConfigurationError(
+            f"The backoff for {job.job_type!r} returned {seconds!r} seconds for attempt "
+            f"{max(job.attempts, 1)}; it must return a finite number of seconds. Use "
+            "retry mode 'now' or fix the backoff."
+        )
+    return max(0.0, seconds)
 
 
 def retry_job(job_id: Any, mode: RetryMode = "now") -> PersistentJob:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
@@ -16,8 +16,6 @@ from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
 from tests.conftest import wait_for
 from tests.core_support import blocked_backends, pj_settings, raw_connection
-
-T = TypeVar("T")
 
 
 @job_handler("core.dedup.replace", dedup=Dedup.REPLACE)
@@ -221,10 +219,10 @@ def test_enqueue_many_against_a_running_duplicate() -> None:
 
 # ------------------------------------------------------------------ concurrency
 
-def _run(fn: Callable[[], T]) -> Callable[[], T]:
+def _run[R](fn: Callable[[], R]) -> Callable[[], R]:
     """Wrap a thread body so the thread's own Django connection is closed afterwards."""
 
-    def body() -> T:
+    def body() -> R:
         try:
             return fn()
         finally:
@@ -289,3 +287,28 @@ def test_concurrent_replace_enqueues_leave_one_waiting_job_the_latest() -> None:
     assert first.id != second.id
     assert statuses(status="pending") == [(second.id, "pending", {"who": 2})]
     assert PersistentJob.objects.get(id=first.id).status == "cancelled"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_replace_in_autocommit_is_all_or_nothing() -> None:
+    """If inserting the replacement fails, the job it replaces must not stay cancelled."""
+    old = enqueue("core.dedup.replace", {"v": 1}, dedup_key="k")
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            CREATE FUNCTION core_refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.payload ? 'boom' THEN RAISE EXCEPTION 'insert refused'; END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER core_refuse_boom BEFORE INSERT ON persistent_jobs
+            FOR EACH ROW EXECUTE FUNCTION core_refuse_boom();
+        """)
+    try:
+        assert connection.get_autocommit()
+        with pytest.raises(Exception, match="insert refused"):
+            enqueue("core.dedup.replace", {"boom": True}, dedup_key="k")
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER core_refuse_boom ON persistent_jobs; "
+                           "DROP FUNCTION core_refuse_boom();")
+    assert statuses() == [(old.id, "pending", {"v": 1})]

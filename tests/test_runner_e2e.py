@@ -20,11 +20,10 @@ from django_persistent_jobs import (
     PermanentJobError,
     Runner,
     TransientJobError,
-    enqueue,
-    enqueue_many,
     job_handler,
 )
 from django_persistent_jobs.backoff import constant
+from django_persistent_jobs.enqueue import enqueue, enqueue_many
 from django_persistent_jobs.errors import ConfigurationError
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from django_persistent_jobs.registry import Registry

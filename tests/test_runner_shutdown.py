@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from django_persistent_jobs import JobContext, enqueue, job_handler
+from django_persistent_jobs import JobContext, job_handler
+from django_persistent_jobs.enqueue import enqueue
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus
 from django_persistent_jobs.registry import Registry
 from django_persistent_jobs.runner import Runner

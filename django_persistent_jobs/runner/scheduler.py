@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from django.db import connections, transaction
+from django.db import ProgrammingError, connections, transaction
 
 from .. import conf
+from ..errors import ConfigurationError
 from ..registry import registry
 from .db import is_connection_error, run_with_retry
 
@@ -81,19 +82,18 @@ def fire_due(runner_id: str | None = None, limit: int = BATCH) -> PassReport:
     alias = str(conf.get("DATABASE"))
     report = PassReport()
     types_sql, types_params = _type_filter()
-    with transaction.atomic(using=alias):
-        with connections[alias].cursor() as cursor:
-            cursor.execute(_DUE_SQL.format(types=types_sql), [*types_params, limit])
-            rows = cursor.fetchall()
-            if rows:
-                now: datetime = rows[0][1]
-                locked = JobSchedule.objects.using(alias).in_bulk([r[0] for r in rows])
-                for schedule in sorted(locked.values(), key=lambda s: (s.next_run_at, s.pk)):
-                    _fire_one(schedule, now, runner_id, report)
-                report.more = len(rows) == limit
-            cursor.execute(_NEXT_DUE_SQL.format(types=types_sql), types_params)
-            row = cursor.fetchone()
-            report.next_due_in = None if row is None or row[0] is None else float(row[0])
+    with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+        cursor.execute(_DUE_SQL.format(types=types_sql), [*types_params, limit])
+        rows = cursor.fetchall()
+        if rows:
+            now: datetime = rows[0][1]
+            locked = JobSchedule.objects.using(alias).in_bulk([r[0] for r in rows])
+            for schedule in sorted(locked.values(), key=lambda s: (s.next_run_at, s.pk)):
+                _fire_one(schedule, now, runner_id, report)
+            report.more = len(rows) == limit
+        cursor.execute(_NEXT_DUE_SQL.format(types=types_sql), types_params)
+        row = cursor.fetchone()
+        report.next_due_in = None if row is None or row[0] is None else float(row[0])
     return report
 
 
@@ -153,8 +153,14 @@ def scheduler_loop(runner: Runner) -> None:
 
     alias = runner.alias
     interval = runner.settings.scheduler_interval
-    synced = run_with_retry(alias, lambda cursor: sync_code_schedules(),
-                            what="syncing code-declared schedules", interrupt=runner.stopping)
+    try:
+        synced = run_with_retry(alias, lambda cursor: sync_code_schedules(),
+                                what="syncing code-declared schedules", interrupt=runner.stopping)
+    except ProgrammingError as exc:
+        raise ConfigurationError(
+            "The persistent_jobs_schedules table is missing; run `python manage.py migrate` "
+            f"(django_persistent_jobs 0003), or start the runner with --no-scheduler ({exc})."
+        ) from exc
     if synced is None:
         return
     while not runner.stopping.is_set():

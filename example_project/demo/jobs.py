@@ -22,7 +22,10 @@ from django_persistent_jobs.backoff import constant
 logger = logging.getLogger("example_project.demo")
 
 
-@job_handler("demo.health_check", max_retries=1, timeout=10)
+# One-shot (the demo command enqueues it) and recurring: every runner syncs this schedule into
+# the schedules table at start, and exactly one of them enqueues a run each minute (issue 3).
+@job_handler("demo.health_check", max_retries=1, timeout=10, cron="* * * * *",
+             payload={"source": "schedule"})
 class HealthCheckJob(JobHandler):
     """Logs the current timestamp: the smallest useful job, and a liveness signal for operators."""
 

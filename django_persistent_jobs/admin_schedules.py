@@ -1,0 +1,242 @@
+"""Django admin for recurring schedules: see when each fires and how it last went; steer it.
+
+Every write goes through ``schedule_services`` (the same validation and behaviour as the Python
+API). Schedules declared in code are read-only here except for pause, resume and "run now":
+changing them belongs in the ``@job_handler`` decorator, where the next deploy would put them
+back anyway.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.db.models import OuterRef, QuerySet, Subquery
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils import timezone as dj_timezone
+from django.utils.html import format_html
+
+from . import conf
+from .models import PersistentJob
+from .registry import registry
+from .schedule_models import JobSchedule, TickResult
+from .schedule_services import (
+    ScheduleError,
+    ScheduleNotFoundError,
+    add_schedule,
+    pause_schedule,
+    remove_schedule,
+    resume_schedule,
+    run_schedule_now,
+    update_schedule,
+    validate_definition,
+)
+from .schedules import default_timezone
+
+if TYPE_CHECKING:
+    _ScheduleAdminBase = admin.ModelAdmin[JobSchedule]
+else:
+    _ScheduleAdminBase = admin.ModelAdmin
+
+_DEFINITION_FIELDS = ("name", "job_type", "cron", "interval_seconds", "timezone", "payload",
+                      "queue", "priority", "paused")
+_INFO_FIELDS = ("source", "active", "inactive_reason", "next_run", "last_run_at", "last_outcome",
+                "last_error", "runs", "created_at", "updated_at")
+
+
+def _in_zone(value: Any, zone: str | None) -> str:
+    if value is None:
+        return "-"
+    try:
+        tz = ZoneInfo(zone) if zone else dj_timezone.get_current_timezone()
+    except (ZoneInfoNotFoundError, ValueError):
+        tz = dj_timezone.get_current_timezone()
+    return value.astimezone(tz).strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def runs_url(name: str) -> str:
+    """The job changelist narrowed to this schedule's runs (runs carry its name as dedup key)."""
+    return (reverse("admin:django_persistent_jobs_persistentjob_changelist") + "?"
+            + urlencode({"q": name}))
+
+
+def schedule_link(job: PersistentJob) -> str:
+    """For the job detail page: a link to the schedule that enqueued this run, if any."""
+    info = job.schedule if isinstance(job.schedule, dict) else None
+    if not info or not info.get("name"):
+        return "-"
+    name = str(info["name"])
+    when = info.get("tick") or "run now"
+    schedule = JobSchedule.objects.filter(name=name).only("pk").first()
+    if schedule is None:
+        return format_html("{} (schedule removed; tick {})", name, when)
+    url = reverse("admin:django_persistent_jobs_jobschedule_change", args=[schedule.pk])
+    return format_html('<a href="{}">{}</a> (tick {})', url, name, when)
+
+
+class JobScheduleForm(forms.ModelForm):
+    """Validates with the same function the Python API uses, so the messages match."""
+
+    class Meta:
+        model = JobSchedule
+        fields = _DEFINITION_FIELDS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if "job_type" in self.fields and not conf.get("ALLOW_UNREGISTERED"):
+            choices = [(t, t) for t in registry.job_types()]
+            self.fields["job_type"] = forms.ChoiceField(choices=choices, label="Job type")
+        if "timezone" in self.fields:
+            self.fields["timezone"].initial = default_timezone()
+        if "interval_seconds" in self.fields:
+            self.fields["interval_seconds"].help_text = "Seconds; give this or cron, not both."
+
+    def clean(self) -> dict[str, Any]:
+        data: dict[str, Any] = super().clean() or {}
+        if not {"job_type", "cron"} <= set(self.fields):
+            return data
+        try:
+            validate_definition(
+                data.get("job_type"), cron=data.get("cron") or None,
+                interval=data.get("interval_seconds"), payload=data.get("payload"),
+                timezone=data.get("timezone") or None, queue=data.get("queue") or None,
+                priority=data.get("priority"),
+            )
+        except ScheduleError as exc:
+            raise ValidationError(str(exc)) from exc
+        return data
+
+
+@admin.register(JobSchedule)
+class JobScheduleAdmin(_ScheduleAdminBase):
+    form = JobScheduleForm
+    list_display = ("name", "job_type", "expression", "zone", "next_run", "last_run_at",
+                    "last_outcome", "state", "source")
+    list_filter = ("source", "active", "paused", "last_result")
+    search_fields = ("name", "job_type")
+    actions = ["pause", "resume", "run_now"]
+    ordering = ("name",)
+
+    # ------------------------------------------------------------------ queryset and columns
+    def get_queryset(self, request: HttpRequest) -> QuerySet[JobSchedule]:
+        last_status = PersistentJob.objects.filter(id=OuterRef("last_job_id")).values("status")
+        return super().get_queryset(request).annotate(last_job_status=Subquery(last_status[:1]))
+
+    @admin.display(description="schedule")
+    def expression(self, obj: JobSchedule) -> str:
+        return obj.describe().split(" (")[0]
+
+    @admin.display(description="time zone", ordering="timezone")
+    def zone(self, obj: JobSchedule) -> str:
+        return obj.timezone if obj.cron else "-"
+
+    @admin.display(description="next run", ordering="next_run_at")
+    def next_run(self, obj: JobSchedule) -> str:
+        if not obj.active or obj.paused:
+            return "-"
+        return _in_zone(obj.next_run_at, obj.timezone if obj.cron else None)
+
+    @admin.display(description="last outcome", ordering="last_result")
+    def last_outcome(self, obj: JobSchedule) -> str:
+        if not obj.last_result:
+            return "-"
+        status = getattr(obj, "last_job_status", None)
+        if obj.last_job_id is None:
+            return TickResult(obj.last_result).label
+        url = reverse("admin:django_persistent_jobs_persistentjob_change", args=[obj.last_job_id])
+        label = {"enqueued": "run", "skipped": "skipped; active run"}.get(obj.last_result,
+                                                                         obj.last_result)
+        return format_html('{} <a href="{}">{}</a>', label, url,
+                           status or "deleted by cleanup")
+
+    @admin.display(description="state")
+    def state(self, obj: JobSchedule) -> str:
+        if not obj.active:
+            return f"inactive: {obj.get_inactive_reason_display()}"
+        return "paused" if obj.paused else "active"
+
+    @admin.display(description="runs")
+    def runs(self, obj: JobSchedule) -> str:
+        if obj.pk is None:
+            return "-"
+        return format_html('<a href="{}">runs of {}</a>', runs_url(obj.name), obj.name)
+
+    # ------------------------------------------------------------------ editing
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        if obj is None:
+            return _INFO_FIELDS
+        if obj.is_code:
+            return _DEFINITION_FIELDS + _INFO_FIELDS
+        return ("name", *_INFO_FIELDS)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is not None and obj.is_code:
+            return False
+        return super().has_delete_permission(request, obj)
+
+    def save_model(self, request: HttpRequest, obj: JobSchedule, form: Any, change: bool) -> None:
+        data = form.cleaned_data
+        definition = {
+            "cron": data.get("cron") or None, "interval": data.get("interval_seconds"),
+            "payload": data.get("payload"), "timezone": data.get("timezone") or None,
+            "queue": data.get("queue") or None, "priority": data.get("priority"),
+        }
+        if not change:
+            saved = add_schedule(obj.name, data["job_type"], paused=bool(data.get("paused")),
+                                 **definition)
+        else:
+            saved = update_schedule(obj.name, job_type=data["job_type"], **definition)
+            if "paused" in form.changed_data:
+                saved = (pause_schedule if data.get("paused") else resume_schedule)(obj.name)
+        obj.pk = saved.pk
+
+    def delete_model(self, request: HttpRequest, obj: JobSchedule) -> None:
+        remove_schedule(obj.name)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[JobSchedule]) -> None:
+        for schedule in queryset:
+            try:
+                remove_schedule(schedule.name)
+            except (ScheduleError, ScheduleNotFoundError) as exc:
+                self.message_user(request, str(exc), messages.WARNING)
+
+    # ------------------------------------------------------------------ actions
+    def _each(self, request: HttpRequest, queryset: QuerySet[JobSchedule], verb: str,
+              action: Any) -> None:
+        done = 0
+        for name in queryset.values_list("name", flat=True):
+            try:
+                action(name)
+                done += 1
+            except (ScheduleError, ScheduleNotFoundError) as exc:
+                self.message_user(request, str(exc), messages.WARNING)
+        if done:
+            self.message_user(request, f"{verb} {done} schedule(s).", messages.SUCCESS)
+
+    @admin.action(description="Pause", permissions=["change"])
+    def pause(self, request: HttpRequest, queryset: QuerySet[JobSchedule]) -> None:
+        self._each(request, queryset, "Paused", pause_schedule)
+
+    @admin.action(description="Resume (from the next tick)", permissions=["change"])
+    def resume(self, request: HttpRequest, queryset: QuerySet[JobSchedule]) -> None:
+        self._each(request, queryset, "Resumed", resume_schedule)
+
+    @admin.action(description="Run now", permissions=["change"])
+    def run_now(self, request: HttpRequest, queryset: QuerySet[JobSchedule]) -> None:
+        for name in queryset.values_list("name", flat=True):
+            try:
+                job = run_schedule_now(name)
+            except (ScheduleError, ScheduleNotFoundError) as exc:
+                self.message_user(request, str(exc), messages.WARNING)
+                continue
+            schedule = JobSchedule.objects.get(name=name)
+            if schedule.last_result == TickResult.SKIPPED:
+                self.message_user(request, f"{name}: skipped, run {job.id} is still {job.status} "
+                                           "(the handler's dedup is Skip).", messages.WARNING)
+            else:
+                self.message_user(request, f"{name}: enqueued run {job.id}.", messages.SUCCESS)

@@ -1,0 +1,114 @@
+"""Cleanup of finished jobs: RETENTION per status, attempts deleted with their job, dead letters
+kept by default, recent and unfinished jobs never touched."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_persistent_jobs import enqueue
+from django_persistent_jobs.models import JobAttempt, PersistentJob
+from django_persistent_jobs.runner.cleanup import cleanup_once
+from tests.core_support import pj_settings
+
+
+def finished(status: str, age: timedelta, attempts: int = 1) -> PersistentJob:
+    job = enqueue("test.noop", {"status": status, "age": age.total_seconds()})
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE persistent_jobs SET status = %s, finished_at = now() - %s, "
+            "created_at = now() - %s - interval '1 minute' WHERE id = %s",
+            [status, age, age, job.id],
+        )
+    for number in range(1, attempts + 1):
+        JobAttempt.objects.create(job_id=job.id, attempt=number, runner_id="r", outcome="failed")
+    return job
+
+
+def remaining() -> set[Any]:
+    return set(PersistentJob.objects.values_list("id", flat=True))
+
+
+@pytest.fixture
+def history() -> dict[str, PersistentJob]:
+    days = timedelta(days=1)
+    jobs = {
+        "old_completed": finished("completed", 8 * days, attempts=2),
+        "new_completed": finished("completed", 6 * days),
+        "old_cancelled": finished("cancelled", 30 * days),
+        "new_cancelled": finished("cancelled", timedelta(hours=1)),
+        "old_dead": finished("dead_lettered", 400 * days, attempts=3),
+        "new_dead": finished("dead_lettered", 2 * days),
+        "pending": enqueue("test.noop", run_at=None),
+        "failed": finished("failed", 0 * days),
+    }
+    # An unfinished job created long ago is not "old": only finished_at counts.
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE persistent_jobs SET created_at = now() - interval '1 year', "
+                       "finished_at = NULL WHERE id = ANY(%s)",
+                       [[jobs["pending"].id, jobs["failed"].id]])
+    return jobs
+
+
+@pytest.mark.django_db
+def test_default_retention_deletes_old_completed_and_cancelled_only(
+    history: dict[str, PersistentJob],
+) -> None:
+    assert cleanup_once("default") == 2
+    assert remaining() == {j.id for k, j in history.items()
+                           if k not in ("old_completed", "old_cancelled")}
+    # Attempts go with their job; other jobs keep theirs.
+    assert not JobAttempt.objects.filter(job_id=history["old_completed"].id).exists()
+    assert JobAttempt.objects.filter(job_id=history["old_dead"].id).count() == 3
+    assert cleanup_once("default") == 0  # idempotent
+
+
+@pytest.mark.django_db
+def test_dead_letters_are_deleted_only_when_configured(
+    history: dict[str, PersistentJob],
+) -> None:
+    with pj_settings(RETENTION={"dead_lettered": timedelta(days=30)}):
+        assert cleanup_once("default") == 3  # completed/cancelled keep their 7-day default
+    assert history["old_dead"].id not in remaining()
+    assert history["new_dead"].id in remaining()
+    assert not JobAttempt.objects.filter(job_id=history["old_dead"].id).exists()
+
+
+@pytest.mark.django_db
+def test_one_retention_value_applies_to_completed_and_cancelled(
+    history: dict[str, PersistentJob],
+) -> None:
+    with pj_settings(RETENTION=timedelta(minutes=30)):
+        assert cleanup_once("default") == 4
+    assert remaining() == {j.id for k, j in history.items()
+                           if k in ("old_dead", "new_dead", "pending", "failed")}
+
+
+@pytest.mark.django_db
+def test_retention_none_keeps_everything(history: dict[str, PersistentJob]) -> None:
+    with pj_settings(RETENTION=None):
+        assert cleanup_once("default") == 0
+    with pj_settings(RETENTION={"completed": None, "cancelled": 3600}):
+        assert cleanup_once("default") == 1  # old_cancelled only
+    assert len(remaining()) == len(history) - 1
+
+
+@pytest.mark.django_db
+def test_cleanup_deletes_in_batches_until_done() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO persistent_jobs (id, job_type, payload, status, max_retries, "
+            "finished_at) SELECT gen_random_uuid(), 'test.noop', '{}'::jsonb, 'completed', 3, "
+            "now() - interval '30 days' FROM generate_series(1, 12345)"
+        )
+        cursor.execute(
+            "INSERT INTO persistent_jobs_attempts (job_id, attempt, runner_id, outcome) "
+            "SELECT id, 1, 'r', 'completed' FROM persistent_jobs"
+        )
+    keep = enqueue("test.noop")
+    assert cleanup_once("default") == 12345
+    assert remaining() == {keep.id}
+    assert JobAttempt.objects.count() == 0

@@ -1,0 +1,120 @@
+"""Schema guarantees: the partial unique dedup index, the status constraint, and a claim query
+that stays an index scan however many finished rows the table holds (the plan is asserted)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.db import IntegrityError, connection, transaction
+
+from django_persistent_jobs.models import PersistentJob
+from django_persistent_jobs.runner import store
+
+SEQ_SCAN_ON_JOBS = re.compile(r"Seq Scan on persistent_jobs(?!_)")
+
+
+def index_def(name: str) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indexdef FROM pg_indexes WHERE tablename = 'persistent_jobs' "
+                       "AND indexname = %s", [name])
+        row = cursor.fetchone()
+    assert row is not None, f"index {name} is missing"
+    return str(row[0])
+
+
+def row(**fields: Any) -> PersistentJob:
+    fields.setdefault("job_type", "core.idx")
+    fields.setdefault("max_retries", 3)
+    return PersistentJob.objects.create(**fields)
+
+
+@pytest.mark.django_db
+def test_indexes_are_partial_where_it_matters() -> None:
+    unique = index_def("pj_dedup_waiting_uniq")
+    assert "CREATE UNIQUE INDEX pj_dedup_waiting_uniq" in unique
+    assert "(job_type, dedup_key) WHERE" in unique
+    where = unique.split(" WHERE ", 1)[1]
+    assert "'pending'" in where and "'failed'" in where and "'running'" not in where
+    assert "'enqueue'" in where and "dedup_key IS NOT NULL" in where
+    claim = index_def("pj_claim_idx")
+    assert "(priority DESC, next_run_at) WHERE" in claim
+    claim_where = claim.split(" WHERE ", 1)[1]
+    assert "'pending'" in claim_where and "'failed'" in claim_where
+    assert "'completed'" not in claim_where and "'running'" not in claim_where
+    running = index_def("pj_running_key_idx")
+    assert "(job_type, dedup_key) WHERE" in running and "'running'" in running
+
+
+@pytest.mark.django_db
+def test_unique_dedup_index_covers_waiting_jobs_only() -> None:
+    row(dedup_key="k", status="pending")
+    for status in ("pending", "failed"):
+        with pytest.raises(IntegrityError, match="pj_dedup_waiting_uniq"), transaction.atomic():
+            row(dedup_key="k", status=status)
+    # Running, finished, Enqueue-strategy and other-type rows may share the key.
+    row(dedup_key="k", status="running")
+    row(dedup_key="k", status="completed")
+    row(dedup_key="k", status="cancelled")
+    row(dedup_key="k", status="pending", dedup="enqueue")
+    row(dedup_key="k", status="pending", job_type="core.idx.other")
+    row(dedup_key=None, status="pending")
+    row(dedup_key=None, status="pending")
+    assert PersistentJob.objects.filter(dedup_key="k").count() == 6
+
+
+@pytest.mark.django_db
+def test_status_is_constrained() -> None:
+    with pytest.raises(IntegrityError, match="pj_status_valid"), transaction.atomic():
+        row(status="done")
+
+
+@pytest.mark.django_db
+def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO persistent_jobs (id, job_type, payload, status, max_retries, dedup_key,
+                                         next_run_at, finished_at, attempts)
+            SELECT gen_random_uuid(), 'core.idx.' || (g % 20), '{"n": 1}'::jsonb,
+                   (ARRAY['completed', 'dead_lettered', 'cancelled'])[1 + g % 3], 3,
+                   CASE WHEN g % 2 = 0 THEN 'key-' || g END,
+                   now() - interval '1 day', now() - interval '1 hour', 1
+            FROM generate_series(1, 60000) AS g
+        """)
+        cursor.execute("""
+            INSERT INTO persistent_jobs (id, job_type, payload, status, max_retries, dedup_key,
+                                         next_run_at, priority, queue)
+            SELECT gen_random_uuid(), 'core.idx.' || (g % 20), '{}'::jsonb,
+                   CASE WHEN g % 5 = 0 THEN 'failed' ELSE 'pending' END, 3,
+                   'waiting-' || g, now() - (g || ' seconds')::interval, g % 3,
+                   CASE WHEN g % 2 = 0 THEN 'default' ELSE 'mail' END
+            FROM generate_series(1, 40) AS g
+        """)
+        cursor.execute("""
+            INSERT INTO persistent_jobs (id, job_type, payload, status, max_retries, dedup_key,
+                                         attempts, lock_token)
+            SELECT gen_random_uuid(), 'core.idx.1', '{}'::jsonb, 'running', 3, 'running-' || g,
+                   1, g FROM generate_series(1, 5) AS g
+        """)
+        cursor.execute("ANALYZE persistent_jobs")
+        plans = {}
+        for name, sql, params in (
+            ("all queues", store._claim_sql(False), {"runner": "r", "limit": 10}),
+            ("some queues", store._claim_sql(True),
+             {"runner": "r", "limit": 10, "queues": ["mail"]}),
+        ):
+            cursor.execute("EXPLAIN " + sql, params)
+            plans[name] = "\n".join(r[0] for r in cursor.fetchall())
+        print("\n\n".join(f"-- claim plan ({k}), 60k finished rows:\n{v}"
+                          for k, v in plans.items()))
+        for name, plan in plans.items():
+            assert "pj_claim_idx" in plan, f"{name}:\n{plan}"
+            assert not SEQ_SCAN_ON_JOBS.search(plan), f"{name}:\n{plan}"
+            assert "LockRows" in plan, f"{name}:\n{plan}"  # FOR UPDATE SKIP LOCKED
+
+        # And it returns the right jobs: priority first, then the oldest due.
+        cursor.execute("SELECT id FROM persistent_jobs WHERE status IN ('pending', 'failed') "
+                       "ORDER BY priority DESC, next_run_at LIMIT 3")
+        expected = [r[0] for r in cursor.fetchall()]
+        assert [j.id for j in store.claim(cursor, "r", 3, None)] == expected

@@ -1,0 +1,229 @@
+"""Tick computation and schedule declaration, with a controllable clock (no database).
+
+The scheduler passes the database's ``now()`` into these pure functions; here we pass the
+instants ourselves, which is how the DST days are reproduced: a simulated scheduler fires each
+tick and asks for the next one, exactly as the loop does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import UTC, date, datetime, timedelta
+from itertools import pairwise
+from zoneinfo import ZoneInfo
+
+import pytest
+from django.core import checks
+
+from django_persistent_jobs import ScheduleError, job_handler, next_tick
+from django_persistent_jobs.errors import ConfigurationError
+from django_persistent_jobs.registry import registry
+from django_persistent_jobs.runner import Runner
+from django_persistent_jobs.schedules import (
+    Timing,
+    cron_problem,
+    next_cron_tick,
+    next_interval_tick,
+    tick_label,
+)
+
+BERLIN = "Europe/Berlin"
+NEW_YORK = "America/New_York"
+# 2025 transitions: Berlin 30 Mar 02:00 CET -> 03:00 CEST, 26 Oct 03:00 CEST -> 02:00 CET;
+# New York 9 Mar 02:00 EST -> 03:00 EDT, 2 Nov 02:00 EDT -> 01:00 EST.
+DAYS = {
+    (BERLIN, "spring"): date(2025, 3, 30), (BERLIN, "fall"): date(2025, 10, 26),
+    (NEW_YORK, "spring"): date(2025, 3, 9), (NEW_YORK, "fall"): date(2025, 11, 2),
+}
+
+
+def simulate(expression: str, zone: str, start: datetime, end: datetime,
+             lag: timedelta = timedelta(0)) -> list[datetime]:
+    """Fire every tick in ``[start, end)`` like the scheduler: run, then ask for the next tick
+    after the (database) clock, which reads the tick plus ``lag``."""
+    fired: list[datetime] = []
+    tick = next_cron_tick(expression, zone, start - timedelta(microseconds=1))
+    while tick < end:
+        fired.append(tick)
+        following = next_cron_tick(expression, zone, tick + lag)
+        assert following > tick + lag, "a next tick must be strictly after the clock"
+        tick = following
+        assert len(fired) < 100_000, "runaway schedule"
+    return fired
+
+
+def local_day(zone: str, day: date) -> tuple[datetime, datetime]:
+    tz = ZoneInfo(zone)
+    start = datetime(day.year, day.month, day.day, tzinfo=tz)
+    return start.astimezone(UTC), (start + timedelta(days=1)).astimezone(UTC)
+
+
+def local(value: datetime, zone: str) -> str:
+    return value.astimezone(ZoneInfo(zone)).strftime("%H:%M %Z")
+
+
+# ----------------------------------------------------------------------------- DST
+@pytest.mark.parametrize(("zone", "season", "expected"), [
+    # 02:30 does not exist on spring-forward day: it runs once, when the clocks jump to 03:00.
+    (BERLIN, "spring", ["03:00 CEST"]),
+    (NEW_YORK, "spring", ["03:00 EDT"]),
+    # Berlin repeats 02:00-03:00 on fall-back day: 02:30 runs once, at its first occurrence.
+    (BERLIN, "fall", ["02:30 CEST"]),
+    # New York repeats 01:00-02:00, so 02:30 is an ordinary time there.
+    (NEW_YORK, "fall", ["02:30 EST"]),
+])
+@pytest.mark.parametrize("lag", [timedelta(0), timedelta(seconds=3)])
+def test_daily_0230_runs_once_on_dst_days(zone: str, season: str, expected: list[str],
+                                          lag: timedelta) -> None:
+    start, end = local_day(zone, DAYS[(zone, season)])
+    fired = simulate("30 2 * * *", zone, start, end, lag)
+    assert [local(t, zone) for t in fired] == expected
+
+
+@pytest.mark.parametrize("zone", [BERLIN, NEW_YORK])
+def test_daily_0230_runs_once_a_day_around_both_transitions(zone: str) -> None:
+    for season in ("spring", "fall"):
+        day = DAYS[(zone, season)]
+        start, _ = local_day(zone, day - timedelta(days=3))
+        _, end = local_day(zone, day + timedelta(days=3))
+        fired = simulate("30 2 * * *", zone, start, end)
+        per_day = Counter(t.astimezone(ZoneInfo(zone)).date() for t in fired)
+        assert sorted(per_day.values()) == [1] * 7, per_day
+
+
+def test_new_york_0130_runs_once_on_fall_back_day() -> None:
+    start, end = local_day(NEW_YORK, DAYS[(NEW_YORK, "fall")])
+    assert [local(t, NEW_YORK) for t in simulate("30 1 * * *", NEW_YORK, start, end)] == [
+        "01:30 EDT"]
+
+
+@pytest.mark.parametrize(("zone", "season", "runs"), [
+    (BERLIN, "spring", 23), (NEW_YORK, "spring", 23), (BERLIN, "fall", 25), (NEW_YORK, "fall", 25),
+])
+def test_hourly_expressions_follow_elapsed_time(zone: str, season: str, runs: int) -> None:
+    """An hour field of ``*`` runs every real hour: 23 runs on the short day, 25 on the long one,
+    one hour apart, with no catch-up run at the jump and no pause in the repeated hour."""
+    start, end = local_day(zone, DAYS[(zone, season)])
+    fired = simulate("0 * * * *", zone, start, end)
+    assert len(fired) == runs
+    assert {b - a for a, b in pairwise(fired)} == {timedelta(hours=1)}
+
+
+def test_every_15_minutes_keeps_going_through_the_repeated_hour() -> None:
+    start, end = local_day(BERLIN, DAYS[(BERLIN, "fall")])
+    fired = simulate("*/15 * * * *", BERLIN, start, end)
+    assert len(fired) == 25 * 4
+    assert {b - a for a, b in pairwise(fired)} == {timedelta(minutes=15)}
+
+
+def test_skipped_hour_ticks_of_a_fixed_hour_expression_collapse_into_one_run() -> None:
+    start, end = local_day(BERLIN, DAYS[(BERLIN, "spring")])
+    assert [local(t, BERLIN) for t in simulate("*/20 2 * * *", BERLIN, start, end)] == [
+        "03:00 CEST"]
+
+
+@pytest.mark.parametrize(("zone", "season"), list(DAYS))
+@pytest.mark.parametrize("expression", ["30 2 * * *", "*/7 * * * *", "* 2 * * *",
+                                        "0 1-3 * * *", "*/10 * * * * 30"])
+def test_no_tick_is_ever_at_or_before_the_clock(zone: str, season: str, expression: str) -> None:
+    """Sweep the clock across the transition a minute at a time (and at odd seconds): the next
+    tick is always strictly later, so a scheduler can never fire the same instant twice or spin."""
+    day = DAYS[(zone, season)]
+    tz = ZoneInfo(zone)
+    clock = datetime(day.year, day.month, day.day, tzinfo=tz).astimezone(UTC)
+    end = clock + timedelta(hours=6)
+    while clock < end:
+        tick = next_cron_tick(expression, zone, clock)
+        assert clock < tick <= clock + timedelta(days=1, hours=1)
+        clock += timedelta(seconds=61)
+
+
+def test_seconds_field_and_controllable_clock() -> None:
+    after = datetime(2025, 1, 1, 12, 0, 0, 400_000, tzinfo=UTC)
+    assert next_cron_tick("* * * * * *", "UTC", after) == after.replace(second=1, microsecond=0)
+    assert next_cron_tick("* * * * * 30", "UTC", after) == after.replace(second=30, microsecond=0)
+    assert next_cron_tick("0 2 * * *", BERLIN, after) == datetime(2025, 1, 2, 1, 0, tzinfo=UTC)
+
+
+def test_next_tick_needs_an_aware_clock() -> None:
+    with pytest.raises(ValueError, match="timezone-aware"):
+        next_cron_tick("* * * * *", "UTC", datetime(2025, 1, 1))
+
+
+# ----------------------------------------------------------------------------- intervals
+def test_interval_ticks_stay_on_their_grid() -> None:
+    anchor = datetime(2025, 1, 1, tzinfo=UTC)
+    step = timedelta(seconds=30)
+    assert next_interval_tick(step, anchor, anchor) == anchor + step
+    # a late run (clock 95 s past the anchor) coalesces and keeps the 30 s grid
+    assert next_interval_tick(step, anchor, anchor + timedelta(seconds=95)) == (
+        anchor + timedelta(seconds=120))
+    assert next_interval_tick(step, anchor, anchor - timedelta(seconds=5)) == anchor
+    # intervals are elapsed time: DST does not exist for them
+    timing = Timing(interval_seconds=3600, timezone=BERLIN)
+    start, _ = local_day(BERLIN, DAYS[(BERLIN, "spring")])
+    assert timing.next_after(start + timedelta(hours=2), anchor=start) == start + timedelta(hours=3)
+
+
+def test_count_ticks_reports_coalesced_ticks() -> None:
+    base = datetime(2025, 1, 1, tzinfo=UTC)
+    assert Timing(cron="* * * * *").count_ticks(base, base + timedelta(minutes=10)) == 10
+    assert Timing(interval_seconds=60).count_ticks(base, base + timedelta(seconds=599)) == 9
+    assert Timing(cron="* * * * * *").count_ticks(base, base + timedelta(days=1), cap=50) == 50
+
+
+def test_next_tick_accepts_schedule_rows() -> None:
+    base = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
+    assert next_tick(Timing(cron="0 * * * *"), base) == base + timedelta(hours=1)
+    assert next_tick(Timing(interval_seconds=5), base, anchor=base) == base + timedelta(seconds=5)
+
+
+def test_tick_label_is_canonical() -> None:
+    berlin = datetime(2025, 3, 30, 3, 0, tzinfo=ZoneInfo(BERLIN))
+    assert tick_label(berlin) == "2025-03-30T01:00:00.000000+00:00"
+    assert tick_label(berlin) == tick_label(berlin.astimezone(UTC))
+
+
+# ----------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(("expression", "fragment"), [
+    ("* * * *", "has 4 fields"),
+    ("* * * * * * *", "has 7 fields"),
+    ("61 * * * *", "not a valid"),
+    ("0 0 30 2 *", "never matches"),
+    ("", "non-empty"),
+    (None, "non-empty"),
+])
+def test_cron_problem(expression: object, fragment: str) -> None:
+    problem = cron_problem(expression)
+    assert problem is not None and fragment in problem
+
+
+def test_valid_cron_expressions() -> None:
+    for expression in ("0 2 * * *", "*/5 * * * *", "0 9 * * mon-fri", "* * * * * 15"):
+        assert cron_problem(expression) is None
+
+
+def test_bad_schedules_are_system_check_errors_naming_the_handler() -> None:
+    with registry.isolated():
+        @job_handler("test.recurring.bad_cron", cron="0 25 * * *")
+        def bad_cron(payload: object) -> None: ...
+
+        @job_handler("test.recurring.both", cron="0 2 * * *", interval=timedelta(minutes=5))
+        def both(payload: object) -> None: ...
+
+        @job_handler("test.recurring.bad_zone", cron="0 2 * * *", timezone="Mars/Olympus")
+        def bad_zone(payload: object) -> None: ...
+
+        errors = [e for e in checks.run_checks() if e.id == "persistent_jobs.E102"]
+        text = "\n".join(e.msg for e in errors)
+        assert len(errors) == 3
+        assert "'test.recurring.bad_cron'" in text and "not a valid cron" in text
+        assert "'test.recurring.both'" in text and "not both" in text
+        assert "'test.recurring.bad_zone'" in text and "Mars/Olympus" in text
+        assert all("tests.test_recurring_schedules" in str(e.obj) for e in errors)
+        with pytest.raises(ConfigurationError, match="bad_cron"):
+            Runner()
+
+
+def test_schedule_error_is_a_value_error() -> None:
+    assert issubclass(ScheduleError, ValueError)

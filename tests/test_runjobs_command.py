@@ -1,0 +1,126 @@
+"""``python manage.py runjobs``: argument checking, ``--burst``, ``--queues`` (real processes)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from django_persistent_jobs import job_handler
+from django_persistent_jobs.enqueue import enqueue
+from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
+from django_persistent_jobs.registry import registry
+from tests.test_runner_support import get_job
+from tests.testapp.models import LedgerEntry
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+Spawn = Callable[..., "subprocess.Popen[bytes]"]
+
+
+@pytest.fixture
+def keep_log_level() -> Iterator[None]:
+    """``runjobs`` sets the package logger's level from --verbosity; undo that in-process."""
+    package_logger = logging.getLogger("django_persistent_jobs")
+    level = package_logger.level
+    yield
+    package_logger.setLevel(level)
+
+
+def _finish(proc: subprocess.Popen[bytes], timeout: float = 30) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"runjobs did not exit within {timeout}s:\n{out.decode()}") from None
+    return proc.returncode, out.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--concurrency", "-3"], "--concurrency"),
+        (["--poll-interval", "0"], "--poll-interval"),
+        (["--poll-interval", "-1"], "--poll-interval"),
+        (["--queues", ","], "--queues"),
+        (["--queues", " , ,"], "--queues"),
+    ],
+)
+def test_bad_arguments_are_command_errors(args: list[str], message: str) -> None:
+    with pytest.raises(CommandError, match=message):
+        call_command("runjobs", *args)
+    assert not JobRunnerRecord.objects.exists()
+
+
+def test_invalid_handler_is_a_command_error(keep_log_level: None) -> None:
+    with registry.isolated():
+
+        @job_handler("rt.bad_options", timeout=-5)
+        def bad(payload: Any) -> None:
+            return None
+
+        with pytest.raises(CommandError, match="timeout"):
+            call_command("runjobs", "--burst")
+    assert not JobRunnerRecord.objects.exists()
+
+
+def test_bad_arguments_exit_nonzero_from_the_command_line(spawn_runner: Spawn) -> None:
+    code, output = _finish(spawn_runner("--concurrency", "0"))
+    assert code != 0
+    assert "--concurrency must be at least 1" in output
+
+
+def test_burst_processes_everything_due_and_exits_zero(spawn_runner: Spawn) -> None:
+    due = [enqueue("test.ledger", {"note": f"due {i}"}) for i in range(20)]
+    doomed = enqueue("test.ledger", {"permanent": True})
+    later = enqueue("test.ledger", {"note": "tomorrow"}, delay=86400)
+    started = time.monotonic()
+    code, output = _finish(spawn_runner("--burst", "--concurrency", "3"))
+    assert code == 0, output
+    assert time.monotonic() - started < 30
+    statuses = dict(PersistentJob.objects.values_list("id", "status"))
+    assert {statuses[j.id] for j in due} == {JobStatus.COMPLETED}
+    assert statuses[doomed.id] == JobStatus.DEAD_LETTERED
+    assert statuses[later.id] == JobStatus.PENDING
+    assert LedgerEntry.objects.count() == 20
+    assert JobAttempt.objects.count() == 21
+    assert not JobRunnerRecord.objects.exists()
+
+
+def test_burst_with_nothing_due_exits_zero(spawn_runner: Spawn) -> None:
+    later = enqueue("test.ledger", {}, delay=3600)
+    code, output = _finish(spawn_runner("--burst"))
+    assert code == 0, output
+    assert get_job(later.id).status == JobStatus.PENDING
+    assert not JobAttempt.objects.exists()
+
+
+def test_burst_runs_a_retry_that_falls_due_while_work_is_running(spawn_runner: Spawn) -> None:
+    """A job that fails once (retry due 0.2 s later, test.ledger's backoff) is finished too when
+    the retry becomes due while other work is still running."""
+    flaky = enqueue("test.ledger", {"fail_times": 1})
+    slow = enqueue("test.ledger", {"sleep": 1.5})
+    code, output = _finish(spawn_runner("--burst", "--concurrency", "2"))
+    assert code == 0, output
+    assert get_job(slow.id).status == JobStatus.COMPLETED
+    done = get_job(flaky.id)
+    assert done.status == JobStatus.COMPLETED and done.attempts == 2
+
+
+def test_queues_option_restricts_claiming(spawn_runner: Spawn) -> None:
+    jobs = {q: enqueue("test.ledger", {"note": q}, queue=q) for q in ("alpha", "beta", "gamma")}
+    code, output = _finish(spawn_runner("--burst", "--queues", "alpha, beta"))
+    assert code == 0, output
+    assert get_job(jobs["alpha"].id).status == JobStatus.COMPLETED
+    assert get_job(jobs["beta"].id).status == JobStatus.COMPLETED
+    gamma = get_job(jobs["gamma"].id)
+    assert gamma.status == JobStatus.PENDING and gamma.attempts == 0
+    assert sorted(LedgerEntry.objects.values_list("note", flat=True)) == ["alpha", "beta"]

@@ -1,0 +1,242 @@
+"""Bad settings and bad handler options are reported by system checks (with ids and messages that
+say what to fix), and the runner and ``runjobs`` refuse to start on them."""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.core import checks
+from django.core.management import CommandError, call_command
+from django.core.management.base import SystemCheckError
+from django.test import override_settings
+
+from django_persistent_jobs import ConfigurationError, Runner, job_handler
+from django_persistent_jobs import conf as pj_conf
+from django_persistent_jobs.checks import check_handlers, check_settings
+from django_persistent_jobs.registry import registry
+from tests.core_support import pj_settings
+
+
+def pj_errors() -> list[tuple[str, str]]:
+    return [(m.id, m.msg) for m in checks.run_checks(tags=["persistent_jobs"])]
+
+
+def test_the_suites_settings_pass_every_check() -> None:
+    assert pj_errors() == []
+    assert check_settings() == [] and check_handlers() == []
+
+
+BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
+    ({"RETRIES": 3}, "persistent_jobs.E002", "Unknown key PERSISTENT_JOBS['RETRIES']."),
+    ({"MAX_RETRIES": -1}, "persistent_jobs.E003",
+     "PERSISTENT_JOBS['MAX_RETRIES'] must be an integer >= 0, got -1."),
+    ({"MAX_RETRIES": "3"}, "persistent_jobs.E003",
+     "PERSISTENT_JOBS['MAX_RETRIES'] must be an integer, got '3'."),
+    ({"MAX_RETRIES": 10**7}, "persistent_jobs.E003",
+     "PERSISTENT_JOBS['MAX_RETRIES'] must be at most 1000000, got 10000000."),
+    ({"CONCURRENCY": 0}, "persistent_jobs.E003",
+     "PERSISTENT_JOBS['CONCURRENCY'] must be an integer > 0, got 0."),
+    ({"CONCURRENCY": True}, "persistent_jobs.E003", "must be an integer, got True"),
+    ({"PAYLOAD_MAX_BYTES": 1.5}, "persistent_jobs.E003", "PAYLOAD_MAX_BYTES'] must be an integer"),
+    ({"PAYLOAD_MAX_DEPTH": 0}, "persistent_jobs.E003",
+     "PAYLOAD_MAX_DEPTH'] must be an integer > 0"),
+    ({"PAYLOAD_MAX_KEYS": None}, "persistent_jobs.E003", "PAYLOAD_MAX_KEYS'] must be an integer"),
+    ({"BATCH_SIZE": 0}, "persistent_jobs.E003", "BATCH_SIZE'] must be an integer > 0"),
+    ({"TIMEOUT": 0}, "persistent_jobs.E004",
+     "PERSISTENT_JOBS['TIMEOUT'] must be a finite number > 0, got 0."),
+    ({"TIMEOUT": timedelta(0)}, "persistent_jobs.E004", "TIMEOUT'] must be a finite number > 0"),
+    ({"POLL_INTERVAL": "1s"}, "persistent_jobs.E004",
+     "PERSISTENT_JOBS['POLL_INTERVAL'] must be a number, got '1s'."),
+    ({"POLL_INTERVAL": float("nan")}, "persistent_jobs.E004",
+     "POLL_INTERVAL'] must be a finite number > 0, got nan."),
+    ({"STALE_LOCK_TIMEOUT": float("inf")}, "persistent_jobs.E004",
+     "STALE_LOCK_TIMEOUT'] must be a finite number > 0, got inf."),
+    ({"SHUTDOWN_GRACE": -1}, "persistent_jobs.E004",
+     "SHUTDOWN_GRACE'] must be a finite number >= 0"),
+    ({"CLEANUP_INTERVAL": 0}, "persistent_jobs.E004", "CLEANUP_INTERVAL'] must be"),
+    ({"SCHEDULER_INTERVAL": -2}, "persistent_jobs.E004", "SCHEDULER_INTERVAL'] must be"),
+    ({"HEARTBEAT_INTERVAL": 0}, "persistent_jobs.E004", "HEARTBEAT_INTERVAL'] must be"),
+    ({"HEARTBEAT_INTERVAL": 2, "STALE_LOCK_TIMEOUT": 3}, "persistent_jobs.E005",
+     "PERSISTENT_JOBS['HEARTBEAT_INTERVAL'] (2s) must be at most half of STALE_LOCK_TIMEOUT "
+     "(3s), or a live runner could be taken for dead."),
+    ({"DEDUP": "SKIP"}, "persistent_jobs.E006",
+     "PERSISTENT_JOBS['DEDUP'] must be one of ('skip', 'enqueue', 'replace'), got 'SKIP'."),
+    ({"BACKOFF": "no.such.module.backoff"}, "persistent_jobs.E007",
+     "PERSISTENT_JOBS['BACKOFF'] = 'no.such.module.backoff' cannot be imported"),
+    ({"BACKOFF": 5}, "persistent_jobs.E007", "PERSISTENT_JOBS['BACKOFF'] must be callable, got 5."),
+    ({"JSON_ENCODER": "json.dumps"}, "persistent_jobs.E008",
+     "PERSISTENT_JOBS['JSON_ENCODER'] must be a json.JSONEncoder subclass"),
+    ({"JSON_ENCODER": "nope.Encoder"}, "persistent_jobs.E008", "cannot be imported"),
+    ({"RETENTION": -5}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION'] must be positive and finite, got -5."),
+    ({"RETENTION": float("inf")}, "persistent_jobs.E009", "must be positive and finite, got inf"),
+    ({"RETENTION": "7d"}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION'] must be a timedelta, seconds, None or a dict, got '7d'."),
+    ({"RETENTION": {"completed": "soon"}}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION']['completed'] must be a timedelta, seconds or None, got 'soon'."),
+    ({"RETENTION": {"dead_lettered": timedelta(0)}}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION']['dead_lettered'] must be positive and finite"),
+    ({"RETENTION": {"done": 60}}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION'] has unknown statuses ['done']"),
+    ({"QUEUES": []}, "persistent_jobs.E010",
+     "PERSISTENT_JOBS['QUEUES'] must be a non-empty list of queue names or None, got []."),
+    ({"QUEUES": "default"}, "persistent_jobs.E010", "got 'default'"),
+    ({"QUEUES": ["a", ""]}, "persistent_jobs.E010", "must be a non-empty list of queue names"),
+    ({"CHANNEL": ""}, "persistent_jobs.E011", "PERSISTENT_JOBS['CHANNEL'] must be a non-empty "
+                                              "string."),
+    ({"DEFAULT_QUEUE": 5}, "persistent_jobs.E011", "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be a "
+                                                   "non-empty string."),
+    ({"DEFAULT_QUEUE": "q" * 101}, "persistent_jobs.E011",
+     "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be at most 100 characters"),
+    ({"DATABASE": "replica"}, "persistent_jobs.E012",
+     "PERSISTENT_JOBS['DATABASE'] names 'replica', which is not in settings.DATABASES."),
+    ({"ALLOW_UNREGISTERED": "no"}, "persistent_jobs.E014",
+     "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got 'no'."),
+]
+
+
+@pytest.mark.parametrize(("overrides", "check_id", "message"), BAD_SETTINGS,
+                         ids=[f"{i}-{next(iter(o))}" for i, (o, _, _) in enumerate(BAD_SETTINGS)])
+def test_bad_settings_are_reported_with_an_id(
+    overrides: dict[str, Any], check_id: str, message: str,
+) -> None:
+    with pj_settings(**overrides):
+        errors = pj_errors()
+        assert any(i == check_id and message in m for i, m in errors), errors
+        assert all(i.startswith("persistent_jobs.E") for i, _ in errors)
+        with pytest.raises(ConfigurationError) as info:  # and the runner will not start
+            Runner()
+        assert message in str(info.value)
+
+
+def test_a_hint_says_what_to_do() -> None:
+    with pj_settings(RETRIES=1, DATABASE="replica"):
+        by_id = {m.id: m for m in check_settings()}
+    assert "MAX_RETRIES" in (by_id["persistent_jobs.E002"].hint or "")
+    assert by_id["persistent_jobs.E012"].hint == "Use one of: default"
+
+
+def test_persistent_jobs_must_be_a_dict() -> None:
+    with override_settings(PERSISTENT_JOBS=[("MAX_RETRIES", 3)]):
+        assert pj_errors() == [("persistent_jobs.E001",
+                                "settings.PERSISTENT_JOBS must be a dict, got list.")]
+        with pytest.raises(ConfigurationError, match="must be a dict"):
+            Runner()
+
+
+def test_a_non_postgresql_database_is_refused() -> None:
+    databases = {**settings.DATABASES,
+                 "lite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Django warns that overriding DATABASES is unusual
+        with override_settings(DATABASES=databases), pj_settings(DATABASE="lite"):
+            assert pj_errors() == [(
+                "persistent_jobs.E013",
+                "Database 'lite' uses 'django.db.backends.sqlite3'; django-persistent-jobs "
+                "needs PostgreSQL (django.db.backends.postgresql).",
+            )]
+
+
+def test_several_problems_are_all_reported() -> None:
+    with pj_settings(CONCURRENCY=0, DEDUP="x", QUEUES=[]):
+        assert sorted(i for i, _ in pj_errors()) == [
+            "persistent_jobs.E003", "persistent_jobs.E006", "persistent_jobs.E010"]
+    with pj_settings(CONCURRENCY=0), pytest.raises(SystemCheckError) as info:
+        call_command("check")
+    assert "persistent_jobs.E003" in str(info.value)
+
+
+def test_valid_alternatives_are_accepted() -> None:
+    with pj_settings(TIMEOUT=timedelta(minutes=5), RETENTION=timedelta(days=1), BACKOFF=None,
+                     QUEUES=("a", "b"), JSON_ENCODER="django.core.serializers.json."
+                     "DjangoJSONEncoder", HEARTBEAT_INTERVAL=None, SHUTDOWN_GRACE=0,
+                     ALLOW_UNREGISTERED=True, BATCH_SIZE=50, MAX_RETRIES=0):
+        assert pj_errors() == []
+        assert pj_conf.retention() == {"completed": 86400.0, "cancelled": 86400.0,
+                                       "dead_lettered": None}
+        loaded = pj_conf.RunnerSettings.load()
+        assert loaded.queues == ("a", "b") and loaded.heartbeat_interval == 1.0
+    with pj_settings(RETENTION=None):
+        assert pj_conf.retention() == dict.fromkeys(("completed", "cancelled", "dead_lettered"))
+
+
+# ------------------------------------------------------------------ handler checks
+
+def test_bad_handler_options_are_reported_per_handler() -> None:
+    with registry.isolated():
+        @job_handler("core.chk.bad", max_retries=-1, timeout=float("nan"), dedup="maybe",
+                     queue="", priority=10**6, backoff=5, validator="nope")  # type: ignore
+        def bad(payload: Any) -> None:
+            return None
+
+        @job_handler("core.chk.cron_sync", max_retries="many")  # type: ignore[arg-type]
+        def cron_named(payload: Any) -> None:
+            return None
+
+        @job_handler("core.chk.sched", cron="61 * * * *", timezone="Mars/Olympus")
+        def bad_schedule(payload: Any) -> None:
+            return None
+
+        @job_handler("core.chk.both", cron="* * * * *", interval=timedelta(minutes=1))
+        def both(payload: Any) -> None:
+            return None
+
+        errors = [(m.id, m.obj, m.msg) for m in check_handlers()]
+        origins = {t: spec.origin for t in ("bad", "cron_sync", "sched", "both")
+                   if (spec := registry.get(f"core.chk.{t}")) is not None}
+        with pytest.raises(ConfigurationError, match="Invalid job handlers: "):
+            Runner()
+    assert check_handlers() == []  # gone with the isolated registry
+
+    origin = origins["bad"]
+    assert origin.endswith(".<locals>.bad")
+    bad_msgs = [msg for i, obj, msg in errors if obj == origin]
+    assert all(i == "persistent_jobs.E101" for i, obj, _ in errors if obj == origin)
+    prefix = f"handler 'core.chk.bad' ({origin}): "
+    assert {m.removeprefix(prefix).split(",")[0].split(" got")[0] for m in bad_msgs} >= {
+        "max_retries must be an integer >= 0 (at most 1000000)",
+        "timeout must be a number of seconds > 0",
+        "dedup must be one of ('skip'",
+        "backoff must be a callable attempt -> seconds.",
+        "validator must be callable.",
+        "queue must be a non-empty string",
+        "priority must be an integer in -32768..32767.",
+    }
+    # A job type that merely contains "cron" is still an option problem (E101), not E102.
+    assert [(i, m) for i, obj, m in errors if obj == origins["cron_sync"]] == [(
+        "persistent_jobs.E101",
+        f"handler 'core.chk.cron_sync' ({origins['cron_sync']}): max_retries must be an integer "
+        ">= 0 (at most 1000000), got 'many'.",
+    )]
+    schedule_ids = {i for i, obj, _ in errors if obj in (origins["sched"], origins["both"])}
+    assert schedule_ids == {"persistent_jobs.E102"}
+    sched_msgs = " | ".join(m for _, obj, m in errors if obj == origins["sched"])
+    assert "cron '61 * * * *'" in sched_msgs and "time zone" in sched_msgs
+    assert any("give either cron or interval, not both" in m for _, _, m in errors)
+
+
+# ------------------------------------------------------------------ runjobs arguments
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"concurrency": 0}, "--concurrency must be at least 1."),
+    ({"poll_interval": 0}, "--poll-interval must be greater than 0."),
+    ({"poll_interval": -1.5}, "--poll-interval must be greater than 0."),
+    ({"queues": " , ,"}, "--queues needs at least one queue name."),
+])
+def test_runjobs_refuses_bad_arguments(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(CommandError, match=message.replace(".", r"\.")):
+        call_command("runjobs", **options)
+
+
+def test_runjobs_refuses_bad_settings_and_handlers_as_command_errors() -> None:
+    with pj_settings(CONCURRENCY=-3), pytest.raises(CommandError) as info:
+        call_command("runjobs", burst=True)
+    assert "PERSISTENT_JOBS['CONCURRENCY'] must be an integer > 0, got -3." in str(info.value)
+    with registry.isolated():
+        job_handler("core.chk.runjobs", timeout=-1)(lambda payload: None)
+        with pytest.raises(CommandError, match="timeout must be a number of seconds > 0"):
+            call_command("runjobs", burst=True)
