@@ -364,6 +364,28 @@ def runner(concurrency: int | None, workdir: Path, verbosity: int = 0) -> Iterat
 # --------------------------------------------------------------------------- drain
 
 
+def _proc_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a local process, or None if it is gone or not ours to see."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu() -> dict[int, float]:
+    """CPU seconds of every other backend of the bench database, keyed by pid.
+
+    Only meaningful when PostgreSQL runs on this machine (its backends are then visible in
+    /proc); elsewhere it is empty and the figure is left out. With two cores shared between the
+    runner and PostgreSQL, the server's CPU per job limits the drain as much as the runner's.
+    """
+    pids = execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                   "AND pid <> pg_backend_pid()")
+    found = {pid: _proc_cpu_seconds(pid) for (pid,) in pids}
+    return {pid: cpu for pid, cpu in found.items() if cpu is not None}
+
+
 @dataclass
 class Drain:
     concurrency: int | None
@@ -371,6 +393,7 @@ class Drain:
     seconds: float
     cpu_ms_per_job: float
     first_claim_ms: float
+    server_cpu_ms_per_job: float | None = None
 
     @property
     def rate(self) -> float:
@@ -385,6 +408,7 @@ def drain_once(proc: RunnerProcess, jobs: int, *, stall_timeout: float = 60.0) -
     Polling for the end is coarse on purpose: it only decides when to read ``max(finished_at)``.
     """
     cpu_before = proc.cpu_seconds()
+    server_before = server_cpu()
     committed = fill(jobs, one_transaction=True)
     remaining, last_change, last_remaining = jobs, time.monotonic(), jobs
     while remaining:
@@ -396,6 +420,11 @@ def drain_once(proc: RunnerProcess, jobs: int, *, stall_timeout: float = 60.0) -
         elif time.monotonic() - last_change > stall_timeout:
             raise RuntimeError(f"drain stalled with {remaining} jobs left:\n{proc.tail()}")
     cpu_after = proc.cpu_seconds()
+    server_after = server_cpu()
+    server_ms = (
+        sum(cpu - server_before.get(pid, 0.0) for pid, cpu in server_after.items()) * 1000 / jobs
+        if server_after else None
+    )
     finished, first_start, completed = execute(
         "SELECT extract(epoch FROM max(j.finished_at)), "
         "(SELECT extract(epoch FROM min(a.started_at)) FROM persistent_jobs_attempts a "
@@ -411,7 +440,7 @@ def drain_once(proc: RunnerProcess, jobs: int, *, stall_timeout: float = 60.0) -
     return Drain(
         concurrency=proc.concurrency, jobs=jobs, seconds=float(finished) - committed,
         cpu_ms_per_job=(cpu_after - cpu_before) * 1000 / jobs,
-        first_claim_ms=(float(first_start) - committed) * 1000,
+        first_claim_ms=(float(first_start) - committed) * 1000, server_cpu_ms_per_job=server_ms,
     )
 
 
@@ -498,6 +527,12 @@ def measure_enqueue_many(total: int, batch: int) -> float:
 # --------------------------------------------------------------------------- main
 
 
+def cpu_text(d: Drain) -> str:
+    server = (f", PostgreSQL {d.server_cpu_ms_per_job:.2f}"
+              if d.server_cpu_ms_per_job is not None else "")
+    return f"CPU ms/job: runner {d.cpu_ms_per_job:.2f}{server}"
+
+
 def best_of(runs: list[Drain]) -> Drain:
     return max(runs, key=lambda d: d.rate)
 
@@ -526,8 +561,7 @@ def section_drain(args: argparse.Namespace, ctx: Context) -> None:
         drains.append(d)
         ratio = f"{d.rate / ctx.ceiling:.2f}x ceiling; " if ctx.ceiling else ""
         ctx.report.add(f"drain {args.jobs:,} no-op jobs, runjobs --concurrency {concurrency}",
-                       f"{d.rate:,.0f} jobs/s", "",
-                       f"{ratio}{d.cpu_ms_per_job:.2f} ms runner CPU/job")
+                       f"{d.rate:,.0f} jobs/s", "", f"{ratio}{cpu_text(d)}")
     best = best_of(drains)
     ctx.best_concurrency = best.concurrency
     if ctx.ceiling:

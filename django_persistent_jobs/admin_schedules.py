@@ -174,6 +174,12 @@ class JobScheduleAdmin(_ScheduleAdminBase):
             return _DEFINITION_FIELDS + _INFO_FIELDS
         return ("name", *_INFO_FIELDS)
 
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # A code-declared schedule's page is view-only (its actions stay available in the list).
+        if obj is not None and obj.is_code:
+            return False
+        return super().has_change_permission(request, obj)
+
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         if obj is not None and obj.is_code:
             return False

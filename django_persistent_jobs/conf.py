@@ -78,10 +78,13 @@ def _positive_number(
     key: str, value: Any, *, integer: bool, allow_zero: bool = False
 ) -> str | None:
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    number: float = value
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
         return f"PERSISTENT_JOBS['{key}'] must be {kind}, got {value!r}."
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    if (isinstance(number, float) and not math.isfinite(number)) or number < 0 or (
+        number == 0 and not allow_zero
+    ):
         bound = ">= 0" if allow_zero else "> 0"
         kind = "an integer" if integer else "a finite number"
         return f"PERSISTENT_JOBS['{key}'] must be {kind} {bound}, got {value!r}."
@@ -224,7 +227,7 @@ def resolve_callable(value: Any, key: str) -> Callable[..., Any]:
             ) from exc
     if not callable(value):
         raise ConfigurationError(f"PERSISTENT_JOBS['{key}'] must be callable, got {value!r}.")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def resolve_encoder(value: Any) -> type[json.JSONEncoder]:

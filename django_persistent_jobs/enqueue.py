@@ -435,9 +435,9 @@ def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> l
         or chosen[(p.job_type, p.dedup_key)] is p
     ]
     replace_keys: dict[str, list[str]] = {}
-    for (job_type, key), job in chosen.items():
+    for (job_type, dedup_key), job in chosen.items():
         if job.dedup is Dedup.REPLACE:
-            replace_keys.setdefault(job_type, []).append(key)
+            replace_keys.setdefault(job_type, []).append(dedup_key)
     for job_type, keys in replace_keys.items():
         _cancel_waiting_duplicates(cursor, job_type, keys)
     inserted = _bulk_insert(cursor, to_insert, on_conflict=True)

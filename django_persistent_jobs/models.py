@@ -200,7 +200,7 @@ class JobRunnerRecord(models.Model):
 
 
 #: Every column of ``persistent_jobs`` in model order, for ``RETURNING`` clauses of raw SQL.
-JOB_COLUMNS: tuple[str, ...] = tuple(f.column for f in PersistentJob._meta.concrete_fields)
+JOB_COLUMNS: tuple[str, ...] = tuple(str(f.column) for f in PersistentJob._meta.concrete_fields)
 JOB_COLUMNS_SQL = ", ".join(f'"{c}"' for c in JOB_COLUMNS)
 _JSON_POSITIONS = tuple(
     i for i, f in enumerate(PersistentJob._meta.concrete_fields)

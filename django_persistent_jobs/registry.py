@@ -310,7 +310,7 @@ def job_handler(
         )
         spec.errors = _check_options(spec)
         registry.register(spec)
-        target.job_type = resolved_type  # type: ignore[attr-defined]
+        target.job_type = resolved_type
         return target
 
     return decorate

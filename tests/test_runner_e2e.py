@@ -242,7 +242,12 @@ def test_dead_letters_after_one_plus_max_retries_attempts(
         calls.append(ctx.attempt)
         raise TransientJobError(f"failure {ctx.attempt}", code="FLAKY")
 
+    @job_handler("rt.once", max_retries=0, backoff=constant(0))
+    def once(payload: Any) -> None:
+        raise RuntimeError("only once")
+
     job = enqueue("rt.always_fails", {})
+    single = enqueue("rt.once", {})
     start_runner(concurrency=1)
     dead = wait_status(job.id, JobStatus.DEAD_LETTERED)
     assert dead.attempts == 3 and calls == [1, 2, 3]
@@ -250,19 +255,9 @@ def test_dead_letters_after_one_plus_max_retries_attempts(
     outcomes = [(a.attempt, a.outcome, a.error_code) for a in attempts_of(job.id)]
     assert outcomes == [(1, "failed", "FLAKY"), (2, "failed", "FLAKY"),
                         (3, "dead_lettered", "FLAKY")]
-
-
-def test_max_retries_zero_runs_once(
-    isolated_registry: Registry, start_runner: StartRunner
-) -> None:
-    @job_handler("rt.once", max_retries=0, backoff=constant(0))
-    def once(payload: Any) -> None:
-        raise RuntimeError("only once")
-
-    job = enqueue("rt.once", {})
-    start_runner(concurrency=1)
-    dead = wait_status(job.id, JobStatus.DEAD_LETTERED)
-    assert dead.attempts == 1 and dead.last_error_code == "HANDLER_ERROR"
+    # max_retries=0: one run, then dead-lettered.
+    dead_single = wait_status(single.id, JobStatus.DEAD_LETTERED)
+    assert dead_single.attempts == 1 and dead_single.last_error_code == "HANDLER_ERROR"
 
 
 def test_unknown_job_type_dead_letters(start_runner: StartRunner, settings: Any) -> None:
@@ -517,6 +512,36 @@ def test_embedded_runner_start_stop() -> None:
     assert not JobRunnerRecord.objects.exists()
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_embedded_runner_that_cannot_boot_says_so() -> None:
+    with connection.cursor() as cursor:  # as if `migrate` had not been run
+        cursor.execute("ALTER TABLE persistent_jobs_runners RENAME TO pj_runners_elsewhere")
+    try:
+        runner = Runner(concurrency=1, cleanup=False).start()
+        began = time.monotonic()
+        assert not runner.wait_until_started(20)
+        assert time.monotonic() - began < 10, "wait_until_started waited out its timeout"
+        assert runner.finished.is_set() and runner.exit_code != 0
+        assert isinstance(runner.failure, ConfigurationError)
+        assert "migrate" in str(runner.failure)
+        with pytest.raises(ConfigurationError, match="migrate"), Runner(concurrency=1,
+                                                                         cleanup=False):
+            pytest.fail("the context manager entered a runner that never started")
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE pj_runners_elsewhere RENAME TO persistent_jobs_runners")
+
+
+def test_stop_on_a_runner_that_never_started_returns() -> None:
+    runner = Runner(concurrency=1, cleanup=False)
+    stopper = threading.Thread(target=runner.stop, daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive(), "stop() blocked on a runner that was never started"
+    assert runner.exit_code == 0
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("kwargs", [{"concurrency": 0}, {"concurrency": -1},
                                     {"poll_interval": 0}, {"poll_interval": -0.5}])
 def test_embedded_runner_rejects_bad_arguments(kwargs: dict[str, Any]) -> None:
@@ -524,6 +549,7 @@ def test_embedded_runner_rejects_bad_arguments(kwargs: dict[str, Any]) -> None:
         Runner(**kwargs)
 
 
+@pytest.mark.django_db
 def test_runner_refuses_invalid_handlers(isolated_registry: Registry) -> None:
     @job_handler("rt.invalid", max_retries=-1)
     def invalid(payload: Any) -> None:

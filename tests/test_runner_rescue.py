@@ -53,10 +53,12 @@ def _claim_as(runner_id: str, *, register: bool = True, heartbeat_age: float = 0
     return claimed
 
 
-def test_jobs_of_a_runner_with_an_old_heartbeat_are_rescued(start_runner: StartRunner) -> None:
+def test_jobs_of_dead_runners_are_rescued_and_completed(start_runner: StartRunner) -> None:
     job = enqueue("test.ledger", {"note": "rescued"})
-    claimed = _claim_as("ghost:1", heartbeat_age=60)
+    claimed = _claim_as("ghost:1", heartbeat_age=60)  # heartbeat long stale
     assert claimed.id == job.id and get_job(job.id).status == JobStatus.RUNNING
+    unregistered = enqueue("test.ledger", {"note": "no runner row"})
+    _claim_as("never-registered", register=False)  # locked by a runner with no row at all
     live = start_runner(concurrency=1)
     done = wait_status(job.id, JobStatus.COMPLETED, timeout=15)
     assert done.attempts == 2  # the lost attempt counts
@@ -67,15 +69,9 @@ def test_jobs_of_a_runner_with_an_old_heartbeat_are_rescued(start_runner: StartR
     assert (second.runner_id, second.outcome) == (live.runner_id, "completed")
     assert not JobRunnerRecord.objects.filter(pk="ghost:1").exists()
     assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
-
-
-def test_job_locked_by_an_unregistered_runner_is_rescued(start_runner: StartRunner) -> None:
-    job = enqueue("test.ledger", {})
-    _claim_as("never-registered", register=False)
-    start_runner(concurrency=1)
-    done = wait_status(job.id, JobStatus.COMPLETED, timeout=15)
-    assert [a.outcome for a in attempts_of(job.id)] == ["rescued", "completed"]
-    assert done.attempts == 2
+    other = wait_status(unregistered.id, JobStatus.COMPLETED, timeout=15)
+    assert [a.outcome for a in attempts_of(unregistered.id)] == ["rescued", "completed"]
+    assert other.attempts == 2
 
 
 def test_rescue_waits_for_the_stale_lock_timeout_then_acts_within_it(

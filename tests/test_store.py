@@ -3,7 +3,6 @@ LOCKED seen from two connections, fenced completion and transitions, stale-lock 
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -58,11 +57,9 @@ def test_second_connection_skips_locked_rows_and_never_blocks() -> None:
         with transaction.atomic():
             mine = claim("runner-a", limit=2)
             assert [j.id for j in mine] == [jobs[0].id, jobs[1].id]  # highest priority first
-            started = time.monotonic()
-            with other.cursor() as cursor:
+            with other.cursor() as cursor:  # returns at once: a wait would hit lock_timeout
                 theirs = store.claim(cursor, "runner-b", 10, None)
                 again = store.claim(cursor, "runner-b", 10, None)
-            assert time.monotonic() - started < 1.0
             assert [j.id for j in theirs] == [jobs[2].id]
             assert again == []
             assert theirs[0].payload == {"i": 2} and theirs[0].attempt == 1

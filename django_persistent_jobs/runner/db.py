@@ -29,6 +29,40 @@ def is_connection_error(exc: BaseException) -> bool:
     }
 
 
+#: SQLSTATEs (classes, or exact codes) that describe the server's condition rather than our
+#: statement: retrying the same statement later is expected to work. Class 08 connection
+#: exceptions, 40 serialization failures and deadlocks, 53 insufficient resources (disk full,
+#: out of memory, too many connections), 57 operator intervention (admin shutdown, crash
+#: shutdown, "cannot connect now", query cancelled by a statement timeout), 58 system errors
+#: (I/O), 55P03 lock not available, and 25006 read-only transaction: what a client sees while a
+#: fail-over promotes a standby or an operator sets the database read-only for maintenance.
+TRANSIENT_SQLSTATE_CLASSES = ("08", "40", "53", "57", "58")
+TRANSIENT_SQLSTATES = ("55P03", "25006")
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a database error, whether psycopg's own or wrapped by Django."""
+    for candidate in (exc, exc.__cause__):
+        code = getattr(candidate, "sqlstate", None)
+        if isinstance(code, str):
+            return code
+    return None
+
+
+def is_transient_error(exc: BaseException) -> bool:
+    """True if retrying the same statement later is the right response to ``exc``.
+
+    Connection loss is transient; so are the server conditions listed above, which a runner
+    must ride out the way it rides out a restart, instead of leaving a job half-settled.
+    """
+    if is_connection_error(exc):
+        return True
+    code = sqlstate(exc)
+    if code is None:
+        return False
+    return code[:2] in TRANSIENT_SQLSTATE_CLASSES or code in TRANSIENT_SQLSTATES
+
+
 def reset_connection(alias: str) -> None:
     """Drop this thread's connection so the next query opens a fresh one."""
     try:
@@ -38,7 +72,7 @@ def reset_connection(alias: str) -> None:
 
 
 class Backoff:
-    """Exponential reconnect delay: 0.1 s doubling up to ``cap`` seconds."""
+    """Exponential retry delay: ``first`` (0.1 s) doubling up to ``cap`` seconds."""
 
     def __init__(self, first: float = 0.1, cap: float = 5.0) -> None:
         self.first = first
@@ -56,21 +90,25 @@ class Backoff:
 
 def run_with_retry(
     alias: str, fn: Callable[[Any], T], *, what: str, interrupt: threading.Event | None = None,
+    backoff: Backoff | None = None,
 ) -> T | None:
-    """Run ``fn(cursor)`` in autocommit, retrying while the database is unreachable.
+    """Run ``fn(cursor)`` in autocommit, retrying while the database is unreachable or reports
+    a transient condition (see ``is_transient_error``).
 
-    Returns None only if ``interrupt`` is set while the database is still unreachable (a stop
-    or a forced stop); the caller then leaves the work to rescue by another runner.
+    Returns None only if ``interrupt`` is set while the database is still failing (a stop or a
+    forced stop); the caller then leaves the work to rescue by another runner. Any other error
+    is raised: it is a bug or a broken invariant, not weather.
     """
-    backoff = Backoff()
+    backoff = backoff or Backoff()
     while True:
         try:
             with connections[alias].cursor() as cursor:
                 return fn(cursor)
         except Exception as exc:
-            if not is_connection_error(exc):
+            if not is_transient_error(exc):
                 raise
-            reset_connection(alias)
+            if is_connection_error(exc):
+                reset_connection(alias)
             if interrupt is not None and interrupt.is_set():
                 logger.error("giving up on %s: %s", what, exc, extra={"event": "db_give_up"})
                 return None

@@ -8,6 +8,7 @@ so the handler's business writes roll back with it.
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import traceback as tb_module
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
 from ..registry import HandlerSpec, global_backoff, registry
 from . import store
-from .db import is_connection_error, run_with_retry
+from .db import is_connection_error, is_transient_error, reset_connection, run_with_retry
 
 if TYPE_CHECKING:
     from .store import ClaimedJob, TransitionKind
@@ -47,7 +48,11 @@ class InFlight:
     deadline: float | None
     thread_ident: int | None = None
     backend_pid: int | None = None
+    #: When that backend started: with the pid, it names the session unambiguously (pids are
+    #: recycled), so a timeout never terminates somebody else's connection.
+    backend_start: Any = None
     taken_over: threading.Event = field(default_factory=threading.Event)
+    owner: Any = None  # the pool's worker, once the job is taken over from it
 
 
 @dataclass
@@ -82,14 +87,17 @@ def classify(exc: BaseException, spec: HandlerSpec | None, attempt: int) -> Outc
     if isinstance(exc, JobError):
         kind: TransitionKind = "retry" if exc.transient else "dead"
         return Outcome(kind, exc.code, message, trace, _backoff_for(spec, attempt))
-    if is_connection_error(exc):
+    if is_transient_error(exc):
         return Outcome("retry", "DB_ERROR", f"database error: {message}", trace,
                        _backoff_for(spec, attempt))
     return Outcome("retry", "HANDLER_ERROR", f"{type(exc).__name__}: {message}", trace,
                    _backoff_for(spec, attempt))
 
 
-def log_transition(job: ClaimedJob, status: str | None, outcome: Outcome, runner_id: str) -> None:
+def log_transition(
+    job: ClaimedJob, status: str | None, outcome: Outcome, runner_id: str,
+    settled_as: str | None = None,
+) -> None:
     extra = {
         "event": {"failed": "retry", "dead_lettered": "dead_letter", "cancelled": "cancelled",
                   "pending": "handed_back"}.get(status or "", "claim_lost"),
@@ -102,9 +110,16 @@ def log_transition(job: ClaimedJob, status: str | None, outcome: Outcome, runner
     elif status == "dead_lettered":
         logger.error("job %s dead-lettered after attempt %d (%s: %s)", job.id, job.attempt,
                      outcome.code, outcome.message, extra=extra)
+    elif status is None and settled_as == "completed":
+        # The completion committed, but the runner did not hear back (the connection died
+        # during COMMIT): the job is done, exactly once, and there is nothing to retry.
+        extra["event"] = "completed_unacknowledged"
+        logger.info("job %s: attempt %d had committed its completion although its connection "
+                    "failed (%s); nothing to retry", job.id, job.attempt, outcome.code,
+                    extra=extra)
     elif status is None:
-        logger.warning("job %s: claim lost before the failure could be recorded", job.id,
-                       extra=extra)
+        logger.warning("job %s: claim lost before the failure could be recorded (attempt "
+                       "settled as %s)", job.id, settled_as, extra=extra)
     else:
         logger.info("job %s %s (%s)", job.id, status, outcome.code, extra=extra)
 
@@ -124,8 +139,52 @@ def record_outcome(
 
     status = run_with_retry(alias, apply, what=f"recording the outcome of job {job.id}",
                             interrupt=interrupt)
-    log_transition(job, status, outcome, runner_id)
+    settled_as = None
+    if status is None:
+        # Not ours any more: rescued, taken over, or (after a connection failure at COMMIT)
+        # completed by this very attempt. Say which, for the operator reading the log.
+        settled_as = run_with_retry(
+            alias, lambda cursor: store.attempt_outcome(cursor, job.token),
+            what=f"reading the outcome of job {job.id}", interrupt=interrupt,
+        )
+    log_transition(job, status, outcome, runner_id, settled_as)
     return status
+
+
+def _server_hung_up(raw: Any) -> bool:
+    """True if an idle connection has heard from the server: for a connection that sent
+    nothing, that can only be the server closing it (a restart, a terminated backend).
+
+    Checking the socket costs no round trip, and catching this before the handler starts means
+    a job does not pay an attempt (``DB_ERROR``) for a connection that died while idle.
+    """
+    try:
+        if raw.closed or raw.broken:
+            return True
+        poller = select.poll()
+        poller.register(raw.pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
+    except Exception:
+        return True
+
+
+def prepare_connection(alias: str, inflight: InFlight) -> None:
+    """Give the handler a live connection and note which server session it is."""
+    connection = connections[alias]
+    if connection.connection is not None and _server_hung_up(connection.connection):
+        reset_connection(alias)
+    connection.ensure_connection()
+    raw = connection.connection
+    known = getattr(connection, "_pj_backend", None)
+    if known is None or known[0] is not raw:
+        # Once per connection, not per job.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pid, backend_start FROM pg_stat_activity "
+                           "WHERE pid = pg_backend_pid()")
+            pid, started = cursor.fetchone()
+        known = (raw, pid, started)
+        connection._pj_backend = known  # type: ignore[attr-defined]
+    inflight.backend_pid, inflight.backend_start = known[1], known[2]
 
 
 def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading.Event) -> None:
@@ -149,9 +208,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             return
     connection = connections[alias]
     try:
-        connection.ensure_connection()
-        raw = connection.connection
-        inflight.backend_pid = raw.info.backend_pid if raw is not None else None
+        prepare_connection(alias, inflight)
         with transaction.atomic(using=alias):
             spec.func(job.payload, inflight.ctx)
             with connection.cursor() as cursor:
@@ -173,8 +230,6 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         if is_connection_error(exc):
-            from .db import reset_connection
-
             reset_connection(alias)
         record_outcome(alias, job, classify(exc, spec, job.attempt), runner_id, interrupt)
         return

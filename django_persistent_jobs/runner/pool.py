@@ -39,6 +39,7 @@ class _Worker:
     def __init__(self, pool: WorkerPool, number: int) -> None:
         self.pool = pool
         self.abandoned = False
+        self.abandoned_job: object = None
         self.current: InFlight | None = None
         self.thread = threading.Thread(
             target=self._run, name=f"pj-worker-{number}", daemon=True
@@ -60,8 +61,11 @@ class _Worker:
                     pool.execute(item)
                 except JobInterrupted:
                     pass
-                except BaseException:
-                    logger.exception("worker crashed while running job %s", item.job.id)
+                except BaseException as exc:
+                    # ``execute`` settles every outcome itself; reaching here means the job's
+                    # state could not be recorded. It must not stay claimed by a live runner.
+                    if not self.abandoned:
+                        pool.crashed(item, exc)
                 finally:
                     with pool.lock:
                         self.current = None
@@ -77,14 +81,24 @@ class _Worker:
             except Exception:
                 pass
             pool.worker_exited(self)
+            if self.abandoned:
+                # Operators want to know whether timed-out code ever returns (a thread blocked
+                # in C for an hour does not, and is leaked until then).
+                logger.info("abandoned worker for job %s exited", self.abandoned_job,
+                            extra={"event": "abandoned_worker_exited",
+                                   "job_id": str(self.abandoned_job)})
 
 
 class WorkerPool:
     """``size`` slots served by worker threads pulling from an in-memory queue."""
 
-    def __init__(self, size: int, execute: Callable[[InFlight], None]) -> None:
+    def __init__(
+        self, size: int, execute: Callable[[InFlight], None],
+        on_crash: Callable[[InFlight, BaseException], None] | None = None,
+    ) -> None:
         self.size = size
         self.execute = execute
+        self.on_crash = on_crash
         self.queue: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
@@ -92,6 +106,7 @@ class WorkerPool:
         self.workers: list[_Worker] = []
         self._numbers = 0
         self._closed = False
+        self._sealed = False
 
     def start(self) -> None:
         with self.lock:
@@ -132,10 +147,26 @@ class WorkerPool:
                 self.changed.wait(remaining)
             return True
 
-    def submit(self, item: InFlight) -> None:
+    def submit(self, item: InFlight) -> bool:
+        """Queue a claimed job; False once the pool is sealed (the runner is stopping), in which
+        case the caller still owns the job and must hand it back."""
         with self.lock:
+            if self._sealed:
+                return False
             self.in_flight[item.job.id] = item
         self.queue.put(item)
+        return True
+
+    def seal(self) -> None:
+        """Accept no more jobs. After this, ``snapshot()`` is final but for jobs finishing."""
+        with self.lock:
+            self._sealed = True
+
+    def crashed(self, item: InFlight, exc: BaseException) -> None:
+        logger.critical("worker could not settle job %s: %r", item.job.id, exc, exc_info=exc,
+                        extra={"event": "worker_crashed", "job_id": str(item.job.id)})
+        if self.on_crash is not None:
+            self.on_crash(item, exc)
 
     def release_slot(self, item: InFlight) -> None:
         """Called with ``lock`` held when a job leaves the runner's hands."""
@@ -160,12 +191,29 @@ class WorkerPool:
             owner = next((w for w in self.workers if w.current is item), None)
             if owner is not None:
                 owner.abandoned = True
+                owner.abandoned_job = item.job.id
+                item.owner = owner
                 self.workers.remove(owner)
                 if not self._closed:
                     self._spawn_locked()
             del self.in_flight[item.job.id]
             self.changed.notify_all()
             return True
+
+    def interrupt(self, item: InFlight, exc_type: type[BaseException]) -> bool:
+        """Raise ``exc_type`` in the thread still running ``item`` (taken over before).
+
+        Only while that worker is still inside this job: once it has moved on (the job finished
+        just as it was taken over) its thread id may even belong to a new thread by now, and an
+        exception injected there would kill an innocent job. The check and the injection happen
+        under the lock the worker takes to leave the job, so they cannot race.
+        """
+        with self.lock:
+            owner = item.owner
+            if owner is None or owner.current is not item or not owner.thread.is_alive():
+                return False
+            ident = owner.thread.ident
+            return ident is not None and inject_exception(ident, exc_type)
 
     def worker_exited(self, worker: _Worker) -> None:
         with self.lock:

@@ -249,10 +249,26 @@ def cleanup(cursor: Any, status: str, older_than_seconds: float, batch: int = 50
     return int(cursor.rowcount)
 
 
-def terminate_backend(cursor: Any, pid: int) -> bool:
-    cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+def terminate_backend(cursor: Any, pid: int, backend_start: Any = None) -> bool:
+    """Terminate one server session. With ``backend_start``, only if the pid still belongs to
+    the session that started then: the OS recycles pids, and after a restart or a dropped
+    connection the same number may be someone else's backend."""
+    if backend_start is None:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    else:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = %s "
+            "AND backend_start = %s", [pid, backend_start],
+        )
     row = cursor.fetchone()
     return bool(row and row[0])
+
+
+def attempt_outcome(cursor: Any, token: int) -> str | None:
+    """The recorded outcome of one attempt (its id is the job's fencing token)."""
+    cursor.execute("SELECT outcome FROM persistent_jobs_attempts WHERE id = %s", [token])
+    row = cursor.fetchone()
+    return None if row is None else str(row[0])
 
 
 def report_progress(cursor: Any, job_id: Any, token: int, progress: Any) -> bool:

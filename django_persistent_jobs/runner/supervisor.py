@@ -32,7 +32,7 @@ from .execute import InFlight, JobInterrupted, Outcome, _backoff_for, execute, r
 from .heartbeat import heartbeat_loop
 from .listener import listen_loop
 from .loop import Loop
-from .pool import WorkerPool, inject_exception
+from .pool import WorkerPool
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -84,9 +84,16 @@ class Runner:
         self.finished = threading.Event()
         self.cleanup_due_now = True
         self.exit_code = EXIT_OK
-        self.pool = WorkerPool(self.settings.concurrency, self._execute)
+        self.pool = WorkerPool(self.settings.concurrency, self._execute, self._worker_crashed)
+        # Liveness as this runner itself knows it (monotonic, maintained by the heartbeat loop):
+        # the last successful heartbeat, and since when beats have come without a gap.
+        self.last_beat: float | None = None
+        self.healthy_since: float | None = None
+        self.beaten = threading.Condition()
         self.loops: list[Loop] = []
         self._supervisor: threading.Thread | None = None
+        self._launched = False  # run() or start() was called: stop() has something to wait for
+        self.failure: BaseException | None = None  # why run() raised (boot failure), if it did
         self._side_lock = threading.Lock()
         self._side: Any = None
         self._stop_requested_at: float | None = None
@@ -95,25 +102,46 @@ class Runner:
     # ---------------------------------------------------------------- public API
     def run(self, install_signal_handlers: bool = False) -> int:
         """Run in the current thread until stopped (or, in burst mode, until nothing is due)."""
+        self._launched = True
         if install_signal_handlers:
             self._install_signal_handlers()
         try:
             self._boot()
             self._supervise()
+        except BaseException as exc:
+            self.failure = exc
+            if self.exit_code == EXIT_OK:
+                self.exit_code = EXIT_LOOP_DIED
+            if not self.started.is_set():
+                connections.close_all()  # _shutdown, which would close it, never runs
+            raise
         finally:
             self.finished.set()
         return self.exit_code
 
     def start(self) -> Runner:
-        """Start in background threads (for embedding in another process); returns at once."""
-        self._supervisor = threading.Thread(target=self.run, name="pj-supervisor", daemon=True)
+        """Start in background threads (for embedding in another process); returns at once.
+
+        If the runner cannot boot (tables missing, bad settings), ``failure`` holds the error,
+        ``exit_code`` is non-zero and ``wait_until_started`` returns False at once.
+        """
+        self._launched = True
+        self._supervisor = threading.Thread(target=self._run_in_background, name="pj-supervisor",
+                                            daemon=True)
         self._supervisor.start()
         return self
+
+    def _run_in_background(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:
+            logger.critical("runner %s failed: %s", self.runner_id, exc, exc_info=exc,
+                            extra={"event": "runner_failed", "runner_id": self.runner_id})
 
     def stop(self, wait: bool = True, timeout: float | None = None) -> int:
         """Stop claiming, let in-flight jobs finish within the grace period, then exit."""
         self.request_stop()
-        if wait:
+        if wait and self._launched:
             self.finished.wait(timeout)
         return self.exit_code
 
@@ -131,11 +159,17 @@ class Runner:
         self.request_stop()
 
     def wait_until_started(self, timeout: float | None = None) -> bool:
-        return self.started.wait(timeout)
+        """Wait until the loops run; False on timeout, or at once if the runner ended first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.started.wait(SUPERVISOR_TICK):
+            if self.finished.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                return self.started.is_set()
+        return True
 
     def __enter__(self) -> Runner:
         self.start()
-        self.wait_until_started(30)
+        if not self.wait_until_started(30) and self.failure is not None:
+            raise self.failure
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -170,6 +204,10 @@ class Runner:
                 "The persistent_jobs tables are missing; run `python manage.py migrate` first "
                 f"({exc})."
             ) from exc
+        from .heartbeat import note_beat, rescue_predecessor
+
+        note_beat(self)
+        rescue_predecessor(self)
         self.pool.start()
         bodies: list[tuple[str, Callable[[Runner], None]]] = [
             ("listener", listen_loop), ("claimer", claim_loop), ("heartbeat", heartbeat_loop),
@@ -216,7 +254,9 @@ class Runner:
                                extra={"event": "db_wait"})
                 self.stopping.wait(delay)
 
-    def dispatch(self, job: store.ClaimedJob) -> None:
+    def dispatch(self, job: store.ClaimedJob) -> bool:
+        """Hand a claimed job to the workers; False if the runner is stopping (the caller then
+        hands it back)."""
         ctx = JobContext(
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
@@ -225,13 +265,26 @@ class Runner:
         if job.cancel_requested:
             ctx._cancel_event.set()
         deadline = ctx.started_monotonic + job.timeout if job.timeout else None
-        self.pool.submit(InFlight(job=job, ctx=ctx, deadline=deadline))
+        return self.pool.submit(InFlight(job=job, ctx=ctx, deadline=deadline))
 
     def hand_back_unstarted(self, jobs: list[store.ClaimedJob]) -> None:
         for job in jobs:
             record_outcome(self.alias, job, Outcome(
                 "handback", "SHUTDOWN", "runner stopping; claimed job handed back unstarted",
             ), self.runner_id, self.forced, attempt_outcome="interrupted")
+
+    def _worker_crashed(self, item: InFlight, exc: BaseException) -> None:
+        """A job's outcome could not be recorded (not a transient database condition: those
+        are retried). Stop like a runner whose loop died: this runner's row goes, and another
+        runner rescues the job, instead of it staying claimed by a live runner forever."""
+        logger.critical(
+            "stopping runner %s: could not record the outcome of job %s; it will be rescued "
+            "by another runner", self.runner_id, item.job.id,
+            extra={"event": "runner_failed", "runner_id": self.runner_id,
+                   "job_id": str(item.job.id)},
+        )
+        self.exit_code = EXIT_LOOP_DIED
+        self.request_stop()
 
     def burst_done(self) -> None:
         logger.info("burst: nothing more is due; stopping", extra={"event": "burst_done"})
@@ -299,21 +352,24 @@ class Runner:
         """Settle a job its worker still holds: kill its connection, record, interrupt."""
         if not self.pool.take_over(item):
             return  # it finished on its own
-        pid = item.backend_pid
+        pid, started = item.backend_pid, item.backend_start
         if pid:
-            run_with_retry(self.alias, lambda c: store.terminate_backend(c, pid),
+            run_with_retry(self.alias, lambda c: store.terminate_backend(c, pid, started),
                            what="terminating a timed-out handler's connection",
                            interrupt=self.forced)
         status = record_outcome(self.alias, item.job, outcome, self.runner_id, self.forced,
                                 attempt_outcome=attempt_outcome)
-        if item.thread_ident is not None:
-            inject_exception(item.thread_ident, JobInterrupted)
+        self.pool.interrupt(item, JobInterrupted)
         if status is None:
             logger.info("job %s finished just as it was taken over", item.job.id)
 
     def _shutdown(self) -> None:
         grace = self.settings.shutdown_grace
         started = self._stop_requested_at or time.monotonic()
+        # From here on the claim loop cannot start jobs: whatever it claims late (a claim that
+        # was in flight when the signal came) it hands straight back, so the hand-back below
+        # sees every job this runner will ever run.
+        self.pool.seal()
         while self.pool.busy and not self.forced.is_set():
             if time.monotonic() - started >= grace:
                 break

@@ -565,6 +565,7 @@ class PrivateCluster:
     def pg_ctl(self, *args: str) -> None:
         self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.logfile),
                   "-w", "-t", "60", *args)
+        connection.close()  # the test's own session did not survive either
 
     def start(self) -> None:
         self.pg_ctl("start")

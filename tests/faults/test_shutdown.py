@@ -65,7 +65,7 @@ def test_sigterm_lets_a_short_job_finish_and_claims_nothing_more(fleet: Fleet) -
 def test_sigterm_hands_back_a_job_longer_than_the_grace_period(fleet: Fleet) -> None:
     grace = 1.0
     runner = fleet.spawn("long", concurrency=1, settings={"SHUTDOWN_GRACE": grace})
-    job = enqueue_one({"sleep": 60, "upto": 1})
+    job = enqueue_one({"sleep": 60, "pid": runner.pid})  # hangs in this runner only
     wait_status(job, "running")
     runner.send(signal.SIGTERM)
     assert runner.wait_exit(grace + 10) == 0
