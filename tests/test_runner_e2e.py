@@ -139,6 +139,60 @@ def test_handler_writes_and_completion_commit_in_one_transaction(
     assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
 
 
+def test_jobs_enqueued_by_a_failed_attempt_roll_back_with_it(
+    isolated_registry: Registry, start_runner: StartRunner
+) -> None:
+    @job_handler("rt.parent", max_retries=2, backoff=constant(0))
+    def parent(payload: Any, ctx: JobContext) -> None:
+        enqueue("rt.child", {"from_attempt": ctx.attempt})
+        if ctx.attempt == 1:
+            raise TransientJobError("first attempt fails after enqueueing")
+
+    @job_handler("rt.child")
+    def child(payload: Any) -> None:
+        return None
+
+    job = enqueue("rt.parent", {})
+    start_runner(concurrency=2)
+    wait_status(job.id, JobStatus.COMPLETED)
+    children = wait_for(lambda: list(PersistentJob.objects.filter(
+        job_type="rt.child", status=JobStatus.COMPLETED)), message="the child job to complete")
+    assert [c.payload for c in children] == [{"from_attempt": 2}]
+    assert PersistentJob.objects.filter(job_type="rt.child").count() == 1
+
+
+def test_handler_that_swallows_a_database_error_cannot_complete(
+    isolated_registry: Registry, start_runner: StartRunner
+) -> None:
+    """The handler's transaction is broken; returning normally must not count as success."""
+    from django.db import DatabaseError
+
+    @job_handler("rt.swallows_db_error", max_retries=0)
+    def swallow(payload: Any, ctx: JobContext) -> None:
+        LedgerEntry.objects.create(job_id=ctx.job_id, note="before the error")
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT * FROM no_such_table_here")
+        except DatabaseError:
+            pass  # the transaction is now aborted
+
+    job = enqueue("rt.swallows_db_error", {})
+    start_runner(concurrency=1)
+    dead = wait_status(job.id, JobStatus.DEAD_LETTERED)
+    assert dead.last_error_code == "HANDLER_ERROR"
+    assert not LedgerEntry.objects.exists()
+    [attempt] = attempts_of(job.id)
+    assert attempt.outcome == "dead_lettered" and attempt.error_code == "HANDLER_ERROR"
+
+
+def test_runner_heartbeats_while_idle(start_runner: StartRunner) -> None:
+    runner = start_runner(concurrency=1)
+    first = JobRunnerRecord.objects.get(pk=runner.runner_id).heartbeat_at
+    record = wait_for(lambda: JobRunnerRecord.objects.filter(
+        pk=runner.runner_id, heartbeat_at__gt=first).first(), message="a second heartbeat")
+    assert record.concurrency == 1 and record.pid > 0
+
+
 def _open_transactions_writing(table: str) -> bool:
     with connection.cursor() as cursor:
         cursor.execute(
