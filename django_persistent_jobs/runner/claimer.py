@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import store
 from .db import run_with_retry
+from .heartbeat import heartbeat_fresh
 
 if TYPE_CHECKING:
     from .supervisor import Runner
@@ -30,6 +31,12 @@ def claim_loop(runner: Runner) -> None:
             break
         if free <= 0:
             continue
+        if not heartbeat_fresh(runner):
+            # Frozen or cut off for a while: others may have declared this runner dead. Let the
+            # heartbeat prove it alive (registering again if need be) before claiming more.
+            with runner.beaten:
+                runner.beaten.wait(poll)
+            continue
         limit = min(free, settings.batch_size or free)
         runner.wake.clear()
 
@@ -45,8 +52,11 @@ def claim_loop(runner: Runner) -> None:
             # noticed, so hand them straight back rather than start them.
             runner.hand_back_unstarted(jobs)
             break
-        for job in jobs:
-            runner.dispatch(job)
+        for index, job in enumerate(jobs):
+            if not runner.dispatch(job):
+                # The supervisor sealed the pool for shutdown between the check above and now.
+                runner.hand_back_unstarted(jobs[index:])
+                return
         if logger.isEnabledFor(logging.DEBUG) and jobs:
             logger.debug("claimed %d job(s)", len(jobs),
                          extra={"event": "claim", "count": len(jobs),
@@ -60,7 +70,7 @@ def claim_loop(runner: Runner) -> None:
                 break
             # Wait for a running job to finish (it may enqueue more) or a wake-up, then look again.
             busy_now = pool.busy
-            _wait_for(runner, lambda: pool.busy < busy_now, 0.01)
+            _wait_for(runner, lambda busy_now=busy_now: pool.busy < busy_now, 0.01)
             continue
         runner.wake.wait(poll)
 

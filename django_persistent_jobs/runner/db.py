@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
-T = TypeVar("T")
+#: While an operation keeps failing, its warning is repeated at most this often.
+LOG_EVERY_SECONDS = 5.0
 
 #: Errors that mean "the connection or server is unhealthy", as opposed to a bug in our SQL.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (OperationalError, InterfaceError)
@@ -88,7 +90,7 @@ class Backoff:
         self.current = self.first
 
 
-def run_with_retry(
+def run_with_retry[T](
     alias: str, fn: Callable[[Any], T], *, what: str, interrupt: threading.Event | None = None,
     backoff: Backoff | None = None,
 ) -> T | None:
@@ -100,6 +102,8 @@ def run_with_retry(
     is raised: it is a bug or a broken invariant, not weather.
     """
     backoff = backoff or Backoff()
+    failures = 0
+    last_logged = 0.0
     while True:
         try:
             with connections[alias].cursor() as cursor:
@@ -113,10 +117,17 @@ def run_with_retry(
                 logger.error("giving up on %s: %s", what, exc, extra={"event": "db_give_up"})
                 return None
             delay = backoff.next()
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            logger.warning(
-                "database unavailable during %s (%s); retrying in %.1fs", what,
-                first_line or type(exc).__name__, delay,
-                extra={"event": "db_retry", "operation": what},
-            )
+            failures += 1
+            now = time.monotonic()
+            if failures == 1 or now - last_logged >= LOG_EVERY_SECONDS:
+                # The first failure, then a reminder now and then: an outage of minutes must
+                # not flood the log with one line per fast retry.
+                last_logged = now
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                logger.warning(
+                    "database unavailable during %s (%s); retrying in %.1fs%s", what,
+                    first_line or type(exc).__name__, delay,
+                    f" (failure {failures})" if failures > 1 else "",
+                    extra={"event": "db_retry", "operation": what, "failures": failures},
+                )
             (interrupt or threading.Event()).wait(delay)

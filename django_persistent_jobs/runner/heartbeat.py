@@ -3,6 +3,14 @@
 Rescue follows liveness, not elapsed time: a job is put back in play only when the runner that
 holds it has stopped heartbeating for ``STALE_LOCK_TIMEOUT`` by the database clock (its row is
 then deleted), so a live runner's long job is never taken away from it.
+
+A stale heartbeat proves death only if its owner *could* have beaten. After PostgreSQL was
+unreachable (a restart, a network outage) or this process was frozen, every runner's heartbeat
+looks stale at once, and the first runner back would otherwise "rescue" every other live
+runner's jobs. So a runner reaps others only once it has itself been beating without a gap for
+a whole ``STALE_LOCK_TIMEOUT``: by then every live runner has had the same chance to beat (they
+retry their heartbeat every fraction of a second while the database is away). Fencing would make
+a premature rescue safe, but it would still cost the job an attempt and throw away its work.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..registry import registry
 from . import store
-from .db import run_with_retry
+from .db import Backoff, run_with_retry
 from .execute import Outcome, _backoff_for, log_transition
 
 if TYPE_CHECKING:
@@ -22,6 +30,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 CANCEL_POLL_SECONDS = 0.5
+#: A gap between two successful heartbeats longer than this many heartbeat intervals means
+#: this runner was cut off (or frozen): its streak of good health starts again.
+GAP_INTERVALS = 1.5
+#: While the database is away the heartbeat retries at most this often, so that a live
+#: runner's first beat follows the database's return within a fraction of a second.
+RETRY_CAP_SECONDS = 0.25
 
 
 def heartbeat_loop(runner: Runner) -> None:
@@ -38,6 +52,33 @@ def heartbeat_loop(runner: Runner) -> None:
         runner.halt.wait(min(CANCEL_POLL_SECONDS, settings.heartbeat_interval))
 
 
+def note_beat(runner: Runner) -> None:
+    """Record a successful heartbeat (registration counts as one) on the monotonic clock."""
+    now = time.monotonic()
+    if (runner.last_beat is None
+            or now - runner.last_beat > GAP_INTERVALS * runner.settings.heartbeat_interval):
+        runner.healthy_since = now
+    runner.last_beat = now
+    with runner.beaten:
+        runner.beaten.notify_all()
+
+
+def may_reap(runner: Runner) -> bool:
+    """Whether this runner has been beating, gap-free, for a whole stale-lock timeout."""
+    since = runner.healthy_since
+    return since is not None and time.monotonic() - since >= runner.settings.stale_lock_timeout
+
+
+def heartbeat_fresh(runner: Runner) -> bool:
+    """Whether nobody can have reaped this runner lately: its last beat is well within the
+    stale-lock timeout. A runner that was frozen or cut off beats (and re-registers if it was
+    reaped) before it claims again, so it never claims jobs under a row others have deleted."""
+    last = runner.last_beat
+    settings = runner.settings
+    limit = max(settings.stale_lock_timeout / 2, GAP_INTERVALS * settings.heartbeat_interval)
+    return last is not None and time.monotonic() - last <= limit
+
+
 def beat(runner: Runner) -> None:
     def do(cursor: Any) -> bool:
         alive = store.heartbeat(cursor, runner.runner_id)
@@ -45,7 +86,12 @@ def beat(runner: Runner) -> None:
             runner.register(cursor)
         return alive
 
-    alive = run_with_retry(runner.alias, do, what="heartbeat", interrupt=runner.halt)
+    cap = min(RETRY_CAP_SECONDS, runner.settings.heartbeat_interval / 2)
+    alive = run_with_retry(runner.alias, do, what="heartbeat", interrupt=runner.halt,
+                           backoff=Backoff(first=min(0.05, cap), cap=cap))
+    if alive is None:
+        return  # halted while the database was away
+    note_beat(runner)
     if alive is False:
         logger.warning(
             "runner %s was presumed dead by another runner (heartbeat too old); its jobs were "
@@ -70,10 +116,12 @@ def relay_cancel_requests(runner: Runner) -> None:
 def rescue(runner: Runner) -> int:
     """Delete runners that stopped heartbeating, then release every job no live runner holds."""
     stale = runner.settings.stale_lock_timeout
-    dead = run_with_retry(
-        runner.alias, lambda c: store.reap_dead_runners(c, stale),
-        what="reaping dead runners", interrupt=runner.halt,
-    ) or []
+    dead: list[tuple[str, Any]] = []
+    if may_reap(runner):
+        dead = run_with_retry(
+            runner.alias, lambda c: store.reap_dead_runners(c, stale),
+            what="reaping dead runners", interrupt=runner.halt,
+        ) or []
     for runner_id, last_beat in dead:
         logger.warning("runner %s presumed dead (last heartbeat %s)", runner_id, last_beat,
                        extra={"event": "runner_dead", "dead_runner_id": runner_id})
@@ -81,32 +129,60 @@ def rescue(runner: Runner) -> int:
                              interrupt=runner.halt) or []
     rescued = 0
     for job_id, token, job_type, attempts, locked_by in orphans:
-        spec = registry.get(job_type)
-        outcome = Outcome(
-            "retry", "RUNNER_LOST",
-            f"runner {locked_by} stopped heartbeating while running attempt {attempts}; "
-            "rescued by " + runner.runner_id,
-            delay=_backoff_for(spec, attempts),
-        )
-
-        def apply(cursor: Any, job_id: Any = job_id, token: int = token,
-                  outcome: Outcome = outcome) -> str | None:
-            return store.transition(
-                cursor, job_id, token, kind="retry", code=outcome.code,
-                message=outcome.message, delay=outcome.delay, outcome="rescued",
-            )
-
-        status = run_with_retry(runner.alias, apply, what=f"rescuing job {job_id}",
-                                interrupt=runner.halt)
-        if status is None:
-            continue
-        rescued += 1
-        logger.warning(
-            "job %s rescued from runner %s -> %s", job_id, locked_by, status,
-            extra={"event": "rescue", "job_id": str(job_id), "job_type": job_type,
-                   "dead_runner_id": locked_by, "status": status, "attempt": attempts},
-        )
+        if _rescue_job(runner, job_id, token, job_type, attempts, locked_by,
+                       f"runner {locked_by} stopped heartbeating while running attempt "
+                       f"{attempts}; rescued by {runner.runner_id}"):
+            rescued += 1
+        if (runner.last_beat is not None
+                and time.monotonic() - runner.last_beat >= runner.settings.heartbeat_interval):
+            beat(runner)  # a long rescue must not make this runner look dead in turn
     return rescued
+
+
+def rescue_predecessor(runner: Runner) -> int:
+    """At start-up, release jobs still running under this runner's own id.
+
+    Runner ids are unique per process unless one is given explicitly (``Runner(runner_id=...)``)
+    and reused by a restarted process. The new process has not claimed anything yet, so such
+    jobs belong to its dead predecessor; and since the predecessor's row is the new process's
+    row, which is heartbeating, the ordinary rescue would never see them.
+    """
+    rows = run_with_retry(runner.alias, lambda c: store.running_jobs_of(c, runner.runner_id),
+                          what="finding a predecessor's jobs", interrupt=runner.stopping) or []
+    rescued = 0
+    for job_id, token, job_type, attempts, locked_by in rows:
+        if _rescue_job(runner, job_id, token, job_type, attempts, locked_by,
+                       f"runner {locked_by} was restarted while running attempt {attempts}; "
+                       "rescued by its successor"):
+            rescued += 1
+    if rescued:
+        logger.warning("runner %s: rescued %d job(s) its predecessor with the same id left "
+                       "running", runner.runner_id, rescued,
+                       extra={"event": "predecessor_rescued", "runner_id": runner.runner_id})
+    return rescued
+
+
+def _rescue_job(runner: Runner, job_id: Any, token: int, job_type: str, attempts: int,
+                locked_by: str | None, message: str) -> bool:
+    outcome = Outcome("retry", "RUNNER_LOST", message,
+                      delay=_backoff_for(registry.get(job_type), attempts))
+
+    def apply(cursor: Any) -> str | None:
+        return store.transition(
+            cursor, job_id, token, kind="retry", code=outcome.code,
+            message=outcome.message, delay=outcome.delay, outcome="rescued",
+        )
+
+    status = run_with_retry(runner.alias, apply, what=f"rescuing job {job_id}",
+                            interrupt=runner.halt)
+    if status is None:
+        return False
+    logger.warning(
+        "job %s rescued from runner %s -> %s", job_id, locked_by, status,
+        extra={"event": "rescue", "job_id": str(job_id), "job_type": job_type,
+               "dead_runner_id": locked_by, "status": status, "attempt": attempts},
+    )
+    return True
 
 
 __all__ = ["heartbeat_loop", "log_transition", "rescue"]

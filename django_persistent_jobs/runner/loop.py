@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -32,10 +33,8 @@ class Loop:
             logger.critical("runner loop %r died: %r", self.name, exc, exc_info=exc,
                             extra={"event": "loop_died", "loop": self.name})
         finally:
-            try:
+            with contextlib.suppress(Exception):
                 connections.close_all()
-            except Exception:
-                pass
 
     def start(self) -> None:
         self.thread.start()

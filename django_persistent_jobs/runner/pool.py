@@ -10,6 +10,7 @@ it wakes up.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import queue
@@ -46,47 +47,48 @@ class _Worker:
         )
 
     def _run(self) -> None:
-        pool = self.pool
         try:
-            while True:
-                item = pool.queue.get()
-                if item is None:
-                    return
-                with pool.lock:
-                    if item.taken_over.is_set():
-                        continue  # settled by the supervisor before it started
-                    self.current = item
-                    item.thread_ident = threading.get_ident()
-                try:
-                    pool.execute(item)
-                except JobInterrupted:
-                    pass
-                except BaseException as exc:
-                    # ``execute`` settles every outcome itself; reaching here means the job's
-                    # state could not be recorded. It must not stay claimed by a live runner.
-                    if not self.abandoned:
-                        pool.crashed(item, exc)
-                finally:
-                    with pool.lock:
-                        self.current = None
-                        if not self.abandoned:
-                            pool.release_slot(item)
-                        if self.abandoned:
-                            return
-        except JobInterrupted:
-            return
-        finally:
-            try:
-                connections.close_all()
-            except Exception:
+            while self._run_one():
                 pass
-            pool.worker_exited(self)
+        except JobInterrupted:
+            pass  # injected into a taken-over job just as it left the handler
+        finally:
+            with contextlib.suppress(Exception):
+                connections.close_all()
+            self.pool.worker_exited(self)
             if self.abandoned:
                 # Operators want to know whether timed-out code ever returns (a thread blocked
                 # in C for an hour does not, and is leaked until then).
                 logger.info("abandoned worker for job %s exited", self.abandoned_job,
                             extra={"event": "abandoned_worker_exited",
                                    "job_id": str(self.abandoned_job)})
+
+    def _run_one(self) -> bool:
+        """Run the next job; False when this worker must exit (pool closed, or abandoned)."""
+        pool = self.pool
+        item = pool.queue.get()
+        if item is None:
+            return False
+        with pool.lock:
+            if item.taken_over.is_set():
+                return True  # settled by the supervisor before it started
+            self.current = item
+            item.thread_ident = threading.get_ident()
+        try:
+            pool.execute(item)
+        except JobInterrupted:
+            pass
+        except BaseException as exc:
+            # ``execute`` settles every outcome itself; reaching here means the job's state
+            # could not be recorded. It must not stay claimed by a live runner.
+            if not self.abandoned:
+                pool.crashed(item, exc)
+        finally:
+            with pool.lock:
+                self.current = None
+                if not self.abandoned:
+                    pool.release_slot(item)
+        return not self.abandoned
 
 
 class WorkerPool:

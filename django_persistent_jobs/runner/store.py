@@ -67,7 +67,9 @@ _CLAIM_ALL = _claim_sql(False)
 _CLAIM_QUEUES = _claim_sql(True)
 
 
-def claim(cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None) -> list[ClaimedJob]:
+def claim(
+    cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None,
+) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
 
     The attempt is counted here, at claim time, so a job that kills its runner still uses up its
@@ -227,6 +229,16 @@ def orphaned_jobs(cursor: Any, limit: int = 1000) -> list[tuple[Any, int, str, i
         "WHERE j.status = 'running' AND NOT EXISTS (SELECT 1 FROM persistent_jobs_runners r "
         "WHERE r.id = j.locked_by) LIMIT %s",
         [limit],
+    )
+    return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
+
+
+def running_jobs_of(cursor: Any, runner_id: str) -> list[tuple[Any, int, str, int, str | None]]:
+    """Running jobs locked by ``runner_id``: ``(id, token, job_type, attempts, locked_by)``."""
+    cursor.execute(
+        "SELECT id, lock_token, job_type, attempts, locked_by FROM persistent_jobs "
+        "WHERE status = 'running' AND locked_by = %s",
+        [runner_id],
     )
     return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
 

@@ -7,6 +7,7 @@ and stops the runner loudly if one dies, instead of limping on without, say, its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -317,10 +318,8 @@ class Runner:
 
     def _close_side(self) -> None:
         if self._side is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._side.close()
-            except Exception:
-                pass
             self._side = None
 
     def _supervise(self) -> None:

@@ -248,6 +248,11 @@ class Fleet:
                          for r in self.runners)
 
 
+def database_url() -> str:
+    """The URL of the database this test process uses (the shared server's test database)."""
+    return test_database_env()["DATABASE_URL"]
+
+
 def runner_pid_from_id(runner_id: str) -> int:
     """Runner ids are ``host:pid:random``."""
     return int(runner_id.split(":")[-2])

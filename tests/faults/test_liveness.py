@@ -103,7 +103,8 @@ def test_long_job_on_a_live_runner_is_never_rescued(fleet: Fleet, kind: str) -> 
     assert ledger_of(job) == [(1, owner.runner_id)]
     assert not owner.find(r"presumed dead") and not watcher.find(r"rescued from runner")
     verify([job])
-    report(f"long_job_{kind}", job_seconds=round(float(ran), 1), stale_lock_timeout=STALE, rescues=0)
+    report(f"long_job_{kind}", job_seconds=round(float(ran), 1), stale_lock_timeout=STALE,
+           rescues=0)
 
 
 def _pid_namespaces_work() -> bool:

@@ -13,11 +13,10 @@ import signal
 import psycopg
 import pytest
 
-from tests.conftest import test_database_env
-
 from .harness import (
     Fleet,
     backends,
+    database_url,
     enqueue_jobs,
     enqueue_one,
     job_row,
@@ -83,13 +82,16 @@ def test_sigterm_hands_back_a_job_longer_than_the_grace_period(fleet: Fleet) -> 
 
 
 def test_sigterm_during_a_claim_hands_the_claimed_jobs_back(fleet: Fleet) -> None:
-    runner = fleet.spawn("claiming", concurrency=2, settings={"SHUTDOWN_GRACE": 5})
-    # Hold the attempts table so the runner's next claim blocks in the middle of the statement.
-    with psycopg.connect(test_database_env()["DATABASE_URL"]) as blocker:
+    # Hold the attempts table so the runner's first claim blocks in the middle of the
+    # statement. (The jobs exist before the runner starts: a claim statement sees the rows
+    # committed when it began, so one that began earlier would come back empty.)
+    with psycopg.connect(database_url()) as blocker:
         blocker.execute("LOCK TABLE persistent_jobs_attempts IN EXCLUSIVE MODE")
         jobs = enqueue_jobs(2)
-        wait_until(lambda: backends("claiming", "wait_event_type = 'Lock'"), timeout=10,
-                   message="the claim to block on the lock")
+        runner = fleet.spawn("claiming", concurrency=2, settings={"SHUTDOWN_GRACE": 5})
+        blocked = wait_until(lambda: backends("claiming", "wait_event_type = 'Lock'"),
+                             timeout=10, message="the claim to block on the lock")
+        assert "WITH picked AS" in blocked[0][3], blocked
         mark = runner.mark()
         runner.send(signal.SIGTERM)
         runner.wait_line(r"stopping: no new claims", since=mark)
