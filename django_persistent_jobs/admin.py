@@ -157,6 +157,10 @@ class JobRunnerAdmin(_RunnerAdminBase):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Deleting a live runner's row would get its running jobs rescued under it.
+        return False
+
 
 # Recurring schedules have their own admin module (issue 3).
 from . import admin_schedules  # noqa: E402,F401

@@ -35,7 +35,6 @@ DEFAULTS: dict[str, Any] = {
     "DEFAULT_QUEUE": "default",
     "BATCH_SIZE": None,  # None: as many as there are free slots
     "DATABASE": "default",
-    "CHANNEL": "persistent_jobs",
     "PAYLOAD_MAX_BYTES": 128 * 1024,
     "PAYLOAD_MAX_DEPTH": 10,
     "PAYLOAD_MAX_KEYS": 500,
@@ -188,7 +187,7 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
         errors.append(("persistent_jobs.E010",
                        f"PERSISTENT_JOBS['QUEUES'] must be a non-empty list of queue names or "
                        f"None, got {queues!r}.", "For example ['default', 'emails']."))
-    for key in ("DATABASE", "CHANNEL", "DEFAULT_QUEUE"):
+    for key in ("DATABASE", "DEFAULT_QUEUE"):
         if not isinstance(value(key), str) or not value(key):
             errors.append(("persistent_jobs.E011",
                            f"PERSISTENT_JOBS['{key}'] must be a non-empty string.", ""))
@@ -300,7 +299,6 @@ class RunnerSettings:
     queues: tuple[str, ...] | None
     batch_size: int | None
     database: str
-    channel: str
     scheduler_interval: float
 
     @classmethod
@@ -321,7 +319,6 @@ class RunnerSettings:
             "queues": tuple(queues) if queues else None,
             "batch_size": get("BATCH_SIZE"),
             "database": get("DATABASE"),
-            "channel": get("CHANNEL"),
             "scheduler_interval": seconds(get("SCHEDULER_INTERVAL")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -40,7 +40,9 @@ class JobError(Exception):
     def __init__(self, message: str = "", code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.code = code or self.default_code
+        # The code is stored in a 64-character column; a longer one is cut rather than allowed
+        # to make recording the outcome fail.
+        self.code = (code or self.default_code)[:64]
 
 
 class TransientJobError(JobError):

@@ -86,8 +86,6 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "PERSISTENT_JOBS['QUEUES'] must be a non-empty list of queue names or None, got []."),
     ({"QUEUES": "default"}, "persistent_jobs.E010", "got 'default'"),
     ({"QUEUES": ["a", ""]}, "persistent_jobs.E010", "must be a non-empty list of queue names"),
-    ({"CHANNEL": ""}, "persistent_jobs.E011", "PERSISTENT_JOBS['CHANNEL'] must be a non-empty "
-                                              "string."),
     ({"DEFAULT_QUEUE": 5}, "persistent_jobs.E011", "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be a "
                                                    "non-empty string."),
     ({"DEFAULT_QUEUE": "q" * 101}, "persistent_jobs.E011",

@@ -37,10 +37,17 @@ class Command(BaseCommand):
             queues = [q.strip() for q in options["queues"].split(",") if q.strip()]
             if not queues:
                 raise CommandError("--queues needs at least one queue name.")
-        logging.getLogger("django_persistent_jobs").setLevel(
+        package_logger = logging.getLogger("django_persistent_jobs")
+        package_logger.setLevel(
             logging.DEBUG if options["verbosity"] >= 3 else logging.INFO
             if options["verbosity"] >= 1 else logging.WARNING
         )
+        if not _has_handler(package_logger):
+            # No LOGGING configured for us: a silent runner is worse than a plain one.
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter(
+                "%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+            package_logger.addHandler(handler)
         try:
             runner = Runner(
                 concurrency=options["concurrency"], queues=queues,
@@ -52,3 +59,12 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         if code:
             sys.exit(code)
+
+
+def _has_handler(logger: logging.Logger) -> bool:
+    current: logging.Logger | None = logger
+    while current is not None:
+        if current.handlers:
+            return True
+        current = current.parent if current.propagate else None
+    return False

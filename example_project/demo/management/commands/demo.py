@@ -75,12 +75,12 @@ class Command(BaseCommand):
         return False
 
     def _report(self, ids: list[Any]) -> None:
-        self.stdout.write("\n%-20s %-14s %-9s %-12s %s" % (
-            "job type", "status", "attempts", "error code", "attempt outcomes"))
+        header = ("job type", "status", "attempts", "error code", "attempt outcomes")
+        self.stdout.write("\n" + "{:<20} {:<14} {:<9} {:<12} {}".format(*header))
         for job in PersistentJob.objects.filter(id__in=ids).order_by("id"):
             outcomes = ", ".join(
                 f"{a.attempt}:{a.outcome}" for a in JobAttempt.objects.filter(job=job)
             )
-            self.stdout.write("%-20s %-14s %-9s %-12s %s" % (
+            self.stdout.write("{:<20} {:<14} {:<9} {:<12} {}".format(
                 job.job_type, job.status, f"{job.attempts}/{job.max_retries + 1}",
                 job.last_error_code or "-", outcomes))
