@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import timedelta
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -76,7 +77,7 @@ PERSISTENT_JOBS = {
 if os.environ.get("PJ_TEST_SETTINGS"):
     PERSISTENT_JOBS.update(json.loads(os.environ["PJ_TEST_SETTINGS"]))
 
-LOGGING = {
+LOGGING: dict[str, Any] = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"null": {"class": "logging.NullHandler"}},

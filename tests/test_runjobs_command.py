@@ -22,6 +22,7 @@ from tests.testapp.models import LedgerEntry
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
+LOG_ENV = {"PJ_TEST_LOG": "INFO"}  # runner logs on stdout end up in assertion messages
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def test_burst_processes_everything_due_and_exits_zero(spawn_runner: Spawn) -> N
     doomed = enqueue("test.ledger", {"permanent": True})
     later = enqueue("test.ledger", {"note": "tomorrow"}, delay=86400)
     started = time.monotonic()
-    code, output = _finish(spawn_runner("--burst", "--concurrency", "3"))
+    code, output = _finish(spawn_runner("--burst", "--concurrency", "3", env=LOG_ENV))
     assert code == 0, output
     assert time.monotonic() - started < 30
     statuses = dict(PersistentJob.objects.values_list("id", "status"))
@@ -93,7 +94,7 @@ def test_burst_processes_everything_due_and_exits_zero(spawn_runner: Spawn) -> N
 
 def test_burst_with_nothing_due_exits_zero(spawn_runner: Spawn) -> None:
     later = enqueue("test.ledger", {}, delay=3600)
-    code, output = _finish(spawn_runner("--burst"))
+    code, output = _finish(spawn_runner("--burst", env=LOG_ENV))
     assert code == 0, output
     assert get_job(later.id).status == JobStatus.PENDING
     assert not JobAttempt.objects.exists()
@@ -104,7 +105,7 @@ def test_burst_runs_a_retry_that_falls_due_while_work_is_running(spawn_runner: S
     the retry becomes due while other work is still running."""
     flaky = enqueue("test.ledger", {"fail_times": 1})
     slow = enqueue("test.ledger", {"sleep": 1.5})
-    code, output = _finish(spawn_runner("--burst", "--concurrency", "2"))
+    code, output = _finish(spawn_runner("--burst", "--concurrency", "2", env=LOG_ENV))
     assert code == 0, output
     assert get_job(slow.id).status == JobStatus.COMPLETED
     done = get_job(flaky.id)
@@ -113,7 +114,7 @@ def test_burst_runs_a_retry_that_falls_due_while_work_is_running(spawn_runner: S
 
 def test_queues_option_restricts_claiming(spawn_runner: Spawn) -> None:
     jobs = {q: enqueue("test.ledger", {"note": q}, queue=q) for q in ("alpha", "beta", "gamma")}
-    code, output = _finish(spawn_runner("--burst", "--queues", "alpha, beta"))
+    code, output = _finish(spawn_runner("--burst", "--queues", "alpha, beta", env=LOG_ENV))
     assert code == 0, output
     assert get_job(jobs["alpha"].id).status == JobStatus.COMPLETED
     assert get_job(jobs["beta"].id).status == JobStatus.COMPLETED

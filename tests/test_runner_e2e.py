@@ -6,6 +6,7 @@ the retry / dead-letter rules and their error codes, and the embeddable API.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from django_persistent_jobs.enqueue import enqueue, enqueue_many
 from django_persistent_jobs.errors import ConfigurationError
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from django_persistent_jobs.registry import Registry
+from django_persistent_jobs.runner import store
 from tests.test_runner_support import (
     Gate,
     attempts_of,
@@ -193,6 +195,39 @@ def test_runner_heartbeats_while_idle(start_runner: StartRunner) -> None:
     assert record.concurrency == 1 and record.pid > 0
 
 
+def test_an_execution_that_lost_its_claim_cannot_commit(
+    isolated_registry: Registry, start_runner: StartRunner, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fencing: once the job no longer carries the attempt's token (as after a rescue), the
+    handler's completion matches nothing and its business writes roll back with it."""
+    caplog.set_level(logging.WARNING, logger="django_persistent_jobs")
+    gate, started = Gate(), Gate()
+
+    @job_handler("rt.fenced", timeout=60, max_retries=3)
+    def fenced(payload: Any, ctx: JobContext) -> None:
+        LedgerEntry.objects.create(job_id=ctx.job_id, note=f"attempt {ctx.attempt}")
+        started.open()
+        gate.wait()
+
+    job = enqueue("rt.fenced", {})
+    start_runner(concurrency=1)
+    assert started.wait()
+    token = get_job(job.id).lock_token
+    assert token is not None
+    with connection.cursor() as cursor:  # someone else settles attempt 1 behind its back
+        status = store.transition(cursor, job.id, token, kind="retry", code="RUNNER_LOST",
+                                  message="taken away for the test", outcome="rescued")
+    assert status == JobStatus.FAILED
+    gate.open()  # attempt 1 now tries to complete with a stale token
+    done = wait_status(job.id, JobStatus.COMPLETED)
+    assert done.attempts == 2
+    assert list(LedgerEntry.objects.values_list("note", flat=True)) == ["attempt 2"]
+    assert [(a.attempt, a.outcome) for a in attempts_of(job.id)] == [(1, "rescued"),
+                                                                      (2, "completed")]
+    assert any(getattr(r, "event", None) == "claim_lost" and r.job_id == str(job.id)  # type: ignore[attr-defined]
+               for r in caplog.records)
+
+
 def _open_transactions_writing(table: str) -> bool:
     with connection.cursor() as cursor:
         cursor.execute(
@@ -220,6 +255,7 @@ def test_transient_retry_waits_for_retry_after_by_the_database_clock(
     [first] = attempts_of(job.id)
     assert first.outcome == "failed" and first.error_code == "UPSTREAM_DOWN"
     # retry_after (not the 600 s backoff) from the database's now() of the failing transition.
+    assert first.finished_at is not None
     assert failed.next_run_at - first.finished_at == timedelta(seconds=1.5)
     done = wait_status(job.id, JobStatus.COMPLETED)
     assert done.attempts == 2
@@ -241,6 +277,7 @@ def test_backoff_schedules_the_retry(
     start_runner(concurrency=1)
     failed = wait_status(job.id, JobStatus.FAILED)
     [first] = attempts_of(job.id)
+    assert first.finished_at is not None
     assert failed.next_run_at - first.finished_at == timedelta(seconds=100)
     assert failed.last_error_code == "HANDLER_ERROR"  # TransientJobError without a code
     assert calls == [1]
@@ -564,6 +601,23 @@ def test_embedded_runner_start_stop() -> None:
     later = enqueue("test.ledger", {"note": "after stop"})
     assert get_job(later.id).status == JobStatus.PENDING
     assert not JobRunnerRecord.objects.exists()
+
+
+def test_burst_runner_runs_jobs_enqueued_by_jobs_then_stops(
+    isolated_registry: Registry, start_runner: StartRunner
+) -> None:
+    @job_handler("rt.chain")
+    def chain(payload: Any) -> None:
+        if payload["left"]:
+            enqueue("rt.chain", {"left": payload["left"] - 1})
+
+    enqueue("rt.chain", {"left": 3})
+    later = enqueue("rt.chain", {"left": 0}, delay=3600)
+    runner = start_runner(concurrency=2, burst=True)
+    assert runner.finished.wait(30), "the burst runner did not stop by itself"
+    assert runner.exit_code == 0
+    assert PersistentJob.objects.filter(status=JobStatus.COMPLETED).count() == 4
+    assert get_job(later.id).status == JobStatus.PENDING
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")

@@ -11,7 +11,7 @@ from django.db import transaction
 
 from django_persistent_jobs.enqueue import enqueue_many
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
-from tests.test_runner_support import wait_for
+from tests.test_runner_support import OutputReader, wait_for
 from tests.testapp.models import LedgerEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
@@ -21,7 +21,9 @@ JOBS = 500
 
 
 def test_three_runner_processes_drain_500_jobs_exactly_once(spawn_runner: Spawn) -> None:
-    procs = [spawn_runner("--concurrency", "4") for _ in range(3)]
+    readers = [OutputReader(spawn_runner("--concurrency", "4", env={"PJ_TEST_LOG": "WARNING"}))
+               for _ in range(3)]
+    procs = [r.proc for r in readers]
     wait_for(lambda: JobRunnerRecord.objects.count() == 3, timeout=30,
              message="three runners to register")
     with transaction.atomic():  # one commit, one NOTIFY: all three race for the same jobs
@@ -30,14 +32,16 @@ def test_three_runner_processes_drain_500_jobs_exactly_once(spawn_runner: Spawn)
 
     def all_done() -> bool:
         finished = PersistentJob.objects.filter(status=JobStatus.COMPLETED).count()
-        assert all(p.poll() is None for p in procs), "a runner process died"
+        for reader in readers:
+            assert reader.proc.poll() is None, f"a runner process died:\n{reader.text()}"
         return finished == JOBS
 
     wait_for(all_done, timeout=90, interval=0.1, message=f"{JOBS} jobs to complete")
     for proc in procs:
         proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        assert proc.wait(30) == 0
+    for reader in readers:
+        code, output = reader.finish(30)
+        assert code == 0, output
 
     assert PersistentJob.objects.exclude(status=JobStatus.COMPLETED).count() == 0
     assert set(PersistentJob.objects.values_list("attempts", flat=True)) == {1}

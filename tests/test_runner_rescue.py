@@ -21,6 +21,7 @@ from django_persistent_jobs.registry import Registry
 from django_persistent_jobs.runner import Runner, store
 from tests.test_runner_support import (
     Gate,
+    OutputReader,
     attempts_of,
     db_now,
     get_job,
@@ -84,6 +85,7 @@ def test_rescue_waits_for_the_stale_lock_timeout_then_acts_within_it(
     dead = wait_status(job.id, JobStatus.DEAD_LETTERED, timeout=STALE + 10)
     [attempt] = attempts_of(job.id)
     assert (attempt.outcome, attempt.error_code) == ("rescued", "RUNNER_LOST")
+    assert attempt.finished_at is not None
     waited = (attempt.finished_at - last_beat).total_seconds()  # both by the database clock
     assert STALE <= waited <= STALE + 4 * HEARTBEAT + 1.0, waited
     assert dead.last_error_code == "RUNNER_LOST"
@@ -129,7 +131,8 @@ def test_killed_runner_process_job_is_rescued_and_completed(
     spawn_runner: Spawn, start_runner: StartRunner
 ) -> None:
     job = enqueue("test.hang_first", {"sleep": 120})
-    proc = spawn_runner("--concurrency", "1")
+    victim_proc = OutputReader(spawn_runner("--concurrency", "1", env={"PJ_TEST_LOG": "INFO"}))
+    proc = victim_proc.proc
     running = wait_status(job.id, JobStatus.RUNNING, timeout=30)
     victim = running.locked_by
     assert victim and JobRunnerRecord.objects.filter(pk=victim).exists()
@@ -139,6 +142,7 @@ def test_killed_runner_process_job_is_rescued_and_completed(
     killed_at = time.monotonic()
     proc.wait(10)
     rescued = wait_status(job.id, JobStatus.FAILED, timeout=STALE + 15)
+    assert "started" in victim_proc.text()
     elapsed = time.monotonic() - killed_at
     assert STALE - 2 * HEARTBEAT - 0.5 <= elapsed <= STALE + 4 * HEARTBEAT + 2.0, elapsed
     assert rescued.last_error_code == "RUNNER_LOST" and rescued.attempts == 1

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +18,10 @@ from django_persistent_jobs.registry import Registry
 from django_persistent_jobs.runner import Runner
 from tests.test_runner_support import (
     Gate,
+    OutputReader,
     attempts_of,
     get_job,
     isolated_registry,
-    wait_for,
     wait_status,
 )
 from tests.testapp.models import LedgerEntry, SideEffect
@@ -119,67 +118,49 @@ def test_force_stop_hands_back_at_once(
 # --------------------------------------------------------------------------- runjobs process
 
 
-def _thread_count(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Threads:"):
-            return int(line.split()[1])
-    raise AssertionError("no thread count")
-
-
-def _output(proc: subprocess.Popen[bytes]) -> str:
-    try:
-        out, _ = proc.communicate(timeout=5)
-    except subprocess.TimeoutExpired:
-        return "<still running>"
-    return out.decode(errors="replace")
+LOG_ENV = {"PJ_TEST_LOG": "INFO"}  # the runner logs to stdout: tests wait for what it says
+STOPPING = "stopping: no new claims"
 
 
 def test_sigterm_lets_in_flight_job_finish_and_exits_zero(spawn_runner: Spawn) -> None:
     job = enqueue("test.ledger", {"sleep": 1.5, "note": "in flight"})
-    proc = spawn_runner("--concurrency", "2")
+    runner = OutputReader(spawn_runner("--concurrency", "2", env=LOG_ENV))
     wait_status(job.id, JobStatus.RUNNING, timeout=30)
-    proc.send_signal(signal.SIGTERM)
-    # Stopped claiming: a job enqueued after the signal stays pending.
+    runner.proc.send_signal(signal.SIGTERM)
+    runner.wait_for_line(STOPPING)
+    # Stopped claiming: a job enqueued after the signal stays pending, though a slot is free.
     late = enqueue("test.ledger", {"note": "late"})
-    try:
-        code = proc.wait(20)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("runjobs did not exit after the signal") from None
-    assert code == 0, _output(proc)
+    code, output = runner.finish(20)
+    assert code == 0, output
     done = get_job(job.id)
-    assert done.status == JobStatus.COMPLETED and done.attempts == 1
+    assert done.status == JobStatus.COMPLETED and done.attempts == 1, output
     assert LedgerEntry.objects.get(job_id=job.id).note == "in flight"
     left = get_job(late.id)
-    assert left.status == JobStatus.PENDING and left.attempts == 0
+    assert left.status == JobStatus.PENDING and left.attempts == 0, output
     assert not JobRunnerRecord.objects.exists()
 
 
 def test_second_signal_forces_exit_and_hands_the_job_back(spawn_runner: Spawn) -> None:
     """SIGINT (Ctrl-C) starts the graceful stop like SIGTERM; a SIGTERM after it forces."""
     job = enqueue("test.hang_first", {"sleep": 120})
-    proc = spawn_runner("--concurrency", "1", "--grace", "60")
+    runner = OutputReader(spawn_runner("--concurrency", "1", "--grace", "60", env=LOG_ENV))
     wait_status(job.id, JobStatus.RUNNING, timeout=30)
-    threads = _thread_count(proc.pid)  # every loop started before the job was claimed
-    proc.send_signal(signal.SIGINT)
-    # The first signal stops the claim loop (its thread exits); the job keeps running.
-    wait_for(lambda: _thread_count(proc.pid) < threads, timeout=15,
-             message="the claim loop to stop after the first signal")
+    runner.proc.send_signal(signal.SIGINT)
+    runner.wait_for_line(STOPPING)  # the first signal was handled: a graceful stop began
     late = enqueue("test.ledger", {"note": "late"})
-    assert proc.poll() is None, "the first signal did not wait for the in-flight job"
+    assert runner.proc.poll() is None, "the first signal did not wait for the in-flight job"
     assert get_job(job.id).status == JobStatus.RUNNING
     forced_at = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(20)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the second SIGTERM did not force an exit") from None
+    runner.proc.send_signal(signal.SIGTERM)
+    code, output = runner.finish(20)
     assert time.monotonic() - forced_at < 20
-    assert code == 1, _output(proc)
+    assert code == 1, output
     back = get_job(job.id)
-    assert back.status == JobStatus.PENDING and back.attempts == 0
+    assert back.status == JobStatus.PENDING and back.attempts == 0, output
     assert back.last_error_code == "SHUTDOWN"
     [attempt] = attempts_of(job.id)
     assert (attempt.outcome, attempt.error_code) == ("interrupted", "SHUTDOWN")
     assert not SideEffect.objects.exists() and not LedgerEntry.objects.exists()
-    assert get_job(late.id).status == JobStatus.PENDING and get_job(late.id).attempts == 0
+    late_now = get_job(late.id)
+    assert late_now.status == JobStatus.PENDING and late_now.attempts == 0, output
     assert not JobRunnerRecord.objects.exists()

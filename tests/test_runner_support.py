@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 import uuid
@@ -18,6 +19,7 @@ from tests.conftest import wait_for
 
 __all__ = [
     "Gate",
+    "OutputReader",
     "Tracker",
     "attempts_of",
     "db_now",
@@ -133,3 +135,47 @@ class Tracker:
                         f"expected {count} handlers running, saw {self.running} after {timeout}s"
                     )
                 self.changed.wait(remaining)
+
+
+class OutputReader:
+    """Drains a runner subprocess's stdout in a thread, so tests can wait for a log line."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with self.changed:
+                self.lines.append(raw.decode(errors="replace").rstrip())
+                self.changed.notify_all()
+
+    def wait_for_line(self, fragment: str, timeout: float = 15.0) -> str:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                for line in self.lines:
+                    if fragment in line:
+                        return line
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"no output line containing {fragment!r} within "
+                                         f"{timeout}s; output so far:\n{self.text()}")
+                self.changed.wait(remaining)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def finish(self, timeout: float = 30.0) -> tuple[int, str]:
+        """Wait for the process to exit; return its exit code and whole output."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"runner did not exit within {timeout}s; output:\n"
+                                 f"{self.text()}") from None
+        self.thread.join(5)
+        return code, self.text()

@@ -41,12 +41,16 @@ def claim_loop(runner: Runner) -> None:
         runner.wake.clear()
 
         def do_claim(cursor: Any, limit: int = limit) -> list[store.ClaimedJob]:
+            if not heartbeat_fresh(runner):
+                return []  # the database came back after a long while: beat first (see above)
             return store.claim(cursor, runner.runner_id, limit, settings.queues)
 
         jobs = run_with_retry(runner.alias, do_claim, what="claiming jobs",
                               interrupt=runner.stopping)
         if jobs is None:
             break
+        if not jobs and not heartbeat_fresh(runner):
+            continue  # skipped, not "nothing due": burst mode must not stop on it
         if jobs and runner.stopping.is_set():
             # SIGTERM arrived while the claim was in flight: these were claimed before we
             # noticed, so hand them straight back rather than start them.

@@ -24,11 +24,11 @@ def cleanup_once(alias: str, interrupt: Any = None) -> int:
     for status, keep in conf.retention().items():
         if keep is None:
             continue
+        def delete_batch(cursor: Any, status: str = status, keep: float = keep) -> int:
+            return store.cleanup(cursor, status, keep)
+
         while True:
-            deleted = run_with_retry(
-                alias, lambda c, s=status, k=keep: store.cleanup(c, s, k),
-                what="cleanup", interrupt=interrupt,
-            )
+            deleted = run_with_retry(alias, delete_batch, what="cleanup", interrupt=interrupt)
             if not deleted:
                 break
             total += deleted

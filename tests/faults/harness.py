@@ -589,7 +589,7 @@ class PrivateCluster:
 
         with psycopg.connect(host="127.0.0.1", port=self.port, user="postgres", dbname=dbname,
                              autocommit=True) as conn:
-            conn.execute(query)  # type: ignore[arg-type]
+            conn.execute(query.encode())
 
     def server_log(self) -> str:
         try:

@@ -15,6 +15,7 @@ from .harness import (
     TERMINAL,
     Fleet,
     RunnerProcess,
+    backends,
     enqueue_jobs,
     report,
     runner_pid_from_id,
@@ -73,7 +74,11 @@ def test_sigkill_soak(fleet: Fleet) -> None:
             break
         assert target.runner_id is not None
         target.kill()
-        # Post mortem: what the dead runner still held is exactly what must be rescued.
+        # Post mortem, once the server has finished with the dead runner's sessions (a COMMIT
+        # it sent just before dying still completes): what it holds now must be rescued.
+        victim_name = target.name
+        wait_until(lambda: not backends(victim_name), timeout=10,  # noqa: B023 (used at once)
+                   message=f"runner {victim_name}'s sessions to end")
         kills.append((target.runner_id, target.pid, _running_jobs(target.runner_id)))
         runners[runners.index(target)] = fleet.spawn(wait_started=False,
                                                      concurrency=CONCURRENCY)

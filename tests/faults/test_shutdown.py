@@ -35,9 +35,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
 
 
 def _attempts(ids: list[object]) -> list[tuple[object, str, str, str]]:
-    return [tuple(r) for r in sql(  # type: ignore[misc]
-        "SELECT job_id, runner_id, outcome, error_code FROM persistent_jobs_attempts "
-        "WHERE job_id = ANY(%s) ORDER BY id", [ids])]
+    rows = sql("SELECT job_id, runner_id, outcome, error_code FROM persistent_jobs_attempts "
+               "WHERE job_id = ANY(%s) ORDER BY id", [ids])
+    return [(job, runner_id, outcome, code) for job, runner_id, outcome, code in rows]
 
 
 def test_sigterm_lets_a_short_job_finish_and_claims_nothing_more(fleet: Fleet) -> None:
@@ -89,9 +89,9 @@ def test_sigterm_during_a_claim_hands_the_claimed_jobs_back(fleet: Fleet) -> Non
         blocker.execute("LOCK TABLE persistent_jobs_attempts IN EXCLUSIVE MODE")
         jobs = enqueue_jobs(2)
         runner = fleet.spawn("claiming", concurrency=2, settings={"SHUTDOWN_GRACE": 5})
-        blocked = wait_until(lambda: backends("claiming", "wait_event_type = 'Lock'"),
-                             timeout=10, message="the claim to block on the lock")
-        assert "WITH picked AS" in blocked[0][3], blocked
+        wait_until(lambda: backends("claiming", "wait_event_type = 'Lock' AND "
+                                    "query LIKE '%%WITH picked AS%%'"),
+                   timeout=10, message="the claim to block on the lock")
         mark = runner.mark()
         runner.send(signal.SIGTERM)
         runner.wait_line(r"stopping: no new claims", since=mark)
