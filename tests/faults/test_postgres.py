@@ -138,7 +138,7 @@ def test_postgres_restart_and_outage(private_cluster: PrivateCluster, private_db
     for runner in everyone:
         runner.send(signal.SIGTERM)
     assert [r.wait_exit(20) for r in everyone] == [0] * len(everyone)
-    report("postgres_restart", jobs=len(everything), restarts=2, outage_s=round(outage, 1),
+    report("postgres_restart", jobs=len(everything), restarts=2, stops=1, outage_s=round(outage, 1),
            runners=len(everyone), recovery_after_outage_s=round(drained_at - up_at, 1),
            duration_s=round(drained_at - began, 1))
 
