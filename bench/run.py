@@ -173,15 +173,17 @@ def analyze() -> None:
     execute("ANALYZE persistent_jobs_attempts")
 
 
-def fill(jobs: int, *, one_transaction: bool) -> float:
+def fill(jobs: int, *, one_transaction: bool, analyze_before_commit: bool = False) -> float:
     """Enqueue ``jobs`` no-op jobs with ``enqueue_many`` in batches; returns the commit time.
 
     ``one_transaction`` makes every job visible at the same instant, so a drain starts at a
-    well-defined moment however long the inserts took.
+    well-defined moment however long the inserts took. ``analyze_before_commit`` gives the
+    planner statistics that describe the backlog (as the pgbench ceiling gets), published by the
+    same commit, so a live runner plans its claims against a table of this size, not an empty one.
     """
     from django.db import transaction
 
-    from django_persistent_jobs.enqueue import enqueue_many
+    from django_persistent_jobs.enqueuing import enqueue_many
 
     def batches() -> Iterator[list[tuple[str, dict[str, int]]]]:
         for start in range(0, jobs, ENQUEUE_BATCH):
@@ -191,6 +193,8 @@ def fill(jobs: int, *, one_transaction: bool) -> float:
         with transaction.atomic():
             for batch in batches():
                 enqueue_many(batch)
+            if analyze_before_commit:
+                analyze()
     else:
         for batch in batches():
             with transaction.atomic():
@@ -409,7 +413,7 @@ def drain_once(proc: RunnerProcess, jobs: int, *, stall_timeout: float = 60.0) -
     """
     cpu_before = proc.cpu_seconds()
     server_before = server_cpu()
-    committed = fill(jobs, one_transaction=True)
+    committed = fill(jobs, one_transaction=True, analyze_before_commit=True)
     remaining, last_change, last_remaining = jobs, time.monotonic(), jobs
     while remaining:
         time.sleep(0.2)
@@ -446,7 +450,6 @@ def drain_once(proc: RunnerProcess, jobs: int, *, stall_timeout: float = 60.0) -
 
 def measure_drain(concurrency: int | None, jobs: int, workdir: Path) -> Drain:
     reset_jobs()
-    analyze()
     with runner(concurrency, workdir) as proc:
         return drain_once(proc, jobs)
 
@@ -457,7 +460,7 @@ def measure_drain(concurrency: int | None, jobs: int, workdir: Path) -> Drain:
 def measure_pickup(bench_url: str, samples: int, workdir: Path) -> tuple[list[float], list[float]]:
     """Latencies (ms) from the enqueuing commit, and from the start of ``enqueue()``, to the
     handler's first line, one job at a time against an idle runner at default settings."""
-    from django_persistent_jobs.enqueue import enqueue
+    from django_persistent_jobs.enqueuing import enqueue
 
     reset_jobs()
     warmup = 10
@@ -490,7 +493,7 @@ def measure_pickup(bench_url: str, samples: int, workdir: Path) -> tuple[list[fl
 
 def measure_enqueue(samples: int) -> list[float]:
     """``enqueue()`` wall time in ms, each call its own autocommit transaction (commit included)."""
-    from django_persistent_jobs.enqueue import enqueue
+    from django_persistent_jobs.enqueuing import enqueue
 
     reset_jobs()
     for i in range(50):  # warm the connection, the plan cache and the code paths
@@ -511,7 +514,7 @@ def measure_enqueue_many(total: int, batch: int) -> float:
     """
     from django.db import transaction
 
-    from django_persistent_jobs.enqueue import enqueue_many
+    from django_persistent_jobs.enqueuing import enqueue_many
 
     reset_jobs()
     analyze()

@@ -1,24 +1,24 @@
 """django-persistent-jobs: PostgreSQL-backed persistent jobs for Django.
 
 The public names are imported lazily: this package is listed in ``INSTALLED_APPS``, so importing
-it must not touch models before the app registry is ready.
+it must not touch models before the app registry is ready. No submodule shares its name with a
+public export (``enqueue`` lives in ``enqueuing``, ``registry`` in ``handlers``): importing a
+submodule sets a package attribute of its name, which would shadow the export.
 """
 
 from __future__ import annotations
 
-import sys
 from importlib import import_module
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
-    "enqueue": ".enqueue",
-    "enqueue_many": ".enqueue",
-    "job_handler": ".registry",
-    "JobHandler": ".registry",
-    "registry": ".registry",
+    "enqueue": ".enqueuing",
+    "enqueue_many": ".enqueuing",
+    "job_handler": ".handlers",
+    "JobHandler": ".handlers",
+    "registry": ".handlers",
     "JobContext": ".context",
     "JobError": ".errors",
     "TransientJobError": ".errors",
@@ -80,7 +80,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .context import JobContext
-    from .enqueue import enqueue, enqueue_many
+    from .enqueuing import enqueue, enqueue_many
     from .errors import (
         ConfigurationError,
         EnqueueError,
@@ -93,7 +93,7 @@ if TYPE_CHECKING:
         TransientJobError,
         UnknownJobTypeError,
     )
-    from .registry import JobHandler, job_handler, registry
+    from .handlers import JobHandler, job_handler, registry
     from .runner import Runner
     from .schedule_services import (
         ScheduleNotFoundError,
@@ -116,26 +116,3 @@ def __getattr__(name: str) -> Any:
     value = getattr(import_module(module, __name__), name)
     globals()[name] = value
     return value
-
-
-#: Public names that are also the names of the submodules defining them.
-_SHADOWED = frozenset({"enqueue", "registry"})
-
-
-class _Package(ModuleType):
-    """Keep ``enqueue`` (the function) and ``registry`` (the Registry) reachable as package
-    attributes.
-
-    When a submodule such as ``django_persistent_jobs.enqueue`` is first imported (the admin
-    imports it during ``django.setup()``), Python sets the package attribute of that name to the
-    submodule, and ``from django_persistent_jobs import enqueue`` would then hand out the
-    module instead of the function. The submodules stay importable by their dotted names.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SHADOWED and isinstance(value, ModuleType) and hasattr(value, name):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

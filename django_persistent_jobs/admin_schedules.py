@@ -22,8 +22,8 @@ from django.utils import timezone as dj_timezone
 from django.utils.html import format_html
 
 from . import conf
+from .handlers import registry
 from .models import PersistentJob
-from .registry import registry
 from .schedule_models import JobSchedule, TickResult
 from .schedule_services import (
     ScheduleError,

@@ -11,7 +11,7 @@ from typing import Any
 from django.core import checks
 
 from . import conf
-from .registry import registry
+from .handlers import registry
 
 
 @checks.register("persistent_jobs")

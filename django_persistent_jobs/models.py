@@ -107,7 +107,7 @@ class PersistentJob(models.Model):
             # The claim query walks this index in order and stops after LIMIT rows; finished rows
             # are not in it, so its cost does not grow with history.
             models.Index(
-                models.F("priority").desc(), "next_run_at", name="pj_claim_idx",
+                models.F("priority").desc(), "next_run_at", "id", name="pj_claim_idx",
                 condition=Q(status__in=JobStatus.waiting()),
             ),
             models.Index(

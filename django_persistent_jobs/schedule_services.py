@@ -22,11 +22,11 @@ from django.db import IntegrityError, connections, transaction
 from django.db.models.functions import Now
 
 from . import conf
-from .enqueue import enqueue_scheduled_run
+from .enqueuing import enqueue_scheduled_run
 from .errors import ConfigurationError, EnqueueError
+from .handlers import HandlerSpec, registry
 from .models import PersistentJob
 from .payload import prepare_payload
-from .registry import HandlerSpec, registry
 from .schedule_models import InactiveReason, JobSchedule, ScheduleSource, TickResult
 from .schedules import (
     ScheduleError,

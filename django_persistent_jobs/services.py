@@ -15,8 +15,8 @@ from django.db import IntegrityError, connections, transaction
 
 from . import conf
 from .errors import MAX_RETRY_AFTER, ConfigurationError, InvalidJobStateError, JobNotFoundError
+from .handlers import global_backoff, registry
 from .models import JOB_COLUMNS_SQL, JobStatus, PersistentJob, job_from_row
-from .registry import global_backoff, registry
 
 logger = logging.getLogger("django_persistent_jobs.services")
 

@@ -21,8 +21,8 @@ from django_persistent_jobs import (
     enqueue_many,
     job_handler,
 )
+from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.models import JobStatus, PersistentJob
-from django_persistent_jobs.registry import registry
 from tests.core_support import notifications_until_marker, pj_settings, raw_connection
 
 

@@ -39,7 +39,7 @@ def test_indexes_are_partial_where_it_matters() -> None:
     assert "'pending'" in where and "'failed'" in where and "'running'" not in where
     assert "'enqueue'" in where and "dedup_key IS NOT NULL" in where
     claim = index_def("pj_claim_idx")
-    assert "(priority DESC, next_run_at) WHERE" in claim
+    assert "(priority DESC, next_run_at, id) WHERE" in claim
     claim_where = claim.split(" WHERE ", 1)[1]
     assert "'pending'" in claim_where and "'failed'" in claim_where
     assert "'completed'" not in claim_where and "'running'" not in claim_where

@@ -33,8 +33,8 @@ from django_persistent_jobs import (
     run_schedule_now,
     update_schedule,
 )
+from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
-from django_persistent_jobs.registry import registry
 from django_persistent_jobs.runner.scheduler import fire_due
 from django_persistent_jobs.schedule_models import (
     InactiveReason,

@@ -17,7 +17,7 @@ from django.core import checks
 
 from django_persistent_jobs import ScheduleError, job_handler, next_tick
 from django_persistent_jobs.errors import ConfigurationError
-from django_persistent_jobs.registry import registry
+from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.runner import Runner
 from django_persistent_jobs.schedules import (
     Timing,

@@ -20,8 +20,8 @@ from django_persistent_jobs import (
 )
 from django_persistent_jobs.backoff import constant, default_backoff
 from django_persistent_jobs.errors import DuplicateHandlerError
+from django_persistent_jobs.handlers import HandlerSpec, registry
 from django_persistent_jobs.models import PersistentJob
-from django_persistent_jobs.registry import HandlerSpec, registry
 from django_persistent_jobs.runner import Runner
 from tests.core_support import pj_settings
 
@@ -222,8 +222,8 @@ def test_public_names_are_the_api_objects_not_their_submodules() -> None:
     import django_persistent_jobs as pj
     from django_persistent_jobs import enqueue as public_enqueue
     from django_persistent_jobs import registry as public_registry
-    from django_persistent_jobs.enqueue import enqueue as module_enqueue
-    from django_persistent_jobs.registry import Registry
+    from django_persistent_jobs.enqueuing import enqueue as module_enqueue
+    from django_persistent_jobs.handlers import Registry
 
     # django.setup() imported the submodules (the admin needs them) before this test ran.
     assert public_enqueue is module_enqueue

@@ -12,10 +12,9 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from django_persistent_jobs import job_handler
-from django_persistent_jobs.enqueue import enqueue
+from django_persistent_jobs import enqueue, job_handler
+from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
-from django_persistent_jobs.registry import registry
 from tests.test_runner_support import get_job
 from tests.testapp.models import LedgerEntry
 

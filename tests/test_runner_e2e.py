@@ -24,10 +24,10 @@ from django_persistent_jobs import (
     job_handler,
 )
 from django_persistent_jobs.backoff import constant
-from django_persistent_jobs.enqueue import enqueue, enqueue_many
+from django_persistent_jobs.enqueuing import enqueue, enqueue_many
 from django_persistent_jobs.errors import ConfigurationError
+from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
-from django_persistent_jobs.registry import Registry
 from django_persistent_jobs.runner import store
 from tests.test_runner_support import (
     Gate,

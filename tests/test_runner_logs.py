@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_persistent_jobs.enqueue import enqueue
+from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobStatus
 from django_persistent_jobs.runner import Runner, store
 from tests.test_runner_support import wait_status
@@ -68,6 +68,9 @@ def test_lifecycle_events_are_logged_with_extra(
     assert retry.levelno == logging.WARNING
     assert (retry.error_code, retry.attempt, retry.status) == ("PLANNED", 1, "failed")  # type: ignore[attr-defined]
 
+    failure = one("failure", flaky)
+    assert (failure.error_code, failure.attempt) == ("PLANNED", 1)  # type: ignore[attr-defined]
+    assert one("failure", doomed).error_code == "PLANNED_PERMANENT"  # type: ignore[attr-defined]
     dead = one("dead_letter", doomed)
     assert dead.levelno == logging.ERROR
     assert (dead.error_code, dead.status) == ("PLANNED_PERMANENT", "dead_lettered")  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from django.db import transaction
 
-from django_persistent_jobs.enqueue import enqueue_many
+from django_persistent_jobs.enqueuing import enqueue_many
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from tests.test_runner_support import OutputReader, wait_for
 from tests.testapp.models import LedgerEntry

@@ -14,10 +14,9 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from django_persistent_jobs import JobContext, job_handler
-from django_persistent_jobs.enqueue import enqueue
+from django_persistent_jobs import JobContext, enqueue, job_handler
+from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
-from django_persistent_jobs.registry import Registry
 from django_persistent_jobs.runner import Runner, store
 from tests.test_runner_support import (
     Gate,

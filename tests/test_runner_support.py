@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from django.db import connection
 
+from django_persistent_jobs.handlers import Registry, registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
-from django_persistent_jobs.registry import Registry, registry
 from tests.conftest import wait_for
 
 __all__ = [

@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 
-from django_persistent_jobs import JobContext, job_handler
+from django_persistent_jobs import JobContext, enqueue, job_handler
 from django_persistent_jobs.backoff import constant
-from django_persistent_jobs.enqueue import enqueue
+from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobStatus
-from django_persistent_jobs.registry import Registry
 from django_persistent_jobs.runner import Runner
 from tests.test_runner_support import (
     Gate,

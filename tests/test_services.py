@@ -255,7 +255,7 @@ def test_cancel_reaches_a_running_handler_through_its_context(
 @pytest.mark.django_db
 def test_retry_later_with_a_broken_backoff_says_so_and_changes_nothing() -> None:
     from django_persistent_jobs import ConfigurationError
-    from django_persistent_jobs.registry import registry
+    from django_persistent_jobs.handlers import registry
 
     with registry.isolated():
         job_handler("core.svc.inf_backoff", backoff=lambda attempt: float("inf"))(

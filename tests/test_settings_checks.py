@@ -17,7 +17,7 @@ from django.test import override_settings
 from django_persistent_jobs import ConfigurationError, Runner, job_handler
 from django_persistent_jobs import conf as pj_conf
 from django_persistent_jobs.checks import check_handlers, check_settings
-from django_persistent_jobs.registry import registry
+from django_persistent_jobs.handlers import registry
 from tests.core_support import pj_settings
 
 

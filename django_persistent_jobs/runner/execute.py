@@ -18,7 +18,7 @@ from django.db import connections, transaction
 
 from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
-from ..registry import HandlerSpec, global_backoff, registry
+from ..handlers import HandlerSpec, global_backoff, registry
 from . import store
 from .db import is_connection_error, is_transient_error, reset_connection, run_with_retry
 
@@ -104,9 +104,14 @@ def log_transition(
         "job_id": str(job.id), "job_type": job.job_type, "attempt": job.attempt,
         "error_code": outcome.code, "runner_id": runner_id, "status": status,
     }
+    if status in ("failed", "dead_lettered") and outcome.kind != "handback":
+        # One "failure" record per failed attempt, then what follows from it (retry or dead
+        # letter), so a log query for failures does not depend on the verdict.
+        logger.warning("job %s attempt %d failed (%s: %s)", job.id, job.attempt, outcome.code,
+                       outcome.message, extra={**extra, "event": "failure"})
     if status == "failed":
-        logger.warning("job %s attempt %d failed (%s: %s); retry in %.1fs", job.id, job.attempt,
-                       outcome.code, outcome.message, outcome.delay, extra=extra)
+        logger.warning("job %s: retry scheduled in %.1fs (after attempt %d, %s)", job.id,
+                       outcome.delay, job.attempt, outcome.code, extra=extra)
     elif status == "dead_lettered":
         logger.error("job %s dead-lettered after attempt %d (%s: %s)", job.id, job.attempt,
                      outcome.code, outcome.message, extra=extra)

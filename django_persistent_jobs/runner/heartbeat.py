@@ -19,7 +19,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..registry import registry
+from ..handlers import registry
 from . import store
 from .db import Backoff, run_with_retry
 from .execute import Outcome, _backoff_for, log_transition

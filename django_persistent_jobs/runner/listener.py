@@ -40,7 +40,7 @@ def listen_loop(runner: Runner) -> None:
             backoff.reset()
             last_ping = time.monotonic()
             while not runner.halt.is_set():
-                for _ in raw.notifies(timeout=0.5):
+                for _ in raw.notifies(timeout=0.1):
                     runner.wake.set()
                 if time.monotonic() - last_ping >= KEEPALIVE_SECONDS:
                     raw.execute("SELECT 1")

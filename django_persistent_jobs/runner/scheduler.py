@@ -29,7 +29,7 @@ from django.db import ProgrammingError, connections, transaction
 
 from .. import conf
 from ..errors import ConfigurationError
-from ..registry import registry
+from ..handlers import registry
 from .db import is_connection_error, run_with_retry
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ WITH picked AS (
           SELECT 1 FROM persistent_jobs r WHERE r.status = 'running'
             AND r.job_type = j.job_type AND r.dedup_key = j.dedup_key
             AND NOT (r.dedup = 'enqueue')))
-    ORDER BY j.priority DESC, j.next_run_at
+    ORDER BY j.priority DESC, j.next_run_at, j.id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), attempt AS (
@@ -80,7 +80,7 @@ def claim(
         params["queues"] = list(queues)
     cursor.execute(_CLAIM_QUEUES if queues else _CLAIM_ALL, params)
     rows = cursor.fetchall()
-    rows.sort(key=lambda r: (-r[8], r[10]))
+    rows.sort(key=lambda r: (-r[8], r[10], r[0]))
     return [
         ClaimedJob(
             id=r[0], job_type=r[1], payload=json.loads(r[2]) if isinstance(r[2], str) else r[2],

@@ -24,7 +24,7 @@ from django.db import ProgrammingError, connections
 from .. import conf
 from ..context import JobContext
 from ..errors import ConfigurationError
-from ..registry import registry
+from ..handlers import registry
 from . import store
 from .claimer import claim_loop
 from .cleanup import cleanup_loop
@@ -218,7 +218,12 @@ class Runner:
         if self.enable_scheduler:
             from .scheduler import scheduler_loop
 
-            bodies.append(("scheduler", scheduler_loop))
+            if self.burst:
+                # Fire what is due before the claimer starts, so a burst runs those jobs too
+                # instead of stopping before the scheduler has inserted them.
+                scheduler_loop(self)
+            else:
+                bodies.append(("scheduler", scheduler_loop))
         bodies.extend(self._extra_loops)
         for name, body in bodies:
             loop = Loop(name, lambda body=body: body(self))  # type: ignore[misc]

@@ -17,9 +17,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
+from django.utils import timezone
 
-from django_persistent_jobs import enqueue
+from django_persistent_jobs import enqueue, run_schedule_now
 from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
+from django_persistent_jobs.schedule_models import JobSchedule
 
 MANAGE = Path(__file__).resolve().parents[4] / "manage.py"
 
@@ -44,6 +46,15 @@ class Command(BaseCommand):
             [sys.executable, str(MANAGE), "runjobs", "--concurrency", "4"], env=os.environ.copy()
         )
         try:
+            # The runner syncs HealthCheckJob's cron schedule into the schedules table when it
+            # starts; fire one run of it now rather than wait for the next minute boundary.
+            schedule = self._wait_for_schedule(runner)
+            scheduled = run_schedule_now(schedule.name)
+            ids.append(scheduled.id)
+            self.stdout.write(
+                f"Schedule {schedule.name!r} ({schedule.cron}, {schedule.timezone}) is synced; "
+                f"next tick {schedule.next_run_at:%H:%M:%S}; fired one run now.\n"
+            )
             settled = self._wait(ids, options["timeout"], runner)
         finally:
             if runner.poll() is None:
@@ -61,6 +72,20 @@ class Command(BaseCommand):
             "/admin/django_persistent_jobs/persistentjob/)."
         ))
 
+    def _wait_for_schedule(self, runner: subprocess.Popen[bytes]) -> JobSchedule:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            schedule = JobSchedule.objects.filter(job_type="demo.health_check", active=True).first()
+            # Synced, and any tick missed while no runner was up has been fired (coalesced).
+            if schedule is not None and schedule.next_run_at is not None and (
+                schedule.next_run_at > timezone.now()
+            ):
+                return schedule
+            if runner.poll() is not None:
+                raise CommandError(f"runjobs exited early with code {runner.returncode}")
+            time.sleep(0.1)
+        raise CommandError("the runner did not sync the demo.health_check schedule within 30s")
+
     def _wait(self, ids: list[Any], timeout: float, runner: subprocess.Popen[bytes]) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -76,11 +101,13 @@ class Command(BaseCommand):
 
     def _report(self, ids: list[Any]) -> None:
         header = ("job type", "status", "attempts", "error code", "attempt outcomes")
-        self.stdout.write("\n" + "{:<20} {:<14} {:<9} {:<12} {}".format(*header))
+        self.stdout.write("\n" + "{:<31} {:<14} {:<9} {:<12} {}".format(*header))
         for job in PersistentJob.objects.filter(id__in=ids).order_by("id"):
             outcomes = ", ".join(
                 f"{a.attempt}:{a.outcome}" for a in JobAttempt.objects.filter(job=job)
             )
-            self.stdout.write("{:<20} {:<14} {:<9} {:<12} {}".format(
+            kind = "scheduled" if job.schedule else "one-shot"
+            self.stdout.write("{:<31} {:<14} {:<9} {:<12} {}".format(
+                f"{job.job_type} ({kind})" if job.job_type == "demo.health_check" else
                 job.job_type, job.status, f"{job.attempts}/{job.max_retries + 1}",
                 job.last_error_code or "-", outcomes))

@@ -23,10 +23,10 @@ from django.utils import timezone
 
 from . import conf
 from .errors import ConfigurationError, EnqueueError, PayloadError, UnknownJobTypeError
+from .handlers import HandlerSpec, registry
 from .ids import uuid7
 from .models import JOB_COLUMNS_SQL, PersistentJob, job_from_row
 from .payload import PayloadLimits, prepare_payload
-from .registry import HandlerSpec, registry
 from .types import Dedup
 
 logger = logging.getLogger("django_persistent_jobs.enqueue")
