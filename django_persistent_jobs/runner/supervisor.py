@@ -254,6 +254,14 @@ class Runner:
                 if not is_connection_error(exc):
                     raise
                 reset_connection(self.alias)
+                text = str(exc)
+                if "does not exist" in text or "authentication failed" in text:
+                    # A wrong name or password will not fix itself by waiting: say so now.
+                    raise ConfigurationError(
+                        f"Cannot connect to database {self.alias!r}: "
+                        f"{text.strip().splitlines()[-1] if text.strip() else exc}. "
+                        "Check settings.DATABASES (or DATABASE_URL)."
+                    ) from exc
                 delay = backoff.next()
                 logger.warning("database not reachable (%s); retrying in %.1fs",
                                str(exc).strip().splitlines()[0] if str(exc) else exc, delay,
