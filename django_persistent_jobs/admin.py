@@ -30,7 +30,24 @@ else:  # the admin classes are not subscriptable at run time
     _JobAdminBase = _RunnerAdminBase = admin.ModelAdmin
 
 
-class JobAttemptInline(_InlineBase):
+class ReadOnlyAdminMixin:
+    """Rows here change only through runners and the operator services, never by editing.
+
+    Deleting is refused too: deleting a running job or a live runner's row would pull work out
+    from under a runner (its jobs would be rescued while it still runs them).
+    """
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class JobAttemptInline(ReadOnlyAdminMixin, _InlineBase):
     model = JobAttempt
     extra = 0
     can_delete = False
@@ -38,12 +55,6 @@ class JobAttemptInline(_InlineBase):
               "finished_at", "duration", "traceback")
     readonly_fields = fields
     ordering = ("attempt", "id")
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 def _bulk(
@@ -67,7 +78,7 @@ def _bulk(
 
 
 @admin.register(PersistentJob)
-class PersistentJobAdmin(_JobAdminBase):
+class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
     list_display = ("id", "job_type", "colored_status", "queue", "priority", "attempts_used",
                     "next_run_at", "last_error_code", "locked_by", "updated_at")
     list_filter = (
@@ -85,14 +96,6 @@ class PersistentJobAdmin(_JobAdminBase):
     show_full_result_count = False
     date_hierarchy = None
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def has_retry_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("django_persistent_jobs.retry_persistentjob")
@@ -147,19 +150,10 @@ class PersistentJobAdmin(_JobAdminBase):
 
 
 @admin.register(JobRunnerRecord)
-class JobRunnerAdmin(_RunnerAdminBase):
+class JobRunnerAdmin(ReadOnlyAdminMixin, _RunnerAdminBase):
     list_display = ("id", "hostname", "pid", "concurrency", "queues", "started_at", "heartbeat_at")
     readonly_fields = [f.name for f in JobRunnerRecord._meta.fields]
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # Deleting a live runner's row would get its running jobs rescued under it.
-        return False
 
 
 # Recurring schedules have their own admin module (issue 3).
