@@ -34,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "QUEUES": None,  # None: every queue
     "DEFAULT_QUEUE": "default",
     "BATCH_SIZE": None,  # None: as many as there are free slots
+    "PREFETCH": None,  # None: as many as CONCURRENCY
     "DATABASE": "default",
     "PAYLOAD_MAX_BYTES": 128 * 1024,
     "PAYLOAD_MAX_DEPTH": 10,
@@ -151,6 +152,11 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
                     f"STALE_LOCK_TIMEOUT ({stale_s}s), or a live runner could be taken for dead.",
                     "Lower HEARTBEAT_INTERVAL or raise STALE_LOCK_TIMEOUT.",
                 ))
+    prefetch = value("PREFETCH")
+    if prefetch is not None:
+        msg = _positive_number("PREFETCH", prefetch, integer=True, allow_zero=True)
+        if msg:
+            errors.append(("persistent_jobs.E003", msg, "Use a whole number >= 0 or None."))
     batch = value("BATCH_SIZE")
     if batch is not None:
         msg = _positive_number("BATCH_SIZE", batch, integer=True)
@@ -298,6 +304,7 @@ class RunnerSettings:
     shutdown_grace: float
     queues: tuple[str, ...] | None
     batch_size: int | None
+    prefetch: int | None
     database: str
     scheduler_interval: float
 
@@ -318,8 +325,11 @@ class RunnerSettings:
             "shutdown_grace": seconds(get("SHUTDOWN_GRACE")),
             "queues": tuple(queues) if queues else None,
             "batch_size": get("BATCH_SIZE"),
+            "prefetch": get("PREFETCH"),
             "database": get("DATABASE"),
             "scheduler_interval": seconds(get("SCHEDULER_INTERVAL")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if values["prefetch"] is None:
+            values["prefetch"] = values["concurrency"]
         return cls(**values)

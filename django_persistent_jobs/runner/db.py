@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -17,7 +18,9 @@ logger = logging.getLogger("django_persistent_jobs.runner")
 LOG_EVERY_SECONDS = 5.0
 
 #: Errors that mean "the connection or server is unhealthy", as opposed to a bug in our SQL.
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (OperationalError, InterfaceError)
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OperationalError, InterfaceError, psycopg.OperationalError, psycopg.InterfaceError,
+)
 
 
 def is_connection_error(exc: BaseException) -> bool:

@@ -72,6 +72,11 @@ class _Worker:
         with pool.lock:
             if item.taken_over.is_set():
                 return True  # settled by the supervisor before it started
+            if pool._sealed:
+                # Stopping: a prefetched job that has not started is not started now; the
+                # supervisor hands it back at once (``unstarted()``).
+                pool.changed.notify_all()
+                return True
             self.current = item
             item.thread_ident = threading.get_ident()
         try:
@@ -92,13 +97,20 @@ class _Worker:
 
 
 class WorkerPool:
-    """``size`` slots served by worker threads pulling from an in-memory queue."""
+    """``size`` worker threads, and room for ``prefetch`` claimed jobs waiting for one.
+
+    Prefetching lets the claim loop take jobs in batches instead of one per freed slot, which
+    for short jobs is the difference between one claim transaction per job and one per batch.
+    A waiting job's timeout starts only when a worker starts it.
+    """
 
     def __init__(
         self, size: int, execute: Callable[[InFlight], None],
         on_crash: Callable[[InFlight, BaseException], None] | None = None,
+        prefetch: int = 0,
     ) -> None:
         self.size = size
+        self.capacity = size + max(0, prefetch)
         self.execute = execute
         self.on_crash = on_crash
         self.queue: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
@@ -127,17 +139,27 @@ class WorkerPool:
 
     def free_slots(self) -> int:
         with self.lock:
-            return self.size - len(self.in_flight)
+            return self.capacity - len(self.in_flight)
 
     def wait_for_free_slot(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         with self.changed:
-            while len(self.in_flight) >= self.size and not self._closed:
+            while len(self.in_flight) >= self.capacity and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self.changed.wait(remaining)
-            return self.size - len(self.in_flight)
+            return self.capacity - len(self.in_flight)
+
+    def unstarted(self) -> list[InFlight]:
+        """Claimed jobs no worker has started (after ``seal()`` none will start)."""
+        with self.lock:
+            return [item for item in self.in_flight.values() if item.thread_ident is None]
+
+    @property
+    def running(self) -> int:
+        with self.lock:
+            return sum(1 for item in self.in_flight.values() if item.thread_ident is not None)
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

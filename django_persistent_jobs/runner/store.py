@@ -9,8 +9,12 @@ handler's transaction, business writes included, rolls back.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import psycopg
 
 TransitionKind = Literal["retry", "dead", "cancel", "handback"]
 
@@ -35,6 +39,27 @@ class ClaimedJob:
     queue: str
     priority: int
     cancel_requested: bool
+
+
+@contextmanager
+def prepared(cursor: Any) -> Iterator[psycopg.Cursor[Any]]:
+    """A server-side-binding cursor on the same connection (so the same transaction).
+
+    Django binds parameters client-side, so PostgreSQL parses and plans every statement again;
+    for the two statements run once per job (claim and completion) a prepared statement halves
+    their cost. Errors are translated exactly as Django's own cursor would (``django.db``
+    exceptions, the connection marked for a health check), so callers see no difference.
+    """
+    raw = psycopg.Cursor(getattr(cursor, "cursor", cursor).connection)
+    db = getattr(cursor, "db", None)
+    try:
+        if db is None:
+            yield raw
+        else:
+            with db.wrap_database_errors:
+                yield raw
+    finally:
+        raw.close()
 
 
 def _claim_sql(with_queues: bool) -> str:
@@ -78,8 +103,9 @@ def claim(
     params: dict[str, Any] = {"runner": runner_id, "limit": limit}
     if queues:
         params["queues"] = list(queues)
-    cursor.execute(_CLAIM_QUEUES if queues else _CLAIM_ALL, params)
-    rows = cursor.fetchall()
+    with prepared(cursor) as fast:
+        fast.execute(_CLAIM_QUEUES if queues else _CLAIM_ALL, params, prepare=True)
+        rows = fast.fetchall()
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
     return [
         ClaimedJob(
@@ -107,8 +133,9 @@ RETURNING a.id
 
 def complete(cursor: Any, job: ClaimedJob) -> bool:
     """Mark the job completed inside the handler's transaction; False if the claim was lost."""
-    cursor.execute(_COMPLETE, [job.id, job.token, job.token])
-    return cursor.fetchone() is not None
+    with prepared(cursor) as fast:
+        fast.execute(_COMPLETE, [job.id, job.token, job.token], prepare=True)
+        return fast.fetchone() is not None
 
 
 _TRANSITION = f"""

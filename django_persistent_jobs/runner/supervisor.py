@@ -85,7 +85,8 @@ class Runner:
         self.finished = threading.Event()
         self.cleanup_due_now = True
         self.exit_code = EXIT_OK
-        self.pool = WorkerPool(self.settings.concurrency, self._execute, self._worker_crashed)
+        self.pool = WorkerPool(self.settings.concurrency, self._execute, self._worker_crashed,
+                               prefetch=self.settings.prefetch or 0)
         # Liveness as this runner itself knows it (monotonic, maintained by the heartbeat loop):
         # the last successful heartbeat, and since when beats have come without a gap.
         self.last_beat: float | None = None
@@ -382,6 +383,14 @@ class Runner:
         # was in flight when the signal came) it hands straight back, so the hand-back below
         # sees every job this runner will ever run.
         self.pool.seal()
+        for item in self.pool.unstarted():
+            # Prefetched but never started: hand back at once, uncharged, rather than start
+            # new work after the signal.
+            self._take_over(item, Outcome(
+                "handback", "SHUTDOWN",
+                f"runner {self.runner_id} stopped before starting attempt {item.job.attempt}; "
+                "handed back unstarted",
+            ), "interrupted")
         while self.pool.busy and not self.forced.is_set():
             if time.monotonic() - started >= grace:
                 break

@@ -80,8 +80,10 @@ def _busy_then_queued(queued: int, sleep: float) -> tuple[list[object], list[obj
 def test_postgres_restart_and_outage(private_cluster: PrivateCluster, private_db: str,
                                      fleet: Fleet) -> None:
     # They serve the default queue; the "late" queue is for the runner started mid-outage.
+    # PREFETCH 0: "running" must mean "a handler is executing" for the assertions below (a
+    # prefetched job is claimed, so running, before any worker starts it).
     runners = fleet.spawn_many(3, concurrency=CONCURRENCY, database_url=private_db,
-                               args=["--queues", "default"])
+                               args=["--queues", "default"], settings={"PREFETCH": 0})
     began = time.monotonic()
 
     # A. Restart while the runners are idle: their pooled connections are all dead afterwards,
@@ -108,7 +110,8 @@ def test_postgres_restart_and_outage(private_cluster: PrivateCluster, private_db
     private_cluster.stop()
     down_at = time.monotonic()
     late = fleet.spawn("late", concurrency=CONCURRENCY, database_url=private_db,
-                       wait_started=False, args=["--queues", "default,late"])
+                       wait_started=False, args=["--queues", "default,late"],
+                       settings={"PREFETCH": 0})
     late.wait_line(r"database not reachable", count=2, timeout=30)  # it waits...
     outage = STALE + 1.5  # the fault's length: every heartbeat in the fleet is now stale
     time.sleep(max(0.0, outage - (time.monotonic() - down_at)))
