@@ -34,7 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "QUEUES": None,  # None: every queue
     "DEFAULT_QUEUE": "default",
     "BATCH_SIZE": None,  # None: as many as there are free slots
-    "PREFETCH": None,  # None: as many as CONCURRENCY
+    "PREFETCH": 0,  # claimed jobs held waiting for a worker; None: as many as CONCURRENCY
     "DATABASE": "default",
     "PAYLOAD_MAX_BYTES": 128 * 1024,
     "PAYLOAD_MAX_DEPTH": 10,

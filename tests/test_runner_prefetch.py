@@ -1,0 +1,66 @@
+"""PREFETCH: a runner may hold claimed jobs waiting for a worker; at shutdown those are handed
+back unstarted and uncharged, while the job a worker is running still finishes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from django_persistent_jobs import enqueue_many, job_handler
+from django_persistent_jobs.handlers import Registry
+from django_persistent_jobs.models import JobStatus, PersistentJob
+from django_persistent_jobs.runner import Runner
+from tests.test_runner_support import Gate, attempts_of, isolated_registry, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+__all__ = ["isolated_registry"]  # the fixture, re-exported for pytest
+
+
+def test_prefetched_jobs_wait_and_are_handed_back_unstarted_at_shutdown(
+    isolated_registry: Registry, start_runner: Callable[..., Runner],
+) -> None:
+    started: list[Any] = []
+    first_started = threading.Event()
+    gate = Gate()
+
+    @job_handler("rt.prefetch", timeout=60)
+    def slow(payload: Any) -> None:
+        started.append(payload["i"])
+        first_started.set()
+        gate.wait()
+
+    jobs = enqueue_many([("rt.prefetch", {"i": i}) for i in range(5)])
+    with override_settings(PERSISTENT_JOBS={**settings.PERSISTENT_JOBS, "PREFETCH": 2}):
+        runner = start_runner(concurrency=1, poll_interval=0.05)
+    assert first_started.wait(15)
+    # One job runs, two more are claimed into the buffer, the other two stay in the table.
+    wait_for(lambda: PersistentJob.objects.filter(status=JobStatus.RUNNING).count() == 3,
+             message="one running and two prefetched claims")
+    assert PersistentJob.objects.filter(status=JobStatus.PENDING).count() == 2
+    assert runner.pool.running == 1 and runner.pool.busy == 3
+
+    runner.request_stop()
+    # The waiting ones go back at once, before the running one is let finish.
+    waiting = [j.id for j in jobs if j.payload["i"] != started[0]]
+    wait_for(lambda: PersistentJob.objects.filter(
+        id__in=waiting, status=JobStatus.PENDING).count() == 4,
+        message="the prefetched jobs handed back")
+    gate.open()
+    assert runner.finished.wait(30)
+
+    assert started == [started[0]], "a prefetched job was started after the stop"
+    by_id = {j.id: PersistentJob.objects.get(id=j.id) for j in jobs}
+    running_one = next(j for j in jobs if j.payload["i"] == started[0])
+    assert by_id[running_one.id].status == JobStatus.COMPLETED
+    handed_back = [job_id for job_id in waiting if attempts_of(job_id)]
+    assert len(handed_back) == 2
+    for job_id in handed_back:
+        job = by_id[job_id]
+        assert (job.status, job.attempts, job.last_error_code) == ("pending", 0, "SHUTDOWN")
+        assert [(a.outcome, a.error_code) for a in attempts_of(job_id)] == [
+            ("interrupted", "SHUTDOWN")]
