@@ -301,7 +301,7 @@ def pgbench_script(prepared: bool) -> str:
     """
     from django_persistent_jobs.runner import store
 
-    claim = store._CLAIM_ALL % {"runner": "'pgbench'", "limit": 1}
+    claim = store.claim_sql(1) % {"runner": "'pgbench'"}
     claim = claim.rstrip().rstrip(";")
     if "RETURNING" not in claim[-400:]:
         raise RuntimeError("runner/store.py's claim statement no longer ends with RETURNING")

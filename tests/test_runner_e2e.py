@@ -766,3 +766,26 @@ def test_cleanup_deletes_old_finished_jobs_but_keeps_dead_letters(
              .exists(), message="cleanup to delete the old finished jobs")
     remaining = set(PersistentJob.objects.values_list("id", flat=True))
     assert remaining == {old_dead.id, fresh_done.id, waiting.id}
+
+
+def test_on_commit_callbacks_of_a_handler_run_after_its_completion_commits(
+    isolated_registry: Registry, start_runner: StartRunner,
+) -> None:
+    """A handler that runs no SQL but registers on_commit work must not see the job still
+    running: the completion commits first, then the callbacks run."""
+    seen: list[str] = []
+    done = threading.Event()
+
+    @job_handler("rt.on_commit")
+    def handler(payload: Any, ctx: JobContext) -> None:
+        def after() -> None:
+            seen.append(PersistentJob.objects.get(id=ctx.job_id).status)
+            done.set()
+
+        transaction.on_commit(after)
+
+    job = enqueue("rt.on_commit", {})
+    start_runner(concurrency=1)
+    assert done.wait(15)
+    assert seen == [JobStatus.COMPLETED]
+    assert wait_status(job.id, JobStatus.COMPLETED).status == JobStatus.COMPLETED

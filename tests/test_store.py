@@ -254,3 +254,18 @@ def test_claim_sql_runs_on_a_plain_psycopg_connection() -> None:
         assert claimed.payload == {"k": [1, 2]}
         assert store.complete(cursor, claimed)
     assert PersistentJob.objects.get(id=job.id).status == "completed"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claim_and_completion_are_prepared_statements_on_django_connections() -> None:
+    """Django opens connections with psycopg's preparation turned off; the store must turn it
+    back on for its two per-job statements, or every job pays for parsing and planning them."""
+    jobs = [enqueue("test.noop", {"i": i}) for i in range(2)]
+    with connection.cursor() as cursor:
+        for _ in jobs:
+            (claimed,) = store.claim(cursor, "prep", 1, None)
+            assert store.complete(cursor, claimed)
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        statements = [row[0] for row in cursor.fetchall()]
+    assert any("FOR UPDATE SKIP LOCKED" in s for s in statements), statements
+    assert any("status = 'completed'" in s for s in statements), statements

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
+from psycopg.pq import TransactionStatus
 
 from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
@@ -216,6 +217,18 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         prepare_connection(alias, inflight)
         with transaction.atomic(using=alias):
             spec.func(job.payload, inflight.ctx)
+            # psycopg sends BEGIN lazily, so an idle connection here means the handler ran no
+            # SQL on it: there is nothing to commit atomically with the completion, which then
+            # runs as one autocommit statement instead of BEGIN + UPDATE + COMMIT. (Pending
+            # on_commit callbacks keep the transaction path, so they still run after it.)
+            raw = connection.connection
+            solo = (raw is not None and not connection.run_on_commit
+                    and raw.info.transaction_status == TransactionStatus.IDLE)
+            if not solo:
+                with connection.cursor() as cursor:
+                    if not store.complete(cursor, job):
+                        raise ClaimLost(job.id)
+        if solo:
             with connection.cursor() as cursor:
                 if not store.complete(cursor, job):
                     raise ClaimLost(job.id)

@@ -50,7 +50,13 @@ def prepared(cursor: Any) -> Iterator[psycopg.Cursor[Any]]:
     their cost. Errors are translated exactly as Django's own cursor would (``django.db``
     exceptions, the connection marked for a health check), so callers see no difference.
     """
-    raw = psycopg.Cursor(getattr(cursor, "cursor", cursor).connection)
+    connection = getattr(cursor, "cursor", cursor).connection
+    if connection.prepare_threshold is None:
+        # Django opens connections with prepare_threshold=None, which makes psycopg ignore
+        # prepare=True. A threshold no query reaches allows explicit preparation only; Django's
+        # own (client-side binding) cursors never prepare anything.
+        connection.prepare_threshold = 2**31 - 1
+    raw = psycopg.Cursor(connection)
     db = getattr(cursor, "db", None)
     try:
         if db is None:
@@ -73,7 +79,7 @@ WITH picked AS (
             AND r.job_type = j.job_type AND r.dedup_key = j.dedup_key
             AND NOT (r.dedup = 'enqueue')))
     ORDER BY j.priority DESC, j.next_run_at, j.id
-    LIMIT %(limit)s
+    LIMIT {{limit}}
     FOR UPDATE SKIP LOCKED
 ), attempt AS (
     INSERT INTO persistent_jobs_attempts (job_id, attempt, runner_id)
@@ -92,6 +98,11 @@ _CLAIM_ALL = _claim_sql(False)
 _CLAIM_QUEUES = _claim_sql(True)
 
 
+def claim_sql(limit: int, with_queues: bool = False) -> str:
+    """The claim statement for ``limit`` jobs (parameters ``runner``, and ``queues`` if asked)."""
+    return (_CLAIM_QUEUES if with_queues else _CLAIM_ALL).replace("{limit}", str(int(limit)))
+
+
 def claim(
     cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None,
 ) -> list[ClaimedJob]:
@@ -100,11 +111,13 @@ def claim(
     The attempt is counted here, at claim time, so a job that kills its runner still uses up its
     retries and ends dead-lettered instead of looping forever.
     """
-    params: dict[str, Any] = {"runner": runner_id, "limit": limit}
+    # The LIMIT is a literal: with ``LIMIT $n`` PostgreSQL keeps re-planning instead of settling
+    # on the generic plan of the prepared statement (a runner only ever uses a few values).
+    params: dict[str, Any] = {"runner": runner_id}
     if queues:
         params["queues"] = list(queues)
     with prepared(cursor) as fast:
-        fast.execute(_CLAIM_QUEUES if queues else _CLAIM_ALL, params, prepare=True)
+        fast.execute(claim_sql(limit, bool(queues)), params, prepare=True)
         rows = fast.fetchall()
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
     return [
@@ -121,7 +134,7 @@ _COMPLETE = """
 WITH done AS (
     UPDATE persistent_jobs SET status = 'completed', locked_by = NULL, locked_at = NULL,
         lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp()
-    WHERE id = %s AND lock_token = %s AND status = 'running'
+    WHERE id = %s AND lock_token = %s
     RETURNING id
 )
 UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
