@@ -72,19 +72,11 @@ class _Prepared:
 def _spec_for(job_type: Any) -> HandlerSpec | None:
     if not isinstance(job_type, str) or not job_type:
         raise EnqueueError(f"job_type must be a non-empty string, got {job_type!r}.")
-    spec = registry.get(job_type)
-    if spec is None:
-        if conf.get("ALLOW_UNREGISTERED"):
-            return None
-        known = ", ".join(registry.job_types()) or "none registered"
-        raise UnknownJobTypeError(
-            f"No handler is registered for job type {job_type!r} (known: {known}). Register it "
-            "with @job_handler in an installed app's jobs.py, or set "
-            "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] = True if another service runs it."
-        )
-    if spec.errors:
-        raise ConfigurationError("; ".join(spec.errors))
-    return spec
+    return registry.resolve(
+        job_type, missing=UnknownJobTypeError, invalid=ConfigurationError,
+        hint=". Register it with @job_handler in an installed app's jobs.py, or set "
+        "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] = True if another service runs it.",
+    )
 
 
 def _as_int(name: str, value: Any, low: int, high: int) -> int:
@@ -392,13 +384,17 @@ def _copy_insert(connection: Any, jobs: list[_Prepared]) -> None:
         cursor.close()
 
 
-def _bulk_insert(cursor: Any, jobs: list[_Prepared], *, on_conflict: bool) -> set[Any]:
+def _bulk_insert_deduplicated(cursor: Any, jobs: list[_Prepared]) -> set[Any]:
+    """Insert in one statement, skipping jobs whose key an active job holds; return inserted ids.
+
+    (Batches without dedup keys go through ``_copy_insert`` instead.)
+    """
     columns = ", ".join(_INSERT_COLUMNS)
     skip_running = (
         " WHERE NOT (u.dedup = 'skip' AND u.dedup_key IS NOT NULL AND EXISTS (SELECT 1 FROM "
         "persistent_jobs r WHERE r.status = 'running' AND r.job_type = u.job_type AND "
         "r.dedup_key = u.dedup_key AND NOT (r.dedup = 'enqueue')))"
-    ) if on_conflict else ""
+    )
     sql = (
         f"INSERT INTO persistent_jobs ({columns}) SELECT u.id, u.job_type, u.payload::jsonb, "
         "u.queue, u.priority, u.max_retries, COALESCE(u.run_at, now() + u.delay * interval "
@@ -406,18 +402,14 @@ def _bulk_insert(cursor: Any, jobs: list[_Prepared], *, on_conflict: bool) -> se
         "%s::uuid[], %s::text[], %s::text[], %s::text[], %s::int[], %s::int[], "
         "%s::timestamptz[], %s::float8[], %s::float8[], %s::text[], %s::text[], %s::text[]) "
         "AS u(id, job_type, payload, queue, priority, max_retries, run_at, delay, timeout, "
-        f"dedup_key, dedup, schedule){skip_running}"
-        + (f" {_ON_CONFLICT}" if on_conflict else "")
-        + (" RETURNING id" if on_conflict else "")
+        f"dedup_key, dedup, schedule){skip_running} {_ON_CONFLICT} RETURNING id"
     )
     columns_data: list[list[Any]] = [[] for _ in range(12)]
     for job in jobs:
         for i, value in enumerate(job.params()):
             columns_data[i].append(value)
     cursor.execute(sql, columns_data)
-    if on_conflict:
-        return {row[0] for row in cursor.fetchall()}
-    return set()
+    return {row[0] for row in cursor.fetchall()}
 
 
 def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> list[PersistentJob]:
@@ -440,7 +432,7 @@ def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> l
             replace_keys.setdefault(job_type, []).append(dedup_key)
     for job_type, keys in replace_keys.items():
         _cancel_waiting_duplicates(cursor, job_type, keys)
-    inserted = _bulk_insert(cursor, to_insert, on_conflict=True)
+    inserted = _bulk_insert_deduplicated(cursor, to_insert)
     results: list[PersistentJob] = []
     existing_cache: dict[tuple[str, str], PersistentJob] = {}
     for job in prepared:

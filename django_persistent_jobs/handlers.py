@@ -143,6 +143,27 @@ class Registry:
     def job_types(self) -> list[str]:
         return sorted(self._handlers)
 
+    def resolve(
+        self, job_type: str, *, missing: type[Exception], invalid: type[Exception], hint: str,
+    ) -> HandlerSpec | None:
+        """The handler that must exist before a job (or a schedule) of ``job_type`` is created.
+
+        ``None`` when nothing is registered but ``ALLOW_UNREGISTERED`` says another service runs
+        it. Otherwise an unknown type raises ``missing`` (naming the known types, then ``hint``)
+        and a handler with invalid options raises ``invalid``.
+        """
+        spec = self.get(job_type)
+        if spec is None:
+            if conf.get("ALLOW_UNREGISTERED"):
+                return None
+            known = ", ".join(self.job_types()) or "none registered"
+            raise missing(
+                f"No handler is registered for job type {job_type!r} (known: {known}){hint}"
+            )
+        if spec.errors:
+            raise invalid("; ".join(spec.errors))
+        return spec
+
     @contextmanager
     def isolated(self) -> Iterator[Registry]:
         """Let a test register handlers and drop them afterwards."""

@@ -109,18 +109,11 @@ def _interval_seconds(interval: Any) -> float:
 def _handler_for(job_type: Any) -> HandlerSpec | None:
     if not isinstance(job_type, str) or not job_type or len(job_type) > 200:
         raise ScheduleError(f"job_type must be a string of 1..200 characters, got {job_type!r}.")
-    spec = registry.get(job_type)
-    if spec is None:
-        if conf.get("ALLOW_UNREGISTERED"):
-            return None
-        known = ", ".join(registry.job_types()) or "none registered"
-        raise ScheduleError(
-            f"No handler is registered for job type {job_type!r} (known: {known}); a schedule "
-            "for it would only produce dead letters. Register it with @job_handler first."
-        )
-    if spec.errors:
-        raise ScheduleError("; ".join(spec.errors))
-    return spec
+    return registry.resolve(
+        job_type, missing=ScheduleError, invalid=ScheduleError,
+        hint="; a schedule for it would only produce dead letters. Register it with "
+        "@job_handler first.",
+    )
 
 
 def validate_definition(
