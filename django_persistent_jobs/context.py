@@ -33,6 +33,7 @@ class JobContext:
     queue: str = "default"
     priority: int = 0
     timeout: float | None = None
+    tenant: str | None = None
     started_monotonic: float = field(default_factory=time.monotonic)
     _cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
     _progress_sink: Callable[[JobContext, Any], None] | None = field(default=None, repr=False)

@@ -90,6 +90,17 @@ class PersistentJob(models.Model):
     last_error = models.TextField(blank=True, default="", db_default="")
     last_error_code = models.CharField(max_length=64, blank=True, default="", db_default="")
     progress = models.JSONField(null=True, blank=True)
+    tenant = models.CharField(
+        max_length=200, null=True, blank=True,
+        help_text="The tenant or service that owns the job; kept by retries and recurring runs.",
+    )
+    handbacks = models.PositiveIntegerField(
+        default=0, db_default=0,
+        help_text="Times a runner handed the job back unfinished at shutdown.",
+    )
+    result = models.JSONField(
+        null=True, blank=True, help_text="The handler's JSON return value (django.tasks results).",
+    )
     cancel_requested = models.BooleanField(default=False, db_default=False)
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(db_default=Now())
@@ -123,6 +134,8 @@ class PersistentJob(models.Model):
                 condition=Q(status__in=JobStatus.terminal()),
             ),
             models.Index(fields=["job_type", "status"], name="pj_type_status_idx"),
+            models.Index(fields=["tenant", "status"], name="pj_tenant_status_idx",
+                         condition=Q(tenant__isnull=False)),
         ]
         constraints = [
             models.UniqueConstraint(
@@ -164,6 +177,10 @@ class JobAttempt(models.Model):
     error_code = models.CharField(max_length=64, blank=True, default="", db_default="")
     error_message = models.TextField(blank=True, default="", db_default="")
     traceback = models.TextField(blank=True, default="", db_default="")
+    error_class = models.CharField(
+        max_length=255, blank=True, default="", db_default="",
+        help_text="Dotted path of the exception class that ended the attempt, if any.",
+    )
 
     class Meta:
         db_table = "persistent_jobs_attempts"

@@ -62,6 +62,9 @@ class JobSchedule(models.Model):
     priority = models.SmallIntegerField(
         null=True, blank=True, help_text="Empty: the handler's priority.",
     )
+    tenant = models.CharField(
+        max_length=200, null=True, blank=True, help_text="Tenant given to every run it enqueues.",
+    )
     source = models.CharField(
         max_length=10, choices=ScheduleSource.choices, default=ScheduleSource.DATABASE,
         db_default=ScheduleSource.DATABASE,

@@ -39,6 +39,7 @@ class ClaimedJob:
     queue: str
     priority: int
     cancel_requested: bool
+    tenant: str | None = None
 
 
 @contextmanager
@@ -90,7 +91,7 @@ UPDATE persistent_jobs j SET status = 'running', attempts = j.attempts + 1,
     locked_by = %(runner)s, locked_at = now(), lock_token = a.id, updated_at = now()
 FROM attempt a WHERE a.job_id = j.id
 RETURNING j.id, j.job_type, j.payload, j.attempts, j.max_retries, j.timeout_seconds,
-    j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at
+    j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at, j.tenant
 """
 
 
@@ -124,7 +125,7 @@ def claim(
         ClaimedJob(
             id=r[0], job_type=r[1], payload=json.loads(r[2]) if isinstance(r[2], str) else r[2],
             attempt=r[3], max_retries=r[4], timeout=r[5], token=r[6], queue=r[7],
-            priority=r[8], cancel_requested=r[9],
+            priority=r[8], cancel_requested=r[9], tenant=r[11],
         )
         for r in rows
     ]

@@ -275,7 +275,8 @@ class Runner:
         ctx = JobContext(
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
-            priority=job.priority, timeout=job.timeout, _progress_sink=self._report_progress,
+            priority=job.priority, timeout=job.timeout, tenant=job.tenant,
+            _progress_sink=self._report_progress,
         )
         if job.cancel_requested:
             ctx._cancel_event.set()
