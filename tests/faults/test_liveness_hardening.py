@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -138,6 +139,20 @@ def test_a_handler_holding_the_gil_does_not_get_its_live_runner_declared_dead(
     report("gil_holder", gil_stall_s=stall, stale_lock_timeout=STALE)
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
 TWIN = (
     "import sys; from django_persistent_jobs.runner import Runner; "
     "sys.exit(Runner(runner_id='twin', concurrency=2, scheduler=False)"
@@ -152,7 +167,7 @@ def test_two_live_runners_with_one_name_have_their_own_identities(fleet: Fleet) 
     second = fleet.spawn("twin2", command=["shell", "-c", TWIN])
     assert first.runner_id and second.runner_id and first.runner_id != second.runner_id
     assert first.runner_id.startswith("twin") and second.runner_id.startswith("twin")
-    second.wait_line(rf"another live runner named 'twin' \({first.runner_id}\)")
+    second.wait_line(rf"another live runner named 'twin' \({first.runner_id},")
     rows = sql("SELECT id, name FROM persistent_jobs_runners WHERE id = ANY(%s) ORDER BY id",
                [[first.runner_id, second.runner_id]])
     assert sorted(rows) == sorted([(first.runner_id, "twin"), (second.runner_id, "twin")])
@@ -164,8 +179,14 @@ def test_two_live_runners_with_one_name_have_their_own_identities(fleet: Fleet) 
         assert (current["status"], current["attempts"], current["locked_by"]) == (
             "running", 1, first.runner_id), current
         time.sleep(0.2)
+    sidecars = _children(first.pid)
+    assert sidecars, "the runner has no liveness sidecar"
     first.kill()
     killed_at = time.monotonic()
+    # The dead twin's sidecar follows it at once instead of vouching for a dead runner.
+    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and
+                               "Z" not in _state(pid) for pid in sidecars),
+               timeout=10, message="the killed runner's sidecar to exit")
     wait_status(job, "completed", timeout=2 * STALE + 20)
     assert [(a, r, o, c) for a, r, o, c, _ in attempts(job)] == [
         (1, first.runner_id, "rescued", "RUNNER_LOST"),
