@@ -35,9 +35,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 CANCEL_POLL_SECONDS = 0.5
-#: How often the heartbeat thread tells the liveness sidecar that this process's Python threads
-#: run (see ``sidecar.py``); the sidecar steps in only when these messages stop.
-VOUCH_SECONDS = 0.25
 #: A gap between two successful heartbeats longer than this many heartbeat intervals means
 #: this runner was cut off (or frozen): its streak of good health starts again.
 GAP_INTERVALS = 1.5
@@ -50,15 +47,9 @@ def heartbeat_loop(runner: Runner) -> None:
     """Beat, and nothing else: no other duty (rescue, cancel relay, cleanup) shares this thread
     or its connection, so none of them can delay the proof that this runner is alive."""
     settings = runner.settings
-    next_beat = 0.0
-    tick = max(0.01, min(VOUCH_SECONDS, settings.heartbeat_interval / 2))
     while not runner.halt.is_set():
-        runner.vouch()
-        now = time.monotonic()
-        if now >= next_beat:
-            beat(runner)
-            next_beat = now + settings.heartbeat_interval
-        runner.halt.wait(tick)
+        beat(runner)
+        runner.halt.wait(settings.heartbeat_interval)
 
 
 def rescue_loop(runner: Runner) -> None:

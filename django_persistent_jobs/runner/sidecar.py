@@ -7,8 +7,8 @@ careless extension) starves every thread of the process, the heartbeat included.
 other runners would then declare a live runner dead and rescue its healthy job, again and again.
 
 The sidecar is started by the runner with ``python sidecar.py`` (no Django, only psycopg) and its
-own database connection. The runner writes a line to the sidecar's stdin every fraction of a
-heartbeat interval: a *vouch horizon*, how long from now the runner could legitimately be busy
+own database connection. The runner's supervisor thread (the one that enforces timeouts) writes
+a line to the sidecar's stdin four times a second: a *vouch horizon*, how long from now the runner could legitimately be busy
 (the stale-lock timeout plus the time left to its in-flight jobs' deadlines). When those lines
 stop coming, the sidecar refreshes the runner's heartbeat itself, as long as:
 

@@ -58,6 +58,9 @@ logger = logging.getLogger("django_persistent_jobs.runner")
 
 VERSION = "0.1.0"
 SUPERVISOR_TICK = 0.05
+#: How often the supervisor tells the liveness sidecar that this process still runs Python code
+#: and enforces its deadlines (see ``sidecar.py``); the sidecar steps in only when that stops.
+VOUCH_SECONDS = 0.25
 
 EXIT_OK = 0
 EXIT_FORCED = 1
@@ -143,6 +146,7 @@ class Runner:
         self.sidecar: Any = None
         self._connected_once = False
         self._unsettled: list[_Unsettled] = []
+        self._vouched_at = 0.0
         self.enable_scheduler = scheduler
         self.enable_cleanup = cleanup
         self.stopping = threading.Event()  # stop claiming
@@ -354,17 +358,19 @@ class Runner:
             self.sidecar = None
 
     def _stop_sidecar(self) -> None:
-        if self.sidecar is not None:
-            self.sidecar.stop()
-            self.sidecar = None
+        self.use_sidecar = False  # a heartbeat thread still running must not start a new one
+        side, self.sidecar = self.sidecar, None
+        if side is not None:
+            side.stop()
 
     def vouch(self) -> None:
         """Tell the liveness sidecar this process runs Python code, and for how long from now
-        it may legitimately be too busy to say so (restarting the sidecar if it died)."""
+        it may legitimately be too busy to say so (restarting the sidecar if it died). Sent by
+        the supervisor: while it ticks, the runner enforces its deadlines."""
         side = self.sidecar
         if side is None:
             return
-        if not side.alive:
+        if not side.alive and self.use_sidecar:
             logger.warning("liveness sidecar of runner %s exited; starting a new one",
                            self.runner_id, extra={"event": "sidecar_restart"})
             side.stop()
@@ -557,6 +563,9 @@ class Runner:
 
     def _enforce_timeouts(self) -> None:
         now = time.monotonic()
+        if now - self._vouched_at >= VOUCH_SECONDS:
+            self._vouched_at = now
+            self.vouch()
         for item in self.pool.snapshot():
             if item.deadline is not None and now >= item.deadline:
                 self._take_over(item, Outcome(
