@@ -8,9 +8,10 @@ other runners would then declare a live runner dead and rescue its healthy job, 
 
 The sidecar is started by the runner with ``python sidecar.py`` (no Django, only psycopg) and its
 own database connection. The runner's supervisor thread (the one that enforces timeouts) writes
-a line to the sidecar's stdin four times a second: a *vouch horizon*, how long from now the runner could legitimately be busy
-(the stale-lock timeout plus the time left to its in-flight jobs' deadlines). When those lines
-stop coming, the sidecar refreshes the runner's heartbeat itself, as long as:
+a line to the sidecar's stdin four times a second, and a worker does when it starts a job: a
+*vouch horizon*, how long from now the runner could legitimately be busy (the stale-lock timeout
+plus the time left to its in-flight jobs' deadlines). When those lines stop coming, the sidecar
+refreshes the runner's heartbeat itself, as long as:
 
 * the runner process still exists and is its parent (end of file on stdin, or a new parent pid,
   means the runner died: the sidecar exits at once and never beats for a dead runner);
@@ -36,6 +37,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,7 @@ class LivenessSidecar:
         self.interval = interval
         self.proc: subprocess.Popen[bytes] | None = None
         self._broken = False
+        self._lock = threading.Lock()  # vouches come from the supervisor and from workers
 
     @classmethod
     def for_alias(cls, alias: str, runner_id: str, interval: float) -> LivenessSidecar:
@@ -94,8 +97,9 @@ class LivenessSidecar:
         if self.proc is None or self.proc.stdin is None or self._broken:
             return False
         try:
-            self.proc.stdin.write(f"{horizon:.3f}\n".encode())
-            self.proc.stdin.flush()
+            with self._lock:
+                self.proc.stdin.write(f"{horizon:.3f}\n".encode())
+                self.proc.stdin.flush()
             return True
         except (BrokenPipeError, OSError, ValueError):
             self._broken = True

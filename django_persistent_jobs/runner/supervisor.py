@@ -147,6 +147,8 @@ class Runner:
         self._connected_once = False
         self._unsettled: list[_Unsettled] = []
         self._vouched_at = 0.0
+        self._vouched_until = 0.0  # monotonic time the sidecar's current horizon runs out
+        self._vouch_lock = threading.Lock()
         self.enable_scheduler = scheduler
         self.enable_cleanup = cleanup
         self.stopping = threading.Event()  # stop claiming
@@ -367,18 +369,21 @@ class Runner:
         """Tell the liveness sidecar this process runs Python code, and for how long from now
         it may legitimately be too busy to say so (restarting the sidecar if it died). Sent by
         the supervisor: while it ticks, the runner enforces its deadlines."""
-        side = self.sidecar
-        if side is None:
-            return
-        if not side.alive and self.use_sidecar:
-            logger.warning("liveness sidecar of runner %s exited; starting a new one",
-                           self.runner_id, extra={"event": "sidecar_restart"})
-            side.stop()
-            self._start_sidecar()
+        with self._vouch_lock:
             side = self.sidecar
             if side is None:
                 return
-        side.vouch(self.vouch_horizon())
+            if not side.alive and self.use_sidecar:
+                logger.warning("liveness sidecar of runner %s exited; starting a new one",
+                               self.runner_id, extra={"event": "sidecar_restart"})
+                side.stop()
+                self._start_sidecar()
+                side = self.sidecar
+                if side is None:
+                    return
+            horizon = self.vouch_horizon()
+            if side.vouch(horizon):
+                self._vouched_until = time.monotonic() + horizon
 
     def vouch_horizon(self) -> float:
         """The stale-lock timeout plus the time left until the last in-flight job's deadline:
@@ -512,6 +517,14 @@ class Runner:
         item.ctx.started_monotonic = time.monotonic()
         if item.deadline is not None and item.job.timeout:
             item.deadline = item.ctx.started_monotonic + item.job.timeout
+        if self.sidecar is not None:
+            # A handler may hold the GIL from its first line: the sidecar must already know
+            # this job's deadline, not learn it at the supervisor's next tick.
+            stale = self.settings.stale_lock_timeout
+            end = stale + (item.deadline if item.deadline is not None
+                           else item.ctx.started_monotonic + NO_TIMEOUT_VOUCH_FACTOR * stale)
+            if end > self._vouched_until + VOUCH_SECONDS:
+                self.vouch()
         execute(self.alias, item, self.runner_id, self.forced)
 
     def _report_progress(self, ctx: JobContext, progress: Any) -> None:

@@ -4,9 +4,12 @@
 ``faults.ledger``) after the misbehaviour its payload asks for, applied only while
 ``ctx.attempt <= upto`` (default: always):
 
-``gil``         hold the GIL for this many seconds in a single C call (``sum`` over a ``range``,
-                sized by a quick calibration); the longest stall a ticker thread saw while it
-                ran is published as progress ``{"gil_stall": seconds}`` before the ledger write
+``gil``         hold the GIL for this many seconds in a single C call: libc ``sleep()`` called
+                through ``ctypes.PyDLL``, which does not release the GIL (exact on a busy
+                machine, unlike a CPU-bound call); the longest stall a ticker thread saw while
+                it ran is published as progress ``{"gil_stall": seconds}``
+``gil_cpu``     the same with a CPU-bound C call (``sum`` over a ``range``, sized by a quick
+                calibration, so only roughly that long)
 ``cancel``      inside the job's transaction, ``cancel_job()`` this other (running) job: the
                 handler then holds that job's row lock until its own transaction ends
 ``lock_self``   inside the job's transaction, lock the job's own row (``SELECT ... FOR UPDATE``)
@@ -16,7 +19,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import math
 import threading
 import time
 from typing import Any
@@ -27,16 +32,9 @@ from django_persistent_jobs import JobContext, cancel_job, job_handler
 from django_persistent_jobs.backoff import constant
 
 
-def _hold_gil(seconds: float) -> float:
+def _hold_gil(seconds: float, cpu: bool) -> float:
     """Run one GIL-holding C call of about ``seconds``; return the longest stall another
     thread observed meanwhile (proof that the GIL was really held)."""
-    sample = 1_000_000
-    timings = []
-    for _ in range(5):  # the fastest run: a busy machine must not shorten the hold
-        begun = time.perf_counter()
-        sum(range(sample))
-        timings.append(time.perf_counter() - begun)
-    per_item = max(min(timings) / sample, 1e-9)
     stamps: list[float] = []
     stop = threading.Event()
 
@@ -48,19 +46,34 @@ def _hold_gil(seconds: float) -> float:
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     time.sleep(0.1)
-    sum(range(int(seconds / per_item)))
+    if cpu:
+        _cpu_bound(seconds)
+    else:
+        ctypes.PyDLL(None).sleep(ctypes.c_uint(math.ceil(seconds)))
     time.sleep(0.1)
     stop.set()
     ticker.join()
     return max((b - a for a, b in itertools.pairwise(stamps)), default=0.0)
 
 
+def _cpu_bound(seconds: float) -> None:
+    sample = 1_000_000
+    timings = []
+    for _ in range(5):  # the fastest run: a busy machine must not shorten the hold
+        begun = time.perf_counter()
+        sum(range(sample))
+        timings.append(time.perf_counter() - begun)
+    per_item = max(min(timings) / sample, 1e-9)
+    sum(range(int(seconds / per_item)))
+
+
 @job_handler("liveness.probe", max_retries=3, backoff=constant(0.2), timeout=60)
 def liveness_probe(payload: dict[str, Any], ctx: JobContext) -> None:
     upto = payload.get("upto")
     if upto is None or ctx.attempt <= int(upto):
-        if payload.get("gil"):
-            stall = _hold_gil(float(payload["gil"]))
+        if payload.get("gil") or payload.get("gil_cpu"):
+            cpu = bool(payload.get("gil_cpu"))
+            stall = _hold_gil(float(payload["gil_cpu" if cpu else "gil"]), cpu)
             ctx.report_progress({"gil_stall": round(stall, 3)})
         if payload.get("cancel"):
             cancel_job(payload["cancel"])

@@ -118,14 +118,17 @@ def test_a_rescue_blocked_by_a_row_lock_stalls_neither_heartbeat_nor_claims(
     report("blocked_rescue", rescuer_worst_heartbeat_age_s=round(worst, 2))
 
 
+@pytest.mark.parametrize("how", ["gil", "gil_cpu"])
 def test_a_handler_holding_the_gil_does_not_get_its_live_runner_declared_dead(
-    fleet: Fleet,
+    fleet: Fleet, how: str,
 ) -> None:
     # The watcher reaps and rescues throughout; the owner alone serves the job's queue.
+    # ``gil`` blocks in a C call (exactly ``hold`` seconds), ``gil_cpu`` computes in one (its
+    # length is calibrated, so it aims higher).
     watcher = fleet.spawn("watcher", concurrency=1, args=["--queues", "default"])
     owner = fleet.spawn("owner", concurrency=1, args=["--queues", "gil"])
-    hold = 5 * STALE
-    job = probe({"gil": hold}, timeout=120, queue="gil")
+    hold = 5 * STALE if how == "gil" else 8 * STALE
+    job = probe({how: hold}, timeout=120, queue="gil")
     row = wait_status(job, ("completed", "dead_lettered"), timeout=4 * hold + 30)
     assert row["status"] == "completed"
     assert [(a, r, o, c) for a, r, o, c, _ in attempts(job)] == [
