@@ -147,9 +147,16 @@ def run_with_retry[T](
             (interrupt or threading.Event()).wait(delay)
 
 
+_last_bounded_warning = 0.0
+
+
 class NotNow(Exception):
     """A bounded attempt did not happen this time (a row was locked, the database was away);
     the caller keeps the work and tries again on its next round."""
+
+    def __init__(self, what: str, *, locked: bool) -> None:
+        super().__init__(what)
+        self.locked = locked  # a lock was not granted (rather than: the database was away)
 
 
 def run_bounded[T](
@@ -172,12 +179,16 @@ def run_bounded[T](
         if sqlstate(exc) == LOCK_NOT_AVAILABLE:
             logger.debug("%s: row locked by another session; trying again later", what,
                          extra={"event": "row_locked", "operation": what})
-            raise NotNow(what) from exc
+            raise NotNow(what, locked=True) from exc
         if not is_transient_error(exc):
             raise
         if is_connection_error(exc):
             reset_connection(alias)
-        logger.warning("database unavailable during %s (%s); trying again later", what,
-                       str(exc).strip().splitlines()[0] if str(exc).strip() else
-                       type(exc).__name__, extra={"event": "db_retry", "operation": what})
-        raise NotNow(what) from exc
+        global _last_bounded_warning
+        now = time.monotonic()
+        if now - _last_bounded_warning >= LOG_EVERY_SECONDS:  # an outage must not flood the log
+            _last_bounded_warning = now
+            logger.warning("database unavailable during %s (%s); trying again later", what,
+                           str(exc).strip().splitlines()[0] if str(exc).strip() else
+                           type(exc).__name__, extra={"event": "db_retry", "operation": what})
+        raise NotNow(what, locked=False) from exc

@@ -74,8 +74,11 @@ BURST_DATABASE_WAIT = 30.0
 #: many stale-lock timeouts (one with a timeout: until its deadline).
 NO_TIMEOUT_VOUCH_FACTOR = 10
 #: At shutdown, how long the supervisor keeps trying to record outcomes whose row stays locked
-#: before it leaves those jobs to be rescued once this runner's row is gone.
+#: before it leaves those jobs to be rescued once this runner's row is gone (while the database
+#: is unreachable it keeps trying until it is back or a second signal forces the stop).
 SETTLE_AT_EXIT_SECONDS = 5.0
+#: While the database is unreachable, how often the supervisor retries recording an outcome.
+UNSETTLED_RETRY_SECONDS = 0.5
 #: The longest runner name: the id adds a separator and 8 hex digits within 200 characters.
 MAX_NAME_LENGTH = 180
 
@@ -100,6 +103,8 @@ class _Unsettled:
     outcome: Outcome
     attempt_outcome: str
     terminated: bool = False
+    locked: bool = False  # the last try found the job's row locked (not the database away)
+    retry_at: float = 0.0  # while the database is away, not before this (monotonic)
 
 
 class Runner:
@@ -604,9 +609,14 @@ class Runner:
         self._settle_taken_over()
 
     def _settle_taken_over(self) -> None:
+        now = time.monotonic()
         for entry in list(self._unsettled):
+            if entry.retry_at > now:
+                continue
             if self._settle(entry):
                 self._unsettled.remove(entry)
+            elif not entry.locked:
+                entry.retry_at = now + UNSETTLED_RETRY_SECONDS
 
     def _settle(self, entry: _Unsettled) -> bool:
         item = entry.item
@@ -616,7 +626,8 @@ class Runner:
                 try:
                     run_bounded(self.alias, lambda c: store.terminate_backend(c, pid, started),
                                 what="terminating a timed-out handler's connection")
-                except NotNow:
+                except NotNow as exc:
+                    entry.locked = exc.locked
                     return False
             entry.terminated = True
             self.pool.interrupt(item, JobInterrupted)
@@ -635,7 +646,8 @@ class Runner:
             settled_as = None if status is not None else run_bounded(
                 self.alias, lambda c: store.attempt_outcome(c, item.job.token),
                 what=f"reading the outcome of job {item.job.id}")
-        except NotNow:
+        except NotNow as exc:
+            entry.locked = exc.locked
             return False
         log_transition(item.job, status, outcome, self.runner_id, settled_as)
         if status is None:
@@ -669,8 +681,12 @@ class Runner:
                 f"runner {self.runner_id} stopped before attempt {item.job.attempt} finished "
                 f"(grace period {grace:g}s); handed back for retry",
             ), "interrupted")
+        # Ride out a database outage as long as it lasts (a second signal cuts it short), but
+        # give up on rows that stay locked after a while: their holder may never let go.
         settle_until = time.monotonic() + SETTLE_AT_EXIT_SECONDS
-        while self._unsettled and not self.forced.is_set() and time.monotonic() < settle_until:
+        while self._unsettled and not self.forced.is_set() and not (
+            time.monotonic() >= settle_until and all(e.locked for e in self._unsettled)
+        ):
             self.forced.wait(SUPERVISOR_TICK)
             self._settle_taken_over()
         for entry in self._unsettled:
