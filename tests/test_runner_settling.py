@@ -9,6 +9,7 @@ hand-backs at shutdown, and a runner that claims only the job types it has handl
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -173,6 +174,32 @@ def test_error_text_with_nul_and_lone_surrogates_is_stored_escaped(
     other = wait_status(plain.id, JobStatus.DEAD_LETTERED)
     assert other.last_error_code == "HANDLER_ERROR"
     assert other.last_error == "ValueError: nul \\x00 and report-\\udcff.csv"
+    assert_runner_alive(runner)
+
+
+def test_handler_exit_and_unprintable_errors_fail_the_attempt_not_the_runner(
+    isolated_registry: Registry, start_runner: StartRunner,
+) -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text for you")
+
+    @job_handler("hs.sys_exit", max_retries=0)
+    def sys_exit(payload: dict[str, Any]) -> None:
+        sys.exit(3)
+
+    @job_handler("hs.unprintable", max_retries=0)
+    def unprintable(payload: dict[str, Any]) -> None:
+        raise Unprintable()
+
+    exited = enqueue("hs.sys_exit", {})
+    odd = enqueue("hs.unprintable", {})
+    runner = start_runner(concurrency=1)
+    dead = wait_status(exited.id, JobStatus.DEAD_LETTERED)
+    assert (dead.last_error_code, dead.last_error) == ("HANDLER_ERROR", "SystemExit: 3")
+    dead = wait_status(odd.id, JobStatus.DEAD_LETTERED)
+    assert dead.last_error_code == "HANDLER_ERROR"
+    assert "Unprintable" in dead.last_error and "str() of this exception failed" in dead.last_error
     assert_runner_alive(runner)
 
 

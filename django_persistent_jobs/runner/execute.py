@@ -80,10 +80,18 @@ def _backoff_for(spec: HandlerSpec | None, attempt: int) -> float:
         return 60.0
 
 
+def _describe(exc: BaseException) -> str:
+    """``str(exc)``, which is the handler's code and may itself raise."""
+    try:
+        return str(exc) or type(exc).__name__
+    except Exception:
+        return f"<{type(exc).__name__}: str() of this exception failed>"
+
+
 def classify(exc: BaseException, spec: HandlerSpec | None, attempt: int) -> Outcome:
     """Map what a handler raised to the job's next state."""
     trace = "".join(tb_module.format_exception(exc))
-    message = str(exc) or type(exc).__name__
+    message = _describe(exc)
     if isinstance(exc, JobCancelledError):
         return Outcome("cancel", exc.code, message, trace)
     if isinstance(exc, PermanentJobError):
@@ -368,8 +376,10 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         if inflight.taken_over.is_set():
             # The supervisor already recorded a timeout or hand-back for this attempt.
             return
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
+        if isinstance(exc, KeyboardInterrupt):
             raise
+        # ``SystemExit`` from a handler (``sys.exit()`` in library code) ends the attempt, not
+        # the runner: in a worker thread it could only ever have stopped that one thread.
         if is_connection_error(exc):
             reset_connection(alias)
         record_outcome(alias, job, classify(exc, spec, job.attempt), runner_id, interrupt)
