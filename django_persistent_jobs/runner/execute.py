@@ -216,7 +216,7 @@ def record_outcome(
         fallback = Outcome(
             "release" if outcome.kind == "release" else "handback", "SETTLE_FAILED",
             f"could not record the outcome of attempt {job.attempt} ({outcome.code}: "
-            f"{outcome.message[:1000]}): {type(error).__name__}: {error}",
+            f"{outcome.message[:1000]}): {type(error).__name__}: {_describe(error)}",
         )
         logger.error("job %s: handing it back, its outcome could not be recorded", job.id,
                      extra={"event": "settle_failed", "job_id": str(job.id),
