@@ -339,10 +339,10 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
     try:
         prepare_connection(alias, inflight)
         with transaction.atomic(using=alias):
-            result = spec.func(job.payload, inflight.ctx)
-            if inspect.isawaitable(result):
-                run_awaitable(result, inflight)
-            elif inspect.isgenerator(result) or inspect.isasyncgen(result):
+            returned = spec.func(job.payload, inflight.ctx)
+            if inspect.isawaitable(returned):
+                returned = run_awaitable(returned, inflight)
+            elif inspect.isgenerator(returned) or inspect.isasyncgen(returned):
                 raise PermanentJobError(
                     f"the handler for {job.job_type!r} returned a generator, so its body never "
                     "ran; a handler must be a plain function or an async def coroutine function",

@@ -59,3 +59,6 @@ from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
 
 # Handlers for the recurring-schedule tests (issue 3).
 from tests.testapp import recurring_jobs  # noqa: E402,F401
+
+# Handlers for the settling tests that run real runjobs processes.
+from tests.testapp import settle_jobs  # noqa: E402,F401
