@@ -30,6 +30,7 @@ from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.enqueuing import enqueue
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, JobStatus
+from django_persistent_jobs.runner import store
 from tests.test_runner_support import (
     Gate,
     attempts_of,
@@ -144,6 +145,38 @@ def test_failure_racing_a_replace_enqueue_settles_as_replaced(
     newer = wait_status(held[0].job_id, JobStatus.COMPLETED)
     assert newer.attempts == 1 and {"newer": True} in ran
     assert_runner_alive(runner)
+
+
+def test_the_settling_statement_resolves_a_replace_race_for_every_caller(
+    isolated_registry: Registry, held: list[HeldEnqueue],
+) -> None:
+    """Rescue settles jobs with the same statement: it must survive the race on its own."""
+    job_handler("hs.replace_store", dedup=Dedup.REPLACE)(lambda payload: None)
+    job = enqueue("hs.replace_store", {"first": True}, dedup_key="k")
+    with connection.cursor() as cursor:
+        [claimed] = store.claim(cursor, "ghost:settle", 1, None)
+    enqueuer = HeldEnqueue("hs.replace_store", "k").start()
+    held.append(enqueuer)
+    assert enqueuer.inserted.wait(20) and enqueuer.error is None
+
+    def release_when_blocked() -> None:
+        try:
+            wait_for(settling_blocked, 20, message="the rescue transition to wait")
+        finally:
+            enqueuer.release.open()
+            connections.close_all()
+
+    watcher = threading.Thread(target=release_when_blocked, daemon=True)
+    watcher.start()
+    with connection.cursor() as cursor:
+        status = store.transition(cursor, claimed.id, claimed.token, kind="retry",
+                                  code="RUNNER_LOST", message="rescued", outcome="rescued")
+    watcher.join(10)
+    assert status == "cancelled"
+    stored = get_job(job.id)
+    assert (stored.status, stored.last_error_code) == ("cancelled", "REPLACED")
+    assert attempts_of(job.id)[0].outcome == "rescued"
+    assert get_job(enqueuer.job_id).status == JobStatus.PENDING
 
 
 # ------------------------------------------------------------ text PostgreSQL cannot store

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import psycopg
+from django.db import IntegrityError
 
 TransitionKind = Literal["retry", "dead", "cancel", "handback", "release"]
 
@@ -287,16 +288,42 @@ def transition(
     Text is made storable (see ``storable_text``) and the delay bounded here, so nothing a
     handler raises can make the settling statement itself fail.
     """
-    cursor.execute(_TRANSITION, {
+    params = {
         "id": job_id, "token": token, "kind": kind,
         "code": storable_text(code, CODE_MAX_LENGTH),
         "message": storable_text(message, MESSAGE_MAX_LENGTH),
         "traceback": storable_text(traceback, TRACEBACK_MAX_LENGTH),
         "delay": storable_delay(delay), "charge_delay": storable_delay(charge_delay),
         "outcome": outcome, "handback_limit": int(handback_limit),
-    })
+    }
+    for round_ in range(DEDUP_CONFLICT_ROUNDS):
+        try:
+            cursor.execute(_TRANSITION, params)
+            break
+        except (IntegrityError, psycopg.errors.UniqueViolation) as exc:
+            # A Replace enqueue of the same key committed its new waiting job while this
+            # statement waited on its index entry: the statement's snapshot predates that job,
+            # so it chose to put this one back to waiting too, and lost the unique index. Run
+            # again (in autocommit a fresh statement sees the newer job, and settles this one as
+            # replaced); inside a transaction the caller's transaction is aborted: let it decide.
+            in_transaction = getattr(getattr(cursor, "db", None), "in_atomic_block", True)
+            if (round_ + 1 == DEDUP_CONFLICT_ROUNDS or in_transaction
+                    or not _is_waiting_dedup_conflict(exc)):
+                raise
     row = cursor.fetchone()
     return None if row is None else str(row[0])
+
+
+#: Rounds of the settling statement against concurrent Replace enqueues of the job's key. One
+#: retry settles it (the conflicting job has committed); more cover several enqueues in a row.
+DEDUP_CONFLICT_ROUNDS = 5
+
+
+def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    diag = getattr(cause, "diag", None)
+    return (getattr(cause, "sqlstate", None) == "23505"
+            and getattr(diag, "constraint_name", None) == "pj_dedup_waiting_uniq")
 
 
 def register_runner(
