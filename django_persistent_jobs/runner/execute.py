@@ -22,7 +22,6 @@ from asgiref.sync import async_to_sync
 from django.db import connections, transaction
 from psycopg.pq import TransactionStatus
 
-from .. import conf
 from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
 from ..handlers import HandlerSpec, global_backoff, registry
@@ -155,14 +154,6 @@ class SettleFailed(Exception):
     """Neither the job's outcome nor a hand-back could be recorded."""
 
 
-def handback_limit() -> int:
-    """``HANDBACK_LIMIT`` as the settling statement needs it (checked at runner start)."""
-    value = conf.get("HANDBACK_LIMIT")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return int(conf.DEFAULTS["HANDBACK_LIMIT"])
-    return value
-
-
 def _settle(
     alias: str, job: ClaimedJob, outcome: Outcome, interrupt: threading.Event | None,
     attempt_outcome: str | None,
@@ -170,13 +161,12 @@ def _settle(
     """Apply one transition, retrying a failed statement a few times; ``(status, error)``."""
     charge_delay = (_backoff_for(registry.get(job.job_type), job.attempt)
                     if outcome.kind == "handback" else 0.0)
-    limit = handback_limit()
 
     def apply(cursor: Any) -> str | None:
         return store.transition(
             cursor, job.id, job.token, kind=outcome.kind, code=outcome.code,
             message=outcome.message, traceback=outcome.traceback, delay=outcome.delay,
-            outcome=attempt_outcome, handback_limit=limit, charge_delay=charge_delay,
+            outcome=attempt_outcome, charge_delay=charge_delay,
         )
 
     error: Exception | None = None

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import psycopg
 from django.db import IntegrityError
 
+from .. import conf
+
 TransitionKind = Literal["retry", "dead", "cancel", "handback", "release"]
 
 _WAITING_SIBLING = (
@@ -169,6 +171,14 @@ def complete(cursor: Any, job: ClaimedJob) -> bool:
         return fast.fetchone() is not None
 
 
+def configured_handback_limit() -> int:
+    """``HANDBACK_LIMIT`` as the settling statement needs it (validated when a runner starts)."""
+    value = conf.get("HANDBACK_LIMIT")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return int(conf.DEFAULTS["HANDBACK_LIMIT"])
+    return value
+
+
 #: Column widths the settling statement writes into (see models.py).
 CODE_MAX_LENGTH = 64
 MESSAGE_MAX_LENGTH = 10_000
@@ -270,7 +280,7 @@ RETURNING moved.status
 def transition(
     cursor: Any, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
-    handback_limit: int = 3, charge_delay: float = 0.0,
+    handback_limit: int | None = None, charge_delay: float = 0.0,
 ) -> str | None:
     """Move a running job out of ``running``; return its new status, or None if not ours.
 
@@ -281,7 +291,8 @@ def transition(
     times, a further hand-back is charged like a failed attempt (code ``INTERRUPTED``, retried
     after ``charge_delay``, or dead-lettered with its retries used up), so a job that gets its
     runner stopped every time cannot loop forever. ``release`` returns a claimed job that never
-    started: not charged, not counted. A cancellation request always wins, and a job that
+    started: not charged, not counted. ``handback_limit`` defaults to the ``HANDBACK_LIMIT``
+    setting. A cancellation request always wins, and a job that
     would go back to waiting next to a newer waiting job holding the same dedup key is
     cancelled as ``REPLACED`` instead.
 
@@ -294,7 +305,9 @@ def transition(
         "message": storable_text(message, MESSAGE_MAX_LENGTH),
         "traceback": storable_text(traceback, TRACEBACK_MAX_LENGTH),
         "delay": storable_delay(delay), "charge_delay": storable_delay(charge_delay),
-        "outcome": outcome, "handback_limit": int(handback_limit),
+        "outcome": outcome,
+        "handback_limit": configured_handback_limit() if handback_limit is None
+        else int(handback_limit),
     }
     for round_ in range(DEDUP_CONFLICT_ROUNDS):
         try:
