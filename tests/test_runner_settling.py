@@ -29,7 +29,7 @@ from django_persistent_jobs import (
 from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.enqueuing import enqueue
 from django_persistent_jobs.handlers import Registry
-from django_persistent_jobs.models import JobAttempt, JobStatus
+from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
 from tests.test_runner_support import (
     Gate,
@@ -233,6 +233,28 @@ def test_handler_exit_and_unprintable_errors_fail_the_attempt_not_the_runner(
     dead = wait_status(odd.id, JobStatus.DEAD_LETTERED)
     assert dead.last_error_code == "HANDLER_ERROR"
     assert "Unprintable" in dead.last_error and "str() of this exception failed" in dead.last_error
+    assert_runner_alive(runner)
+
+
+def test_a_stored_payload_python_cannot_decode_costs_only_its_own_job(
+    start_runner: StartRunner,
+) -> None:
+    """Rows written by raw SQL or an older release: an integer of 5,000 digits is valid JSON
+    (and valid jsonb) but more than Python's int_max_str_digits allows to parse."""
+    job = enqueue("test.ledger", {"note": "placeholder"}, priority=5)
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE persistent_jobs SET payload = ('{\"n\": ' || repeat('7', 5000) "
+                       "|| '}')::jsonb WHERE id = %s", [job.id])
+    neighbour = enqueue("test.ledger", {"note": "same batch"})
+    runner = start_runner(concurrency=2)
+    # (Read without the payload: the ORM cannot decode it either.)
+    row = PersistentJob.objects.filter(id=job.id).values_list(
+        "status", "last_error_code", "last_error", "attempts")
+    status, code, message, attempts = wait_for(
+        lambda: next((r for r in row.all() if r[0] == JobStatus.DEAD_LETTERED), None),
+        15, message="the undecodable job to be dead-lettered")
+    assert code == "PAYLOAD_INVALID" and "cannot be decoded" in message and attempts == 1
+    wait_status(neighbour.id, JobStatus.COMPLETED)
     assert_runner_alive(runner)
 
 

@@ -316,6 +316,12 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             f"no handler is registered for job type {job.job_type!r} in runner {runner_id}",
         ), runner_id, interrupt)
         return
+    if job.payload_error is not None:
+        record_outcome(alias, job, Outcome(
+            "dead", "PAYLOAD_INVALID",
+            f"the stored payload cannot be decoded: {job.payload_error}",
+        ), runner_id, interrupt)
+        return
     if spec.validator is not None:
         try:
             spec.validator(job.payload)

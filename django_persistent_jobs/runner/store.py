@@ -44,6 +44,8 @@ class ClaimedJob:
     priority: int
     cancel_requested: bool
     tenant: str | None = None
+    #: Why the stored payload could not be decoded (the job is then dead-lettered, not run).
+    payload_error: str | None = None
 
 
 @contextmanager
@@ -101,7 +103,7 @@ WITH picked AS (
 UPDATE persistent_jobs j SET status = 'running', attempts = j.attempts + 1,
     locked_by = %(runner)s, locked_at = now(), lock_token = a.id, updated_at = now()
 FROM attempt a WHERE a.job_id = j.id
-RETURNING j.id, j.job_type, j.payload, j.attempts, j.max_retries, j.timeout_seconds,
+RETURNING j.id, j.job_type, j.payload::text, j.attempts, j.max_retries, j.timeout_seconds,
     j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at, j.tenant
 """
 
@@ -140,14 +142,31 @@ def claim(
                      prepare=True)
         rows = fast.fetchall()
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
-    return [
-        ClaimedJob(
-            id=r[0], job_type=r[1], payload=json.loads(r[2]) if isinstance(r[2], str) else r[2],
-            attempt=r[3], max_retries=r[4], timeout=r[5], token=r[6], queue=r[7],
-            priority=r[8], cancel_requested=r[9], tenant=r[11],
-        )
-        for r in rows
-    ]
+    jobs = []
+    for r in rows:
+        payload, problem = _decode_payload(r[2])
+        jobs.append(ClaimedJob(
+            id=r[0], job_type=r[1], payload=payload, attempt=r[3], max_retries=r[4],
+            timeout=r[5], token=r[6], queue=r[7], priority=r[8], cancel_requested=r[9],
+            tenant=r[11], payload_error=problem,
+        ))
+    return jobs
+
+
+def _decode_payload(raw: Any) -> tuple[Any, str | None]:
+    """The payload, or why it cannot be decoded.
+
+    The claim has committed by now: an exception here would leave every job of the batch claimed
+    by a runner whose claim loop just died. A stored payload Python cannot read (an integer of
+    more digits than ``sys.int_max_str_digits``, nesting deeper than the recursion limit: rows
+    written by raw SQL or an older release) must cost its own job only.
+    """
+    if not isinstance(raw, str):
+        return raw, None
+    try:
+        return json.loads(raw), None
+    except (ValueError, RecursionError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 _COMPLETE = """
