@@ -250,7 +250,7 @@ def test_a_stored_payload_python_cannot_decode_costs_only_its_own_job(
     # (Read without the payload: the ORM cannot decode it either.)
     row = PersistentJob.objects.filter(id=job.id).values_list(
         "status", "last_error_code", "last_error", "attempts")
-    status, code, message, attempts = wait_for(
+    _status, code, message, attempts = wait_for(
         lambda: next((r for r in row.all() if r[0] == JobStatus.DEAD_LETTERED), None),
         15, message="the undecodable job to be dead-lettered")
     assert code == "PAYLOAD_INVALID" and "cannot be decoded" in message and attempts == 1
