@@ -46,7 +46,6 @@ from .execute import (
     Outcome,
     _backoff_for,
     execute,
-    log_transition,
     record_outcome,
 )
 from .heartbeat import heartbeat_loop, rescue_loop
@@ -498,7 +497,7 @@ class Runner:
     def hand_back_unstarted(self, jobs: list[store.ClaimedJob]) -> None:
         for job in jobs:
             record_outcome(self.alias, job, Outcome(
-                "handback", "SHUTDOWN", "runner stopping; claimed job handed back unstarted",
+                "release", "SHUTDOWN", "runner stopping; claimed job handed back unstarted",
             ), self.runner_id, self.forced, attempt_outcome="interrupted")
 
     def _worker_crashed(self, item: InFlight, exc: BaseException) -> None:
@@ -631,25 +630,13 @@ class Runner:
                     return False
             entry.terminated = True
             self.pool.interrupt(item, JobInterrupted)
-        outcome = entry.outcome
-
-        def apply(cursor: Any) -> str | None:
-            return store.transition(
-                cursor, item.job.id, item.job.token, kind=outcome.kind, code=outcome.code,
-                message=outcome.message, traceback=outcome.traceback, delay=outcome.delay,
-                outcome=entry.attempt_outcome,
-            )
-
         try:
-            status = run_bounded(self.alias, apply,
-                                 what=f"recording the outcome of job {item.job.id}")
-            settled_as = None if status is not None else run_bounded(
-                self.alias, lambda c: store.attempt_outcome(c, item.job.token),
-                what=f"reading the outcome of job {item.job.id}")
+            status = record_outcome(self.alias, item.job, entry.outcome, self.runner_id,
+                                    self.forced, attempt_outcome=entry.attempt_outcome,
+                                    bounded=True)
         except NotNow as exc:
             entry.locked = exc.locked
             return False
-        log_transition(item.job, status, outcome, self.runner_id, settled_as)
         if status is None:
             logger.info("job %s finished just as it was taken over", item.job.id)
         return True
@@ -665,7 +652,7 @@ class Runner:
             # Prefetched but never started: hand back at once, uncharged, rather than start
             # new work after the signal.
             self._take_over(item, Outcome(
-                "handback", "SHUTDOWN",
+                "release", "SHUTDOWN",
                 f"runner {self.runner_id} stopped before starting attempt {item.job.attempt}; "
                 "handed back unstarted",
             ), "interrupted")
