@@ -57,14 +57,22 @@ def _hold_gil(seconds: float, cpu: bool) -> float:
 
 
 def _cpu_bound(seconds: float) -> None:
+    """One C call of at least ``seconds``: calibrated, and made longer until one call lasts
+    that long (the machine's speed changes under load; shorter calls only hold it shorter)."""
     sample = 1_000_000
     timings = []
-    for _ in range(5):  # the fastest run: a busy machine must not shorten the hold
+    for _ in range(5):
         begun = time.perf_counter()
         sum(range(sample))
         timings.append(time.perf_counter() - begun)
     per_item = max(min(timings) / sample, 1e-9)
-    sum(range(int(seconds / per_item)))
+    for _ in range(5):
+        begun = time.perf_counter()
+        sum(range(int(seconds / per_item)))
+        took = time.perf_counter() - begun
+        if took >= seconds:
+            return
+        per_item = took / int(seconds / per_item) / 1.5
 
 
 @job_handler("liveness.probe", max_retries=3, backoff=constant(0.2), timeout=60)
