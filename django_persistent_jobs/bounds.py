@@ -24,6 +24,10 @@ JOB_TYPE_MAX_LENGTH = 200
 QUEUE_MAX_LENGTH = 100
 DEDUP_KEY_MAX_LENGTH = 255
 TENANT_MAX_LENGTH = 200
+#: Column lengths of the schedules table.
+SCHEDULE_NAME_MAX_LENGTH = 200
+CRON_MAX_LENGTH = 200
+TIMEZONE_MAX_LENGTH = 64
 #: ``priority`` is a ``smallint``.
 PRIORITY_MIN = -32768
 PRIORITY_MAX = 32767
@@ -71,23 +75,23 @@ def _string_problem(name: str, value: Any, max_length: int) -> str | None:
     return None
 
 
-def job_type_problem(value: Any) -> str | None:
-    return _string_problem("job_type", value, JOB_TYPE_MAX_LENGTH)
+def job_type_problem(value: Any, name: str = "job_type") -> str | None:
+    return _string_problem(name, value, JOB_TYPE_MAX_LENGTH)
 
 
-def queue_problem(value: Any) -> str | None:
-    return _string_problem("queue", value, QUEUE_MAX_LENGTH)
+def queue_problem(value: Any, name: str = "queue") -> str | None:
+    return _string_problem(name, value, QUEUE_MAX_LENGTH)
 
 
-def dedup_key_problem(value: Any) -> str | None:
+def dedup_key_problem(value: Any, name: str = "dedup_key") -> str | None:
     """``None`` (no key) is acceptable."""
-    return None if value is None else _string_problem("dedup_key", value, DEDUP_KEY_MAX_LENGTH)
+    return None if value is None else _string_problem(name, value, DEDUP_KEY_MAX_LENGTH)
 
 
-def tenant_problem(value: Any) -> str | None:
+def tenant_problem(value: Any, name: str = "tenant") -> str | None:
     """``None`` (no tenant) is acceptable; an empty string is not, so a blank form field or an
     unset variable cannot silently make a job tenant-less."""
-    return None if value is None else _string_problem("tenant", value, TENANT_MAX_LENGTH)
+    return None if value is None else _string_problem(name, value, TENANT_MAX_LENGTH)
 
 
 def _integer_problem(name: str, value: Any, low: int, high: int) -> str | None:
@@ -96,12 +100,12 @@ def _integer_problem(name: str, value: Any, low: int, high: int) -> str | None:
     return None
 
 
-def priority_problem(value: Any) -> str | None:
-    return _integer_problem("priority", value, PRIORITY_MIN, PRIORITY_MAX)
+def priority_problem(value: Any, name: str = "priority") -> str | None:
+    return _integer_problem(name, value, PRIORITY_MIN, PRIORITY_MAX)
 
 
-def max_retries_problem(value: Any) -> str | None:
-    return _integer_problem("max_retries", value, 0, MAX_RETRIES_LIMIT)
+def max_retries_problem(value: Any, name: str = "max_retries") -> str | None:
+    return _integer_problem(name, value, 0, MAX_RETRIES_LIMIT)
 
 
 def _is_number(value: Any) -> bool:
@@ -121,21 +125,21 @@ def seconds_of(value: Any) -> float | None:
     return None
 
 
-def timeout_problem(value: Any) -> str | None:
+def timeout_problem(value: Any, name: str = "timeout") -> str | None:
+    """Seconds (a number or a ``timedelta``) in ``(0, MAX_SECONDS]``."""
     seconds = seconds_of(value)
     if seconds is None or not (math.isfinite(seconds) and 0 < seconds <= MAX_SECONDS):
-        return (f"timeout must be a number of seconds > 0 (at most {MAX_SECONDS:.0f}), "
+        return (f"{name} must be a number of seconds > 0 (at most {MAX_SECONDS:.0f}), "
                 f"got {show(value)}.")
     return None
 
 
-def delay_problem(value: Any) -> str | None:
-    if seconds_of(value) is None:
-        return f"delay must be a timedelta or seconds, got {show(value)}."
+def delay_problem(value: Any, name: str = "delay") -> str | None:
     seconds = seconds_of(value)
-    assert seconds is not None
+    if seconds is None:
+        return f"{name} must be a timedelta or seconds, got {show(value)}."
     if not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
-        return f"delay must be >= 0 and at most {MAX_SECONDS:.0f} seconds, got {show(value)}."
+        return f"{name} must be >= 0 and at most {MAX_SECONDS:.0f} seconds, got {show(value)}."
     return None
 
 
@@ -163,8 +167,8 @@ def backoff_problem(value: Any) -> str | None:
     return None
 
 
-def dedup_problem(value: Any) -> str | None:
+def dedup_problem(value: Any, name: str = "dedup") -> str | None:
     choice = getattr(value, "value", value)  # a Dedup member or its string
-    if choice not in DEDUP_CHOICES:
-        return f"dedup must be one of {list(DEDUP_CHOICES)}, got {show(value)}."
+    if not isinstance(choice, str) or choice not in DEDUP_CHOICES:
+        return f"{name} must be one of {list(DEDUP_CHOICES)}, got {show(value)}."
     return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from . import bounds
 from .conf import ConfigurationError
 
 __all__ = [
@@ -26,9 +27,8 @@ __all__ = [
 ]
 
 
-#: The longest ``retry_after`` accepted (about 1,000 years): far beyond any real retry, and well
-#: inside what PostgreSQL's ``now() + seconds * interval '1 second'`` can compute.
-MAX_RETRY_AFTER = 1000 * 365 * 86400.0
+#: The longest ``retry_after`` accepted (about 1,000 years): ``bounds`` owns it.
+MAX_RETRY_AFTER = bounds.MAX_SECONDS
 
 
 class JobError(Exception):
@@ -83,7 +83,9 @@ class JobCancelledError(JobError):
 
 
 class EnqueueError(ValueError):
-    """``enqueue()`` refused its input; nothing was written."""
+    """``enqueue()`` (or a schedule or operator function) refused its input before any SQL ran:
+    nothing was written, and the caller's transaction is still usable. ``code`` says which rule
+    refused it."""
 
     code = "ENQUEUE_INVALID"
 
