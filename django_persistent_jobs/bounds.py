@@ -151,20 +151,30 @@ def run_at_problem(value: Any) -> str | None:
                 "a naive datetime is ambiguous.")
     try:
         in_range = value.astimezone(UTC) < MAX_RUN_AT
-    except OverflowError:
+    except OverflowError:  # beyond year 1 or 9999 once converted to UTC
         in_range = False
     if not in_range:
-        return f"run_at must be before {MAX_RUN_AT.date()}, got {show(value)}."
+        return f"run_at must be between year 1 and {MAX_RUN_AT.date()} UTC, got {show(value)}."
     return None
 
 
 def backoff_problem(value: Any) -> str | None:
-    """A backoff result (or ``retry_after``): seconds in ``0..MAX_SECONDS``."""
+    """What a backoff callable returned: finite seconds (a number or a ``timedelta``) of at most
+    ``MAX_SECONDS``; a negative result means "retry now"."""
     seconds = seconds_of(value)
-    if seconds is None or not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
-        return (f"a backoff must be a number of seconds between 0 and {MAX_SECONDS:.0f}, "
+    if seconds is None or not (math.isfinite(seconds) and seconds <= MAX_SECONDS):
+        return (f"a backoff must return finite seconds, at most {MAX_SECONDS:.0f}, "
                 f"got {show(value)}.")
     return None
+
+
+def backoff_seconds(value: Any) -> float:
+    """A backoff result as the delay to store; ``ValueError`` (with ``backoff_problem``'s
+    message) when it is unusable."""
+    problem = backoff_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return max(0.0, seconds_of(value) or 0.0)
 
 
 def dedup_problem(value: Any, name: str = "dedup") -> str | None:

@@ -158,8 +158,8 @@ def _resolve_options(
     _require(bounds.priority_problem(priority))
     _require(bounds.tenant_problem(tenant))
     return _Options(spec=spec, queue=queue, priority=priority, max_retries=max_retries,
-                    timeout=float(timeout), run_at=run_at, delay=delay_s, dedup=Dedup(dedup),
-                    tenant=tenant)
+                    timeout=bounds.seconds_of(timeout) or 0.0, run_at=run_at, delay=delay_s,
+                    dedup=Dedup(dedup), tenant=tenant)
 
 
 def _prepare_with(

@@ -16,6 +16,7 @@ __all__ = [
     "ConfigurationError",
     "DuplicateHandlerError",
     "EnqueueError",
+    "InvalidJobIdError",
     "InvalidJobStateError",
     "JobCancelledError",
     "JobError",
@@ -117,3 +118,10 @@ class JobNotFoundError(LookupError):
 
 class InvalidJobStateError(Exception):
     """An operator action does not apply to the job's current status."""
+
+
+class InvalidJobIdError(EnqueueError, JobNotFoundError):
+    """An operator function was given something that is not a job id (a UUID): refused before
+    any query. Also a ``JobNotFoundError``, since no job can have that id."""
+
+    code = "INVALID_JOB_ID"

@@ -312,3 +312,75 @@ def test_replace_in_autocommit_is_all_or_nothing() -> None:
             cursor.execute("DROP TRIGGER core_refuse_boom ON persistent_jobs; "
                            "DROP FUNCTION core_refuse_boom();")
     assert statuses() == [(old.id, "pending", {"v": 1})]
+
+
+def _hammer(enqueue_one: Callable[[int, int], Any], threads: int,
+            rounds: int) -> list[BaseException]:
+    """Run ``enqueue_one(thread, round)`` from ``threads`` threads at once, ``rounds`` times
+    each, every call in its own transaction that goes on to use the connection after enqueue
+    (a doomed transaction would fail there); return what was raised."""
+    start = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def worker(thread: int) -> None:
+        try:
+            start.wait(30)
+            for i in range(rounds):
+                with transaction.atomic():
+                    enqueue_one(thread, i)
+                    with connection.cursor() as cursor:
+                        cursor.execute("SELECT 1")
+        except BaseException as exc:
+            errors.append(exc)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda t: _run(lambda: worker(t))(), range(threads)))
+    return errors
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_contended_replace_enqueues_always_settle() -> None:
+    """Twelve threads Replace one key fifteen times each: every enqueue succeeds (waiting its
+    turn, never giving up), the callers' transactions stay usable, and exactly one job is left
+    waiting: the others were replaced."""
+    errors = _hammer(lambda t, i: enqueue("core.dedup.replace", {"t": t, "i": i},
+                                          dedup_key="hot"), threads=12, rounds=15)
+    assert errors == []
+    assert PersistentJob.objects.count() == 12 * 15
+    assert PersistentJob.objects.filter(status="pending").count() == 1
+    assert PersistentJob.objects.filter(status="cancelled",
+                                        last_error_code="REPLACED").count() == 12 * 15 - 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_contended_skip_and_replace_settle_while_jobs_finish() -> None:
+    """Skip and Replace enqueues of one key race while another session keeps claiming and
+    completing whatever holds the key, so holders come and go between every statement: every
+    enqueue still settles, and never two jobs wait with the key."""
+    stop = threading.Event()
+    finished: list[int] = []
+
+    def churn() -> None:
+        done = 0
+        while not stop.is_set():
+            with transaction.atomic(), connection.cursor() as cursor:
+                for job in store.claim(cursor, "core-churn", 5, None):
+                    assert store.complete(cursor, job)
+                    done += 1
+        finished.append(done)
+
+    with ThreadPoolExecutor(1) as pool:
+        churner = pool.submit(_run(churn))
+        try:
+            errors = _hammer(
+                lambda t, i: enqueue("test.noop", {"t": t, "i": i}, dedup_key="hot",
+                                     dedup="replace" if t % 2 else "skip"),
+                threads=8, rounds=15)
+        finally:
+            stop.set()
+            churner.result(60)
+    assert errors == []
+    assert finished and finished[0] > 0  # the holders really did come and go
+    assert PersistentJob.objects.filter(status__in=["pending", "failed"]).count() <= 1

@@ -211,7 +211,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(
 @pytest.mark.django_db
 @pytest.mark.parametrize("job_type", ["", None, 5])
 def test_job_type_must_be_a_non_empty_string(job_type: Any) -> None:
-    with pytest.raises(EnqueueError, match="job_type must be a string of 1..200 characters"):
+    with pytest.raises(EnqueueError, match=r"job_type must be a string of 1\.\.200 characters"):
         enqueue(job_type)
 
 
