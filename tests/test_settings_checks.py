@@ -248,3 +248,43 @@ def test_runjobs_refuses_bad_settings_and_handlers_as_command_errors() -> None:
         job_handler("core.chk.runjobs", timeout=-1)(lambda payload: None)
         with pytest.raises(CommandError, match="timeout must be a number of seconds > 0"):
             call_command("runjobs", burst=True)
+
+
+# ------------------------------------------------------------------ one id per condition
+
+def test_every_check_id_is_one_condition_with_a_hint_and_a_test() -> None:
+    """``checks.py`` owns the ids: one per condition (each setting key, each cross-key rule,
+    each kind of handler problem), every one with a hint, and every one exercised above."""
+    from django_persistent_jobs.checks import HANDLER_CHECKS, SETTING_CHECKS, setting_check
+
+    ids = [i for i, _ in SETTING_CHECKS.values()] + [i for i, _ in HANDLER_CHECKS.values()]
+    assert len(ids) == len(set(ids))  # no id covers two conditions
+    assert set(pj_conf.DEFAULTS) <= set(SETTING_CHECKS)  # every key has its own id
+    assert all(setting_check(condition)[1] for condition in SETTING_CHECKS)
+    assert all(hint for _, hint in HANDLER_CHECKS.values())
+    tested = {check_id for _, check_id, _ in BAD_SETTINGS} | {
+        "persistent_jobs.E001",  # test_persistent_jobs_must_be_a_dict
+        "persistent_jobs.E013",  # test_a_non_postgresql_database_is_refused
+        "persistent_jobs.E101", "persistent_jobs.E102",  # test_bad_handler_options_...
+        "persistent_jobs.E103",  # test_registry: generator handlers
+    }
+    assert set(ids) == tested
+
+
+@pytest.mark.parametrize(("overrides", "check_id", "message"), BAD_SETTINGS,
+                         ids=[f"{i}-{next(iter(o))}" for i, (o, _, _) in enumerate(BAD_SETTINGS)])
+def test_reading_a_bad_setting_raises_the_checks_message(
+    overrides: dict[str, Any], check_id: str, message: str,
+) -> None:
+    """A process that never ran the checks (a shell, a WSGI worker) gets the same message, as
+    ImproperlyConfigured, from the typed setting it reads."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    key = next(iter(overrides))
+    if key not in pj_conf.DEFAULTS or check_id == "persistent_jobs.E005":
+        return  # an unknown key, or a rule between two keys: nothing reads it alone
+    with pj_settings(**overrides):
+        (reported,) = [m.msg for m in check_settings() if m.id == check_id]
+        with pytest.raises(ImproperlyConfigured) as info:
+            getattr(pj_conf.settings, key)
+    assert str(info.value) == reported
