@@ -23,6 +23,8 @@ from typing import Any, overload
 
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
+from django.dispatch import receiver
+from django.test.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from . import bounds
@@ -299,15 +301,32 @@ class Setting[T]:
     def __get__(self, instance: Settings | None, owner: type) -> Setting[T] | T:
         if instance is None:
             return self
+        try:
+            return instance._cache[self.key]
+        except KeyError:
+            pass
         value = self.raw()
         problem = self.check(self.key, value)
         if problem is not None:
-            raise ConfigurationError(problem)
-        return self.convert(value)
+            raise ConfigurationError(problem)  # not cached: raised on every read until fixed
+        converted = self.convert(value)
+        instance._cache[self.key] = converted
+        return converted
 
 
 class Settings:
-    """``settings.PERSISTENT_JOBS``, one typed attribute per key (each key is optional)."""
+    """``settings.PERSISTENT_JOBS``, one typed attribute per key (each key is optional).
+
+    Checked values are cached (``enqueue`` reads several per call) until Django reports a
+    settings change (``override_settings``, the ``settings`` test fixture), like Django's own
+    cached settings.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    def clear(self) -> None:
+        self._cache.clear()
 
     #: Retries after the first attempt (a job runs at most ``1 + MAX_RETRIES`` times).
     MAX_RETRIES = Setting[int](3, _max_retries, int)
@@ -364,6 +383,13 @@ class Settings:
 
 settings = Settings()
 _SETTINGS = Settings.declared()
+
+
+@receiver(setting_changed)
+def _settings_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting in ("PERSISTENT_JOBS", "DATABASES"):
+        settings.clear()
+
 #: Every key accepted in ``settings.PERSISTENT_JOBS`` with its default.
 DEFAULTS: dict[str, Any] = {key: s.default for key, s in _SETTINGS.items()}
 
