@@ -42,6 +42,8 @@ MAX_RUN_AT = datetime(9999, 12, 31, tzinfo=UTC)
 #: The largest integer (in decimal digits) a payload may hold: Python's default limit for
 #: converting between int and text, so every process (ours and the runner's) can read it back.
 PAYLOAD_INT_MAX_DIGITS = 4300
+#: The largest serialized payload a ``jsonb`` value can hold (its size field has 28 bits).
+PAYLOAD_MAX_BYTES_LIMIT = 2**28 - 1
 DEDUP_CHOICES = ("skip", "enqueue", "replace")
 
 

@@ -87,6 +87,14 @@ def _positive_int(key: str, value: Any) -> str | None:
     return _number_problem(key, value, integer=True, allow_zero=False)
 
 
+def _payload_bytes(key: str, value: Any) -> str | None:
+    problem = _positive_int(key, value)
+    if problem is None and value > bounds.PAYLOAD_MAX_BYTES_LIMIT:
+        return (f"{_name(key)} must be at most {bounds.PAYLOAD_MAX_BYTES_LIMIT} (what jsonb "
+                f"can hold), got {bounds.show(value)}.")
+    return problem
+
+
 def _optional_int(*, allow_zero: bool) -> Callable[[str, Any], str | None]:
     def check(key: str, value: Any) -> str | None:
         if value is None:
@@ -364,7 +372,7 @@ class Settings:
     #: The database alias jobs live in.
     DATABASE = Setting[str]("default", _database, str)
     #: Largest serialized payload, in UTF-8 bytes.
-    PAYLOAD_MAX_BYTES = Setting[int](128 * 1024, _positive_int, int)
+    PAYLOAD_MAX_BYTES = Setting[int](128 * 1024, _payload_bytes, int)
     #: Deepest payload nesting.
     PAYLOAD_MAX_DEPTH = Setting[int](10, _positive_int, int)
     #: Most keys in a payload, counted over every nested object.

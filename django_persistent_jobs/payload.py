@@ -146,11 +146,19 @@ def prepare_payload(payload: Any, limits: PayloadLimits | None = None) -> tuple[
         except (TypeError, ValueError, RecursionError) as exc:
             raise PayloadError(f"payload cannot be encoded by {encoder.__name__}: {exc}") from exc
     state = [0, 0]  # keys seen, floats needing plain notation
-    _walk(payload, [], 0, (limits.max_depth, limits.max_keys), state)
-    if state[1]:
-        text = _dumps_plain_floats(payload)
-    else:
-        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        _walk(payload, [], 0, (limits.max_depth, limits.max_keys), state)
+        if state[1]:
+            text = _dumps_plain_floats(payload)
+        else:
+            text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
+    except RecursionError:
+        # Only reachable with a PAYLOAD_MAX_DEPTH beyond Python's recursion limit.
+        raise PayloadError(
+            "payload is nested too deeply to serialize; lower PERSISTENT_JOBS"
+            "['PAYLOAD_MAX_DEPTH'] or flatten it."
+        ) from None
     size = len(text.encode())
     if size > max_bytes:
         raise PayloadError(

@@ -42,6 +42,8 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "PERSISTENT_JOBS['CONCURRENCY'] must be an integer > 0, got 0."),
     ({"CONCURRENCY": True}, "persistent_jobs.E015", "must be an integer, got True"),
     ({"PAYLOAD_MAX_BYTES": 1.5}, "persistent_jobs.E023", "PAYLOAD_MAX_BYTES'] must be an integer"),
+    ({"PAYLOAD_MAX_BYTES": 2**28}, "persistent_jobs.E023",
+     "PAYLOAD_MAX_BYTES'] must be at most 268435455 (what jsonb can hold)"),
     ({"PAYLOAD_MAX_DEPTH": 0}, "persistent_jobs.E024",
      "PAYLOAD_MAX_DEPTH'] must be an integer > 0"),
     ({"PAYLOAD_MAX_KEYS": None}, "persistent_jobs.E025", "PAYLOAD_MAX_KEYS'] must be an integer"),

@@ -177,6 +177,16 @@ def test_the_limits_themselves_are_stored_and_read_back() -> None:
             len(stored.tenant or "")) == (200, 100, 255, 200)
 
 
+@pytest.mark.django_db
+def test_a_payload_nested_beyond_pythons_recursion_limit_is_a_payload_error() -> None:
+    deep: Any = 1
+    for _ in range(5000):
+        deep = [deep]
+    with pj_settings(PAYLOAD_MAX_DEPTH=10**6), pytest.raises(EnqueueError) as info:
+        enqueue("test.noop", {"deep": deep})
+    assert "nested too deeply" in str(info.value) and info.value.code == "PAYLOAD_INVALID"
+
+
 def test_bounds_match_the_columns() -> None:
     fields = {f.name: f for f in PersistentJob._meta.fields}
     assert fields["job_type"].max_length == bounds.JOB_TYPE_MAX_LENGTH
