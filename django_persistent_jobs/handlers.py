@@ -358,6 +358,12 @@ def job_handler(
 
                 def func(payload: Any, ctx: JobContext, _f: Callable[[Any], Any] = one_arg) -> Any:
                     return _f(payload)
+            elif arity == 2 and is_async and not inspect.iscoroutinefunction(target):
+                two_async: Callable[[Any, JobContext], Any] = target  # an async __call__
+
+                async def func(payload: Any, ctx: JobContext,
+                               _f: Callable[[Any, JobContext], Any] = two_async) -> Any:
+                    return await _f(payload, ctx)
             elif arity == 2:
                 func = target
             else:

@@ -316,11 +316,16 @@ def test_async_handlers_are_accepted_and_marked() -> None:
             async def __call__(self, payload: Any) -> str:
                 return "callable"
 
+        class AwaitableTwo:
+            async def __call__(self, payload: Any, ctx: JobContext) -> str:
+                return "callable two"
+
         job_handler("core.reg.async_callable")(Awaitable())
+        job_handler("core.reg.async_callable_two")(AwaitableTwo())
         sync = registry.get("core.reg.one")
         assert sync is not None and not sync.is_async
         for job_type in ("core.reg.async_two", "core.reg.async_one", "core.reg.async_class",
-                         "core.reg.async_callable"):
+                         "core.reg.async_callable", "core.reg.async_callable_two"):
             spec = registry.get(job_type)
             assert spec is not None and spec.errors == [], job_type
             assert spec.is_async and inspect.iscoroutinefunction(spec.func), job_type
