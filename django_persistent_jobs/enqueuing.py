@@ -318,7 +318,7 @@ def enqueue(
     return result
 
 
-# --- recurring schedules (issue 3): the scheduler inserts runs through the same path ---------
+# --- recurring schedules: the scheduler inserts runs through the same path ---------------------
 def enqueue_scheduled_run(
     job_type: str, payload: Any, *, schedule: Mapping[str, Any], dedup_key: str,
     queue: str | None = None, priority: int | None = None, tenant: str | None = None,
