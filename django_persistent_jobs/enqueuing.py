@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.db.models import Q
 from django.db.models.base import ModelState
 from django.db.models.sql import Query
@@ -237,14 +237,24 @@ def lock_dedup_keys(cursor: Any, keys: Iterable[tuple[str, str]]) -> None:
     """Wait for the enqueue turn of each ``(job_type, dedup_key)`` and hold it until the
     transaction ends.
 
-    Every Skip and Replace enqueue of a key takes its turn this way, so concurrent enqueues of
-    one key settle one after the other instead of racing on the unique index. The lock is a
-    transaction-scoped advisory lock on the key's hash (two ``int4`` keys: a space apart from
-    single-key advisory locks); a hash collision only makes two keys take turns.
+    A Skip or Replace enqueue that lost a race for its key (its insert met another one's row)
+    takes the key's turn this way and then settles, instead of racing again and again. The lock
+    is a transaction-scoped advisory lock on the key's hash (two ``int4`` keys: a space apart
+    from single-key advisory locks); a hash collision only makes two keys take turns. Only keys
+    that were actually contended are locked, so a transaction enqueuing many keys does not fill
+    PostgreSQL's lock table.
     """
     pairs = sorted(set(keys))
     if pairs:
         cursor.execute(_LOCK_KEYS, [[t for t, _ in pairs], [k for _, k in pairs]])
+
+
+class _Contended(Exception):
+    """An optimistic Replace lost its race for these keys; undo it and take their turns."""
+
+    def __init__(self, keys: list[tuple[str, str]]) -> None:
+        super().__init__(keys)
+        self.keys = keys
 
 
 def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
@@ -255,38 +265,76 @@ def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
         assert row is not None  # no ON CONFLICT clause without a dedup key
         return job_from_row(row, alias), True
     if job.dedup is Dedup.SKIP:
-        # The common case, an active job already holding the key, needs no turn.
+        # Uncontended, Skip is one SELECT, or one INSERT: no transaction of its own needed. A
+        # lost race leaves nothing behind (the insert did nothing), so it can wait its turn.
         with connections[alias].cursor() as cursor:
-            existing = _select_active(cursor, job.job_type, job.dedup_key)
-        if existing is not None:
-            return job_from_row(existing, alias), False
-    # A transaction also when the caller runs in autocommit: the key's turn lasts until it ends,
-    # and Replace's cancel and insert must commit together (otherwise a failed insert would leave
-    # neither job waiting). Inside the caller's atomic block this adds nothing (no savepoint).
+            settled = _attempt(cursor, job, alias)
+        if settled is not None:
+            return settled
+    # Replace's cancel and insert commit together, and a key's turn lasts until the transaction
+    # ends: a transaction of its own when the caller runs in autocommit; inside the caller's
+    # atomic block this adds nothing.
     with transaction.atomic(using=alias, savepoint=False), connections[alias].cursor() as cursor:
+        if job.dedup is Dedup.REPLACE:
+            settled = _round(cursor, job, alias)
+            if settled is not None:
+                return settled
         lock_dedup_keys(cursor, [(job.job_type, job.dedup_key)])
         return _settle(cursor, job, alias)
 
 
-def _settle(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
-    """Skip or Replace one keyed job while holding its key's turn.
-
-    No other enqueue can add a waiting job with the key now, so the insert conflicts only when
-    a runner or an operator made a job with the key waiting again since the statement before
-    (a retry being scheduled for a running job): each such job can do that once before this
-    round cancels it (Replace) or returns it (Skip), so the loop ends.
-    """
+def _attempt(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
+    """One round of Skip or Replace for a keyed job; ``None`` when another job with the key
+    became waiting in between (the insert met it on the unique index)."""
     assert job.dedup_key is not None
+    if job.dedup is Dedup.SKIP:
+        existing = _select_active(cursor, job.job_type, job.dedup_key)
+        if existing is not None:
+            return job_from_row(existing, alias), False
+    else:
+        _cancel_waiting_duplicates(cursor, job.job_type, [job.dedup_key])
+    row = _insert_one(cursor, job)
+    return None if row is None else (job_from_row(row, alias), True)
+
+
+def _is_deadlock(exc: BaseException) -> bool:
+    return getattr(exc.__cause__, "sqlstate", None) == "40P01"
+
+
+def _round(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
+    """``_attempt`` in a savepoint; ``None`` (with nothing left behind) when it lost the race.
+
+    Losing means the insert met a concurrent job's row, or PostgreSQL broke a deadlock between
+    enqueues of the same keys by failing this statement: either way the savepoint undoes the
+    round's cancellations, so no row lock is held while waiting for the key's turn (the enqueue
+    holding the turn may need that row), and the caller's transaction stays usable.
+    """
+    try:
+        with transaction.atomic(using=alias):
+            settled = _attempt(cursor, job, alias)
+            if settled is None:
+                raise _Contended([])
+        return settled
+    except _Contended:
+        return None
+    except OperationalError as exc:
+        if not _is_deadlock(exc):
+            raise
+        return None
+
+
+def _settle(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
+    """Skip or Replace one keyed job while holding its key's turn, until it is done.
+
+    Every enqueue that meets a conflict waits for the turn before trying again, so while this
+    one holds it a round can be lost only to an enqueue making its first attempt or to a retry
+    being scheduled for a running job with the key; neither repeats, and nothing here gives up
+    or raises because others use the key.
+    """
     while True:
-        if job.dedup is Dedup.SKIP:
-            existing = _select_active(cursor, job.job_type, job.dedup_key)
-            if existing is not None:
-                return job_from_row(existing, alias), False
-        else:
-            _cancel_waiting_duplicates(cursor, job.job_type, [job.dedup_key])
-        row = _insert_one(cursor, job)
-        if row is not None:
-            return job_from_row(row, alias), True
+        settled = _round(cursor, job, alias)
+        if settled is not None:
+            return settled
 
 
 def enqueue(
@@ -479,21 +527,60 @@ def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> l
         key = (job.job_type, job.dedup_key)
         if job.dedup is Dedup.REPLACE or key not in chosen:
             chosen[key] = job
+    # Keyed rows go in in one global order, (job_type, dedup_key): two batches sharing keys then
+    # meet on the unique index in the same order and wait for each other instead of deadlocking.
+    # Ids (and so FIFO order) were assigned in item order already.
     to_insert = [
-        p for p in prepared
-        if p.dedup_key is None or p.dedup is Dedup.ENQUEUE
-        or chosen[(p.job_type, p.dedup_key)] is p
-    ]
-    lock_dedup_keys(cursor, chosen)
+        p for p in prepared if p.dedup_key is None or p.dedup is Dedup.ENQUEUE
+    ] + sorted(chosen.values(), key=lambda p: (p.job_type, p.dedup_key or ""))
     replace_keys: dict[str, list[str]] = {}
     for (job_type, dedup_key), job in chosen.items():
         if job.dedup is Dedup.REPLACE:
             replace_keys.setdefault(job_type, []).append(dedup_key)
-    for job_type, keys in replace_keys.items():
-        _cancel_waiting_duplicates(cursor, job_type, keys)
-    inserted = _bulk_insert_deduplicated(cursor, to_insert)
-    results: list[PersistentJob] = []
+    locked = False
+    while True:
+        try:
+            # A savepoint, as in ``_round``: if a Replace key lost its race (or PostgreSQL broke
+            # a deadlock with another batch), the cancellations are undone, the batch's Replace
+            # keys take their turns, and the batch goes in again holding them.
+            with transaction.atomic(using=alias):
+                for job_type, keys in replace_keys.items():
+                    _cancel_waiting_duplicates(cursor, job_type, keys)
+                inserted = _bulk_insert_deduplicated(cursor, to_insert)
+                lost = [key for key, job in chosen.items()
+                        if job.dedup is Dedup.REPLACE and job.id not in inserted]
+                if lost:
+                    raise _Contended(lost)
+            break
+        except _Contended:
+            pass
+        except OperationalError as exc:
+            if not _is_deadlock(exc):
+                raise
+        if not locked:
+            # All of the batch's Replace keys at once, in the one global order: taking only the
+            # lost ones, round after round, could take them in another order than a concurrent
+            # batch does, and deadlock with it.
+            lock_dedup_keys(cursor, [k for k, job in chosen.items() if job.dedup is Dedup.REPLACE])
+            locked = True
+    # Skip keys whose winner was not inserted: an active job holds the key (the common case, no
+    # turn needed), or the insert lost a race to a concurrent enqueue. The contended keys take
+    # their turns together, in the one global order, and are settled one by one.
     existing_cache: dict[tuple[str, str], PersistentJob] = {}
+    contended: list[tuple[str, str]] = []
+    for key, winner in chosen.items():
+        if winner.id in inserted:
+            continue
+        if winner.dedup is Dedup.SKIP:
+            row = _select_active(cursor, *key)
+            if row is not None:
+                existing_cache[key] = job_from_row(row, alias)
+                continue
+        contended.append(key)
+    lock_dedup_keys(cursor, contended)
+    for key in contended:
+        existing_cache[key] = _settle(cursor, chosen[key], alias)[0]
+    results: list[PersistentJob] = []
     for job in prepared:
         if job.id in inserted:
             results.append(_instance(job, alias))
@@ -505,10 +592,6 @@ def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> l
         if winner.id in inserted:
             results.append(_instance(winner, alias))
             continue
-        if key not in existing_cache:
-            # A job with the key became waiting outside the enqueue turns (a retry scheduled),
-            # or the running holder Skip deferred to: settle this key on its own.
-            existing_cache[key] = _settle(cursor, winner, alias)[0]
         results.append(existing_cache[key])
     return results
 

@@ -384,3 +384,53 @@ def test_contended_skip_and_replace_settle_while_jobs_finish() -> None:
     assert errors == []
     assert finished and finished[0] > 0  # the holders really did come and go
     assert PersistentJob.objects.filter(status__in=["pending", "failed"]).count() <= 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_uncontended_keyed_enqueues_take_no_locks() -> None:
+    """Only a key that met a concurrent enqueue waits for its turn: a transaction that enqueues
+    thousands of distinct keys must not fill PostgreSQL's shared lock table with advisory
+    locks (it would break other sessions too)."""
+
+    def advisory_locks() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                           "AND pid = pg_backend_pid()")
+            return int(cursor.fetchone()[0])
+
+    with transaction.atomic():
+        for i in range(300):
+            enqueue("test.noop", {"i": i}, dedup_key=f"skip-{i}")
+            enqueue("core.dedup.replace", {"i": i}, dedup_key=f"replace-{i}")
+        enqueue_many([("test.noop", {"i": i}) for i in range(300)],
+                     dedup_key=None)  # keyless, COPY
+        enqueue_many([{"job_type": "test.noop", "dedup_key": f"skip-{i}"} for i in range(600)])
+        enqueue_many([{"job_type": "core.dedup.replace", "dedup_key": f"many-{i}"}
+                      for i in range(300)])
+        assert advisory_locks() == 0
+    assert PersistentJob.objects.filter(status="pending").count() == 300 + 300 + 300 + 300 + 300
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_contended_enqueue_many_batches_settle() -> None:
+    """Batches sharing Replace and Skip keys, each naming them in its own order, race each
+    other and single enqueues: every call settles, and each key ends with one waiting job."""
+    keys = [f"k{i}" for i in range(4)]
+
+    def batch(thread: int, i: int) -> None:
+        order = keys[thread % 4:] + keys[:thread % 4]
+        if thread % 3 == 0:
+            enqueue("core.dedup.replace", {"t": thread}, dedup_key=order[0])
+            return
+        enqueue_many([{"job_type": "core.dedup.replace", "payload": {"t": thread, "i": i},
+                       "dedup_key": key} for key in order]
+                     + [{"job_type": "test.noop", "dedup_key": key} for key in reversed(order)])
+
+    errors = _hammer(batch, threads=8, rounds=10)
+    assert errors == []
+    for key in keys:
+        assert PersistentJob.objects.filter(job_type="core.dedup.replace", dedup_key=key,
+                                            status="pending").count() == 1
+        assert PersistentJob.objects.filter(job_type="test.noop", dedup_key=key,
+                                            status="pending").count() == 1
