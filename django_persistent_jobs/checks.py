@@ -62,6 +62,7 @@ SETTING_CHECKS: dict[str, tuple[str, _Hint]] = {
     "PAYLOAD_MAX_DEPTH": ("persistent_jobs.E024", "Use a whole number of levels."),
     "PAYLOAD_MAX_KEYS": ("persistent_jobs.E025", "Use a whole number of keys."),
     "SCHEDULER_INTERVAL": ("persistent_jobs.E026", "Use seconds (a number or a timedelta)."),
+    "HANDBACK_LIMIT": ("persistent_jobs.E027", "Use a whole number >= 0."),
 }
 
 #: Handlers registered with ``@job_handler``.

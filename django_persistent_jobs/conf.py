@@ -95,6 +95,10 @@ def _payload_bytes(key: str, value: Any) -> str | None:
     return problem
 
 
+def _non_negative_int(key: str, value: Any) -> str | None:
+    return _number_problem(key, value, integer=True, allow_zero=True)
+
+
 def _optional_int(*, allow_zero: bool) -> Callable[[str, Any], str | None]:
     def check(key: str, value: Any) -> str | None:
         if value is None:
@@ -383,6 +387,8 @@ class Settings:
     ALLOW_UNREGISTERED = Setting[bool](False, _boolean, bool)
     #: Seconds between scheduler passes.
     SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
+    #: Free hand-backs of one job at shutdown; later ones are charged as attempts.
+    HANDBACK_LIMIT = Setting[int](3, _non_negative_int, int)
 
     @classmethod
     def declared(cls) -> dict[str, Setting[Any]]:

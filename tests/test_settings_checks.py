@@ -104,6 +104,9 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "PERSISTENT_JOBS['DATABASE'] names 'replica', which is not in settings.DATABASES."),
     ({"DATABASE": ""}, "persistent_jobs.E012",
      "PERSISTENT_JOBS['DATABASE'] must be a non-empty string, got ''."),
+    ({"HANDBACK_LIMIT": -1}, "persistent_jobs.E027",
+     "PERSISTENT_JOBS['HANDBACK_LIMIT'] must be an integer >= 0, got -1."),
+    ({"HANDBACK_LIMIT": None}, "persistent_jobs.E027", "HANDBACK_LIMIT'] must be an integer"),
     ({"ALLOW_UNREGISTERED": "no"}, "persistent_jobs.E014",
      "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got 'no'."),
 ]
