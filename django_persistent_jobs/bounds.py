@@ -33,11 +33,12 @@ PRIORITY_MIN = -32768
 PRIORITY_MAX = 32767
 #: The largest ``max_retries`` (and MAX_RETRIES setting): far beyond any sensible retry count.
 MAX_RETRIES_LIMIT = 1_000_000
-#: The longest delay, timeout, ``retry_after`` or backoff result (about 100 years): far beyond
-#: any real wait, inside what ``now() + seconds * interval '1 second'`` can compute and psycopg
-#: can read back (Python datetimes end at year 9999), and below ``threading.TIMEOUT_MAX``, so a
-#: handler may wait on ``ctx.time_left`` whatever its timeout.
-MAX_SECONDS = 100 * 365 * 86400.0
+#: The longest delay, timeout, ``retry_after`` or backoff result (about 10 years): far beyond
+#: any real wait, the longest retry delay the runner stores, inside what ``now() + seconds *
+#: interval '1 second'`` can compute and psycopg can read back (Python datetimes end at year
+#: 9999), and below ``threading.TIMEOUT_MAX``, so a handler may wait on ``ctx.time_left``
+#: whatever its timeout.
+MAX_SECONDS = 10 * 365 * 86400.0
 #: The latest ``run_at`` psycopg can read back into a Python datetime.
 MAX_RUN_AT = datetime(9999, 12, 31, tzinfo=UTC)
 #: The largest integer (in decimal digits) a payload may hold: Python's default limit for

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-#: The longest ``retry_after`` accepted (about 100 years): ``bounds`` owns it.
+#: The longest ``retry_after`` accepted (about 10 years): ``bounds`` owns it.
 MAX_RETRY_AFTER = bounds.MAX_SECONDS
 
 
@@ -63,7 +63,7 @@ class TransientJobError(JobError):
             # NaN, infinity or millennia would make the retry's next_run_at overflow in SQL
             # when the runner records the failure.
             raise ValueError(
-                "retry_after must be seconds (or a timedelta) between 0 and 100 years, "
+                "retry_after must be seconds (or a timedelta) between 0 and 10 years, "
                 f"got {retry_after!r}"
             )
         self.retry_after: float | None = retry_after

@@ -67,7 +67,7 @@ BAD_ENQUEUES: list[tuple[dict[str, Any], str]] = [
     ({"queue": "q" * 150}, "queue must be a string of 1..100 characters"),
     ({"tenant": "t" + NUL}, "tenant 't\\x00' contains a NUL character"),
     ({"tenant": "t" + SURROGATE}, "contains a lone surrogate"),
-    ({"timeout": 1e300}, "timeout must be a number of seconds > 0 (at most 3153600000)"),
+    ({"timeout": 1e300}, "timeout must be a number of seconds > 0 (at most 315360000)"),
     ({"max_retries": 10**30}, "max_retries must be an integer in 0..1000000"),
     ({"priority": 10**30}, "priority must be an integer in -32768..32767"),
     ({"payload": {"n": HUGE_INT}}, "payload['n'] is an integer of more than 4300 digits"),
@@ -165,7 +165,7 @@ def test_the_limits_themselves_are_stored_and_read_back() -> None:
     job = enqueue("test.noop", {"n": at_limit, "m": -at_limit})
     assert PersistentJob.objects.get(id=job.id).payload == {"n": at_limit, "m": -at_limit}
     far = enqueue("test.noop", delay=bounds.MAX_SECONDS)
-    assert PersistentJob.objects.get(id=far.id).next_run_at.year > 2100
+    assert PersistentJob.objects.get(id=far.id).next_run_at.year > 2030
     latest = FAR - timedelta(days=1)
     late = enqueue("test.noop", run_at=latest)
     assert PersistentJob.objects.get(id=late.id).next_run_at == latest
