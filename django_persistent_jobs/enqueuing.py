@@ -264,6 +264,7 @@ def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
             row = _insert_one(cursor, job)
         assert row is not None  # no ON CONFLICT clause without a dedup key
         return job_from_row(row, alias), True
+    tried = False
     if job.dedup is Dedup.SKIP:
         # Uncontended, Skip is one SELECT, or one INSERT: no transaction of its own needed. A
         # lost race leaves nothing behind (the insert did nothing), so it can wait its turn.
@@ -271,11 +272,18 @@ def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
             settled = _attempt(cursor, job, alias)
         if settled is not None:
             return settled
-    # Replace's cancel and insert commit together, and a key's turn lasts until the transaction
-    # ends: a transaction of its own when the caller runs in autocommit; inside the caller's
-    # atomic block this adds nothing.
+        tried = True
+    elif not connections[alias].in_atomic_block:
+        # Autocommit: Replace's cancel and insert are a transaction of their own, and a lost
+        # round simply rolls it back (no savepoint needed, as in ``_round``).
+        settled = _round(None, job, alias)
+        if settled is not None:
+            return settled
+        tried = True
+    # A key's turn lasts until the transaction ends: a transaction of its own when the caller
+    # runs in autocommit; inside the caller's atomic block this adds nothing.
     with transaction.atomic(using=alias, savepoint=False), connections[alias].cursor() as cursor:
-        if job.dedup is Dedup.REPLACE:
+        if not tried:
             settled = _round(cursor, job, alias)
             if settled is not None:
                 return settled
@@ -301,8 +309,9 @@ def _is_deadlock(exc: BaseException) -> bool:
     return getattr(exc.__cause__, "sqlstate", None) == "40P01"
 
 
-def _round(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
-    """``_attempt`` in a savepoint; ``None`` (with nothing left behind) when it lost the race.
+def _round(cursor: Any | None, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
+    """``_attempt`` in a savepoint (or a transaction of its own outside any); ``None`` (with
+    nothing left behind) when it lost the race.
 
     Losing means the insert met a concurrent job's row, or PostgreSQL broke a deadlock between
     enqueues of the same keys by failing this statement: either way the savepoint undoes the
@@ -310,8 +319,8 @@ def _round(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool
     holding the turn may need that row), and the caller's transaction stays usable.
     """
     try:
-        with transaction.atomic(using=alias):
-            settled = _attempt(cursor, job, alias)
+        with transaction.atomic(using=alias), connections[alias].cursor() as own:
+            settled = _attempt(cursor or own, job, alias)
             if settled is None:
                 raise _Contended([])
         return settled

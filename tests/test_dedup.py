@@ -434,3 +434,27 @@ def test_contended_enqueue_many_batches_settle() -> None:
                                             status="pending").count() == 1
         assert PersistentJob.objects.filter(job_type="test.noop", dedup_key=key,
                                             status="pending").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_contended_replace_in_autocommit_settles() -> None:
+    """The same race without the callers' transactions: each Replace enqueue is then its own
+    transaction, and still settles."""
+    start = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def worker(thread: int) -> None:
+        try:
+            start.wait(30)
+            for i in range(15):
+                assert connection.get_autocommit()
+                enqueue("core.dedup.replace", {"t": thread, "i": i}, dedup_key="auto")
+        except BaseException as exc:
+            errors.append(exc)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda t: _run(lambda: worker(t))(), range(8)))
+    assert errors == []
+    assert PersistentJob.objects.filter(status="pending").count() == 1
+    assert PersistentJob.objects.filter(last_error_code="REPLACED").count() == 8 * 15 - 1
