@@ -68,6 +68,9 @@ class HandlerSpec:
     #: ``file:line`` of the handler's code; tells a harmless re-registration of the same code
     #: from a second handler that happens to share the origin (two lambdas, a factory).
     location: str | None = None
+    #: The handler returns its result as JSON text, stored in the job's ``result`` column
+    #: (the django.tasks adapter); other handlers' return values are ignored.
+    returns_json: bool = False
 
     @property
     def is_recurring(self) -> bool:

@@ -134,7 +134,8 @@ def claim(
 _COMPLETE = """
 WITH done AS (
     UPDATE persistent_jobs SET status = 'completed', locked_by = NULL, locked_at = NULL,
-        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp()
+        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+        result = %s::jsonb
     WHERE id = %s AND lock_token = %s
     RETURNING id
 )
@@ -145,10 +146,13 @@ RETURNING a.id
 """
 
 
-def complete(cursor: Any, job: ClaimedJob) -> bool:
-    """Mark the job completed inside the handler's transaction; False if the claim was lost."""
+def complete(cursor: Any, job: ClaimedJob, result: str | None = None) -> bool:
+    """Mark the job completed inside the handler's transaction; False if the claim was lost.
+
+    ``result`` is the handler's return value as JSON text (django.tasks results), or None.
+    """
     with prepared(cursor) as fast:
-        fast.execute(_COMPLETE, [job.id, job.token, job.token], prepare=True)
+        fast.execute(_COMPLETE, [result, job.id, job.token, job.token], prepare=True)
         return fast.fetchone() is not None
 
 
@@ -189,7 +193,8 @@ UPDATE persistent_jobs_attempts a SET finished_at = now(), duration = now() - a.
     outcome = COALESCE(%(outcome)s, CASE moved.status
         WHEN 'failed' THEN 'failed' WHEN 'dead_lettered' THEN 'dead_lettered'
         WHEN 'cancelled' THEN 'cancelled' ELSE 'interrupted' END),
-    error_code = %(code)s, error_message = %(message)s, traceback = %(traceback)s
+    error_code = %(code)s, error_message = %(message)s, traceback = %(traceback)s,
+    error_class = %(error_class)s
 FROM moved WHERE a.id = %(token)s
 RETURNING moved.status
 """
@@ -198,6 +203,7 @@ RETURNING moved.status
 def transition(
     cursor: Any, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
+    error_class: str = "",
 ) -> str | None:
     """Move a running job out of ``running``; return its new status, or None if not ours.
 
@@ -210,6 +216,7 @@ def transition(
     cursor.execute(_TRANSITION, {
         "id": job_id, "token": token, "kind": kind, "code": code, "message": message[:10000],
         "traceback": traceback[:50000], "delay": delay, "outcome": outcome,
+        "error_class": error_class[:255],
     })
     row = cursor.fetchone()
     return None if row is None else str(row[0])

@@ -1,0 +1,315 @@
+"""``InProcessBackend``: tasks run on a bounded thread pool inside the enqueuing process.
+
+For work that need not survive a restart (warming a cache, sending a best-effort ping): no
+table, no runner, no latency beyond a thread hand-off. The task is handed to the pool when the
+enqueuing transaction commits (never after a rollback); retries with backoff and timeouts are
+kept in memory, and results can be read with ``get_result`` in this process only. Everything not
+finished is **lost when the process exits**. Choose ``PersistentJobsBackend`` for work that must
+happen.
+
+A timed-out attempt is recorded as failed with ``TimeoutError`` and its late result ignored, but
+Python cannot stop a thread: the hung code keeps its pool thread until it returns.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.core import checks
+from django.db import close_old_connections, connections, transaction
+from django.utils import timezone
+
+from .. import conf
+from ..errors import JobError, TransientJobError
+from ..handlers import HandlerSpec, _check_options, _code_location, global_backoff
+from ..ids import uuid7
+from .compat import (
+    BaseTaskBackend,
+    InvalidTask,
+    Task,
+    TaskContext,
+    TaskError,
+    TaskResult,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    task_enqueued,
+    task_finished,
+    task_started,
+)
+from .tasks import PersistentTask, encode_arguments, encode_result, refuse_generators, task_options
+
+logger = logging.getLogger("django_persistent_jobs.tasks")
+
+AnyTask = Task  # type: ignore[type-arg]
+
+
+@dataclass(order=True)
+class _Entry:
+    """A task waiting for its time (``due``) or for a free thread (ordered by priority)."""
+
+    sort_key: tuple[Any, ...]
+    result: Any = field(compare=False)
+    attempt: int = field(compare=False, default=0)
+
+
+@dataclass
+class _Running:
+    result: Any
+    attempt: int
+    deadline: float | None
+    done: bool = False
+
+
+class InProcessBackend(BaseTaskBackend):
+    """``django.tasks`` on a bounded thread pool in this process; not durable.
+
+    ``OPTIONS``: ``WORKERS`` (threads, default 4), ``MAX_RESULTS`` (finished results kept for
+    ``get_result``, oldest dropped first, default 10,000), ``DATABASE`` (the alias whose commit
+    releases a task, default ``PERSISTENT_JOBS["DATABASE"]``). ``max_retries``, ``timeout`` and
+    ``backoff`` task options and their PERSISTENT_JOBS defaults apply; ``dedup``, ``dedup_key``,
+    ``cron`` and ``interval`` need the durable backend and are refused.
+    """
+
+    task_class = PersistentTask
+    supports_defer = True
+    supports_async_task = True
+    supports_get_result = True  # in the enqueuing process only
+    supports_priority = True
+
+    option_keys: tuple[str, ...] = ("WORKERS", "MAX_RESULTS", "DATABASE")
+    _durable_only = ("dedup", "dedup_key", "cron", "interval", "timezone")
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.options = dict(self.options or {})
+        self.workers = int(self.options.get("WORKERS", 4))
+        self.max_results = int(self.options.get("MAX_RESULTS", 10_000))
+        self._results: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Condition()
+        self._delayed: list[_Entry] = []  # by due time
+        self._ready: list[_Entry] = []  # by priority, then arrival
+        self._running: dict[int, _Running] = {}
+        self._seq = itertools.count()
+        self._tokens = itertools.count(1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._dispatcher: threading.Thread | None = None
+        self._worker_id = f"inprocess:{uuid7().hex[:12]}"
+
+    # --- validation ----------------------------------------------------------------------------
+    def validate_task(self, task: AnyTask) -> None:
+        super().validate_task(task)
+        refuse_generators(task)
+        options = task_options(task)
+        given = [name for name in self._durable_only if options[name] is not None]
+        if given:
+            raise InvalidTask(
+                f"Task {task.module_path}: {', '.join(given)} need(s) the durable "
+                "PersistentJobsBackend; InProcessBackend keeps nothing across processes."
+            )
+        spec = self._spec(task)
+        problems = _check_options(spec)
+        if problems:
+            raise InvalidTask("; ".join(problems))
+
+    def _spec(self, task: AnyTask) -> HandlerSpec:
+        options = task_options(task)
+        return HandlerSpec(
+            job_type=str(task.module_path), func=lambda payload, ctx: None,
+            origin=task.module_path, max_retries=options["max_retries"],
+            timeout=options["timeout"], backoff=options["backoff"],
+            location=_code_location(task.func),
+        )
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        messages: list[checks.CheckMessage] = []
+        unknown = sorted(set(self.options) - set(self.option_keys))
+        if unknown:
+            messages.append(checks.Error(
+                f"Task backend {self.alias!r} has unknown OPTIONS {unknown}.",
+                hint=f"Accepted: {list(self.option_keys)}.", id="persistent_jobs.E203",
+            ))
+        for key in ("WORKERS", "MAX_RESULTS"):
+            value = self.options.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                messages.append(checks.Error(
+                    f"Task backend {self.alias!r}: OPTIONS[{key!r}] must be an integer >= 1, "
+                    f"got {value!r}.", id="persistent_jobs.E205",
+                ))
+        return messages
+
+    # --- enqueue and results --------------------------------------------------------------
+    def _alias(self) -> str:
+        return str(self.options.get("DATABASE") or conf.get("DATABASE"))
+
+    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> TaskResult:  # type: ignore[type-arg]
+        self.validate_task(task)
+        payload = encode_arguments(task, args, kwargs)
+        result = TaskResult(
+            task=task, id=str(uuid7()), status=TaskResultStatus.READY, enqueued_at=None,
+            started_at=None, finished_at=None, last_attempted_at=None, args=payload["args"],
+            kwargs=payload["kwargs"], backend=self.alias, errors=[], worker_ids=[],
+        )
+
+        def release() -> None:
+            object.__setattr__(result, "enqueued_at", timezone.now())
+            with self._lock:
+                self._remember(result)
+            task_enqueued.send(sender=type(self), task_result=result)
+            self._schedule(result, attempt=1, not_before=task.run_after)
+
+        # Like the durable backend: nothing runs, and nothing is known, unless the enqueuing
+        # transaction commits.
+        transaction.on_commit(release, using=self._alias())
+        return result
+
+    def get_result(self, result_id: str) -> TaskResult:  # type: ignore[type-arg]
+        with self._lock:
+            result = self._results.get(str(result_id))
+        if result is None:
+            raise TaskResultDoesNotExist(result_id)
+        return result  # type: ignore[no-any-return]
+
+    def _remember(self, result: Any) -> None:
+        self._results[result.id] = result
+        while len(self._results) > self.max_results:
+            oldest_id = next(iter(self._results))
+            oldest = self._results[oldest_id]
+            if not oldest.is_finished:
+                break  # never forget a task that has not finished
+            del self._results[oldest_id]
+
+    # --- scheduling ------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=self.workers, thread_name_prefix=f"tasks-{self.alias}")
+            self._dispatcher = threading.Thread(
+                target=self._dispatch, name=f"tasks-{self.alias}-dispatch", daemon=True)
+            self._dispatcher.start()
+
+    def _schedule(self, result: Any, attempt: int, not_before: Any = None,
+                  delay: float = 0.0) -> None:
+        due = time.monotonic() + delay
+        if not_before is not None:
+            due = max(due, time.monotonic() + (not_before - timezone.now()).total_seconds())
+        with self._lock:
+            self._start()
+            heapq.heappush(self._delayed, _Entry((due, next(self._seq)), result, attempt))
+            self._lock.notify_all()
+
+    def _dispatch(self) -> None:
+        """Move due tasks to the ready heap, start the highest priority ones on free threads,
+        and time out attempts past their deadline."""
+        while True:
+            finished: list[Any] = []
+            with self._lock:
+                now = time.monotonic()
+                while self._delayed and self._delayed[0].sort_key[0] <= now:
+                    entry = heapq.heappop(self._delayed)
+                    heapq.heappush(self._ready, _Entry(
+                        (-entry.result.task.priority, next(self._seq)), entry.result,
+                        entry.attempt))
+                for token, running in list(self._running.items()):
+                    if running.deadline is not None and now >= running.deadline:
+                        del self._running[token]
+                        if self._fail(running.result, running.attempt, TimeoutError(
+                                f"attempt {running.attempt} timed out"), ""):
+                            finished.append(running.result)
+                busy = len(self._running)
+                while self._ready and busy < self.workers:
+                    entry = heapq.heappop(self._ready)
+                    token = next(self._tokens)
+                    timeout = self._spec(entry.result.task).effective_timeout()
+                    self._running[token] = _Running(
+                        entry.result, entry.attempt, time.monotonic() + timeout)
+                    busy += 1
+                    assert self._pool is not None
+                    self._pool.submit(self._run, token)
+                waits = [e.sort_key[0] for e in self._delayed[:1]]
+                waits += [r.deadline for r in self._running.values() if r.deadline is not None]
+                timeout = max(0.0, min(waits) - now) if waits else None
+                if not finished:
+                    self._lock.wait(timeout)
+            for result in finished:
+                task_finished.send(sender=type(self), task_result=result)
+
+    # --- execution -------------------------------------------------------------------------
+    def _run(self, token: int) -> None:
+        with self._lock:
+            running = self._running.get(token)
+        if running is None:
+            return
+        result, attempt = running.result, running.attempt
+        task = result.task
+        now = timezone.now()
+        object.__setattr__(result, "status", TaskResultStatus.RUNNING)
+        if result.started_at is None:
+            object.__setattr__(result, "started_at", now)
+        object.__setattr__(result, "last_attempted_at", now)
+        result.worker_ids.append(self._worker_id)
+        close_old_connections()
+        try:
+            task_started.send(sender=type(self), task_result=result)
+            if task.takes_context:
+                value = task.call(TaskContext(task_result=result), *result.args, **result.kwargs)
+            else:
+                value = task.call(*result.args, **result.kwargs)
+            stored, _ = encode_result(task, value)
+        except BaseException as exc:
+            with self._lock:
+                if self._running.pop(token, None) is None:
+                    return  # timed out meanwhile: that outcome is already recorded
+                finished = self._fail(
+                    result, attempt, exc, "".join(traceback.format_exception(exc)))
+                self._lock.notify_all()
+            if finished:
+                task_finished.send(sender=type(self), task_result=result)
+            return
+        finally:
+            for connection in connections.all(initialized_only=True):
+                connection.close()
+        with self._lock:
+            if self._running.pop(token, None) is None:
+                return  # finished after its timeout: the late result is ignored
+            object.__setattr__(result, "_return_value", stored)
+            object.__setattr__(result, "finished_at", timezone.now())
+            object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+            self._lock.notify_all()
+        task_finished.send(sender=type(self), task_result=result)
+
+    def _fail(self, result: Any, attempt: int, exc: BaseException, trace: str) -> bool:
+        """Record a failed attempt (lock held): retry after the backoff, or finish FAILED.
+
+        True when the task finished, so the caller sends ``task_finished`` (outside the lock).
+        """
+        cls = type(exc)
+        result.errors.append(TaskError(
+            exception_class_path=f"{cls.__module__}.{cls.__qualname__}",
+            traceback=trace or f"{cls.__name__}: {exc}",
+        ))
+        spec = self._spec(result.task)
+        permanent = isinstance(exc, JobError) and not exc.transient
+        if not permanent and attempt < spec.effective_max_retries() + 1:
+            if isinstance(exc, TransientJobError) and exc.retry_after is not None:
+                delay = float(exc.retry_after)
+            else:
+                try:
+                    delay = max(0.0, float((spec.backoff or global_backoff())(attempt)))
+                except Exception:
+                    delay = 60.0
+            object.__setattr__(result, "status", TaskResultStatus.READY)
+            heapq.heappush(self._delayed, _Entry(
+                (time.monotonic() + delay, next(self._seq)), result, attempt + 1))
+            return False
+        object.__setattr__(result, "finished_at", timezone.now())
+        object.__setattr__(result, "status", TaskResultStatus.FAILED)
+        return True
