@@ -8,7 +8,6 @@ from datetime import timedelta
 from typing import Any
 
 import django
-
 from django.core.exceptions import ImproperlyConfigured
 
 from tests.database import database_url

@@ -287,7 +287,7 @@ def _gen() -> Any:
 
 
 def test_bad_definitions_and_arguments_fail_early() -> None:
-    with pytest.raises(TypeError, match="Unknown @task option.*'max_retry'.*max_retries"):
+    with pytest.raises(TypeError, match=r"Unknown @task option.*'max_retry'.*max_retries"):
         task(max_retry=3)(_plain)
     with pytest.raises(InvalidTask, match="max_retries must be an integer"):
         task(max_retries=-1)(_plain)

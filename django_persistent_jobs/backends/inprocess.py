@@ -49,7 +49,7 @@ from .tasks import PersistentTask, encode_arguments, encode_result, refuse_gener
 
 logger = logging.getLogger("django_persistent_jobs.tasks")
 
-AnyTask = Task  # type: ignore[type-arg]
+AnyTask = Task
 
 
 @dataclass(order=True)
@@ -150,10 +150,10 @@ class InProcessBackend(BaseTaskBackend):
     def _alias(self) -> str:
         return str(self.options.get("DATABASE") or conf.get("DATABASE"))
 
-    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> TaskResult:  # type: ignore[type-arg]
+    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> TaskResult:
         self.validate_task(task)
         payload = encode_arguments(task, args, kwargs)
-        result = TaskResult(
+        result: TaskResult = TaskResult(
             task=task, id=str(uuid7()), status=TaskResultStatus.READY, enqueued_at=None,
             started_at=None, finished_at=None, last_attempted_at=None, args=payload["args"],
             kwargs=payload["kwargs"], backend=self.alias, errors=[], worker_ids=[],
@@ -171,12 +171,12 @@ class InProcessBackend(BaseTaskBackend):
         transaction.on_commit(release, using=self._alias())
         return result
 
-    def get_result(self, result_id: str) -> TaskResult:  # type: ignore[type-arg]
+    def get_result(self, result_id: str) -> TaskResult:
         with self._lock:
             result = self._results.get(str(result_id))
         if result is None:
             raise TaskResultDoesNotExist(result_id)
-        return result  # type: ignore[no-any-return]
+        return result
 
     def _remember(self, result: Any) -> None:
         self._results[result.id] = result
@@ -228,9 +228,9 @@ class InProcessBackend(BaseTaskBackend):
                 while self._ready and busy < self.workers:
                     entry = heapq.heappop(self._ready)
                     token = next(self._tokens)
-                    timeout = self._spec(entry.result.task).effective_timeout()
+                    limit = self._spec(entry.result.task).effective_timeout()
                     self._running[token] = _Running(
-                        entry.result, entry.attempt, time.monotonic() + timeout)
+                        entry.result, entry.attempt, time.monotonic() + limit)
                     busy += 1
                     assert self._pool is not None
                     self._pool.submit(self._run, token)

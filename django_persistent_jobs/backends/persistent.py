@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from django.core import checks
@@ -42,17 +42,17 @@ from .compat import (
 )
 from .tasks import (
     PersistentTask,
+    dedup_key_for,
     encode_arguments,
     encode_result,
     refuse_generators,
     required_parameters,
     task_options,
-    dedup_key_for,
 )
 
 logger = logging.getLogger("django_persistent_jobs.tasks")
 
-AnyTask = Task  # type: ignore[type-arg]
+AnyTask = Task
 
 #: Job status -> TaskResult status. A failed attempt awaiting its retry is READY again.
 STATUS_MAP: dict[str, Any] = {
@@ -183,7 +183,7 @@ class PersistentJobsBackend(BaseTaskBackend):
             raise InvalidTask(str(exc)) from exc
         _tasks[spec.job_type] = task
 
-    def check(self, **kwargs: Any) -> Iterable[checks.CheckMessage]:
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
         from django.apps import apps
 
         messages: list[checks.CheckMessage] = []
@@ -213,7 +213,7 @@ class PersistentJobsBackend(BaseTaskBackend):
         return messages
 
     # --- enqueue -----------------------------------------------------------------------------
-    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> TaskResult:  # type: ignore[type-arg]
+    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> TaskResult:
         """Insert the task's job in the caller's transaction (rollback: no task, no wake-up)."""
         from ..enqueuing import enqueue
 
@@ -224,7 +224,7 @@ class PersistentJobsBackend(BaseTaskBackend):
             priority=task.priority,
             dedup_key=dedup_key_for(task, payload["args"], payload["kwargs"]),
         )
-        result = TaskResult(
+        result: TaskResult = TaskResult(
             task=task, id=str(job.id), status=STATUS_MAP.get(job.status, TaskResultStatus.READY),
             enqueued_at=job.__dict__.get("created_at"), started_at=None, finished_at=None,
             last_attempted_at=None, args=payload["args"], kwargs=payload["kwargs"],
@@ -238,7 +238,7 @@ class PersistentJobsBackend(BaseTaskBackend):
         return result
 
     # --- results -----------------------------------------------------------------------------
-    def get_result(self, result_id: str) -> TaskResult:  # type: ignore[type-arg]
+    def get_result(self, result_id: str) -> TaskResult:
         from ..models import PersistentJob
 
         try:
@@ -263,7 +263,7 @@ def _attempt_error(attempt: Any) -> TaskError:
 
 def build_result(
     backend: BaseTaskBackend, task: AnyTask, job: Any, attempts: list[Any],
-) -> TaskResult:  # type: ignore[type-arg]
+) -> TaskResult:
     """A TaskResult from a job row and its attempt rows."""
     try:
         shown = task.using(priority=_clamp_priority(job.priority), queue_name=job.queue,
@@ -272,7 +272,7 @@ def build_result(
         shown = task
     counted = [a for a in attempts if a.outcome != "interrupted"]
     status = STATUS_MAP.get(job.status, TaskResultStatus.READY)
-    result = TaskResult(
+    result: TaskResult = TaskResult(
         task=shown, id=str(job.id), status=status, enqueued_at=job.created_at,
         started_at=counted[0].started_at if counted else None,
         finished_at=job.finished_at if status in (

@@ -33,7 +33,7 @@ class ResultError(PermanentJobError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PersistentTask(Task):  # type: ignore[type-arg]  # Task is generic only in the stubs
+class PersistentTask(Task):
     """A ``django.tasks`` Task with django-persistent-jobs' options.
 
     ``max_retries``, ``timeout`` (seconds), ``backoff`` (``attempt -> seconds``) and ``dedup``
@@ -70,14 +70,14 @@ class PersistentTask(Task):  # type: ignore[type-arg]  # Task is generic only in
         return {name: getattr(self, name) for name in OPTION_NAMES}
 
 
-def task_options(task: Task) -> dict[str, Any]:  # type: ignore[type-arg]
+def task_options(task: Task) -> dict[str, Any]:
     """Our options of any Task (a plain ``Task`` has none set)."""
     if isinstance(task, PersistentTask):
         return task.options()
     return dict.fromkeys(OPTION_NAMES)
 
 
-def required_parameters(task: Task) -> list[str]:  # type: ignore[type-arg]
+def required_parameters(task: Task) -> list[str]:
     """Parameters a caller must pass (the ``context`` of a context-taking task excluded)."""
     params = list(inspect.signature(task.func).parameters.values())
     if task.takes_context and params:
@@ -88,7 +88,7 @@ def required_parameters(task: Task) -> list[str]:  # type: ignore[type-arg]
     ]
 
 
-def refuse_generators(task: Task) -> None:  # type: ignore[type-arg]
+def refuse_generators(task: Task) -> None:
     if inspect.isgeneratorfunction(task.func) or inspect.isasyncgenfunction(task.func):
         raise InvalidTask(
             f"Task {task.module_path} is a generator function: its body would not run. "
@@ -96,7 +96,7 @@ def refuse_generators(task: Task) -> None:  # type: ignore[type-arg]
         )
 
 
-def encode_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:  # type: ignore[type-arg]
+def encode_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
     """The job payload for a call: Django's JSON normalisation, then our payload checks.
 
     Django normalises arguments (a tuple becomes a list) before a task sees them; values JSON
@@ -116,7 +116,7 @@ def encode_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:  # t
     return payload
 
 
-def encode_result(task: Task, value: Any, limits: PayloadLimits | None = None) -> tuple[Any, str]:  # type: ignore[type-arg]
+def encode_result(task: Task, value: Any, limits: PayloadLimits | None = None) -> tuple[Any, str]:
     """``(stored value, JSON text)`` for a task's return value, or ``ResultError``.
 
     Validated like a payload (size, depth, keys, strings PostgreSQL can store) after Django's
@@ -136,7 +136,7 @@ def encode_result(task: Task, value: Any, limits: PayloadLimits | None = None) -
         raise ResultError(f"task {task.module_path}: {message}") from exc
 
 
-def dedup_key_for(task: Task, args: list[Any], kwargs: dict[str, Any]) -> str | None:  # type: ignore[type-arg]
+def dedup_key_for(task: Task, args: list[Any], kwargs: dict[str, Any]) -> str | None:
     key = task_options(task)["dedup_key"]
     if key is None or isinstance(key, str):
         return key
