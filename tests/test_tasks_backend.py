@@ -304,3 +304,26 @@ def test_bad_definitions_and_arguments_fail_early() -> None:
         tasks.echo.enqueue(timezone.now())
     with pytest.raises(PayloadError, match="NaN"):
         tasks.echo.enqueue(float("nan"))
+
+
+def test_a_recurring_task_is_a_schedule_run_by_the_runner(start_runner: StartRunner) -> None:
+    from django_persistent_jobs import run_schedule_now
+    from django_persistent_jobs.handlers import registry
+    from django_persistent_jobs.models import JobSchedule
+    from django_persistent_jobs.schedule_services import sync_code_schedules
+
+    with registry.isolated():
+        from tests.testapp import recurring_tasks
+
+        name = recurring_tasks.nightly.module_path
+        sync_code_schedules()
+        schedule = JobSchedule.objects.get(name=name)
+        assert (schedule.cron, schedule.timezone) == ("0 3 * * *", "Europe/Paris")
+        job = run_schedule_now(name)
+        result = recurring_tasks.nightly.get_result(str(job.id))
+        assert result.args == [] and result.kwargs == {}
+        runner = start_runner(concurrency=1)
+        finished(result)
+        assert result.return_value == "tick"
+        runner.request_stop()
+        runner.finished.wait(30)
