@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from . import conf
 from .errors import ConfigurationError, DuplicateHandlerError
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 BackoffFn = Callable[[int], float]
 Validator = Callable[[Any], Any]
 _UNSET: Any = object()
+T = TypeVar("T")  # no PEP 695 generics: Python 3.11 (Django 5.2) is supported
 
 
 class JobHandler:
@@ -247,9 +248,9 @@ def _check_options(spec: HandlerSpec) -> list[str]:
 
 
 @overload
-def job_handler[T](job_type: type[T], /) -> type[T]: ...
+def job_handler(job_type: type[T], /) -> type[T]: ...
 @overload
-def job_handler[T](
+def job_handler(
     job_type: str | None = None, *, max_retries: int | None = None,
     timeout: float | None = None, dedup: Dedup | str | None = None,
     backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,
