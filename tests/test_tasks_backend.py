@@ -327,3 +327,14 @@ def test_a_recurring_task_is_a_schedule_run_by_the_runner(start_runner: StartRun
         assert result.return_value == "tick"
         runner.request_stop()
         runner.finished.wait(30)
+
+
+def test_a_cancelled_task_is_failed() -> None:
+    from django_persistent_jobs import cancel_job
+
+    result = tasks.add.enqueue(1, 1)
+    cancel_job(result.id)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED and result.errors == []
+    with pytest.raises(ValueError, match="failed"):
+        result.return_value  # noqa: B018
