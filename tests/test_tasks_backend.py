@@ -338,3 +338,13 @@ def test_a_cancelled_task_is_failed() -> None:
     assert result.status == TaskResultStatus.FAILED and result.errors == []
     with pytest.raises(ValueError, match="failed"):
         result.return_value  # noqa: B018
+
+
+def test_check_reports_bad_backend_options() -> None:
+    from django_persistent_jobs.backends import InProcessBackend, PersistentJobsBackend
+
+    durable = PersistentJobsBackend("bad", {"OPTIONS": {"BOGUS": 1, "MODULES": "myapp.tasks"}})
+    assert sorted(m.id for m in durable.check()) == ["persistent_jobs.E203",
+                                                     "persistent_jobs.E204"]
+    local = InProcessBackend("bad", {"OPTIONS": {"WORKERS": 0}})
+    assert [m.id for m in local.check()] == ["persistent_jobs.E205"]
