@@ -138,6 +138,11 @@ class PersistentJobsBackend(BaseTaskBackend):
     def validate_task(self, task: AnyTask) -> None:
         """Django's checks, then ours; registers the task's handler so runners can claim it."""
         super().validate_task(task)
+        known = _tasks.get(job_type_of(task))
+        if known is not None and known.func is task.func and (
+            task_options(known) == task_options(task) and job_type_of(task) in registry
+        ):
+            return  # this task (or a ``using()`` copy of it) was validated and registered
         refuse_generators(task)
         spec = self._handler_spec(task)
         if spec.errors:
