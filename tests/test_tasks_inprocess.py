@@ -44,7 +44,8 @@ def test_capabilities_and_check() -> None:
     backend = task_backends["inprocess"]
     assert type(backend).__name__ == "InProcessBackend"
     assert backend.supports_defer and backend.supports_async_task
-    assert backend.supports_get_result and backend.supports_priority
+    assert backend.supports_priority
+    assert not backend.supports_get_result  # results live in this process only
     assert list(backend.check()) == []
 
 

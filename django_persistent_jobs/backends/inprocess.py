@@ -82,7 +82,9 @@ class InProcessBackend(BaseTaskBackend):
     task_class = PersistentTask
     supports_defer = True
     supports_async_task = True
-    supports_get_result = True  # in the enqueuing process only
+    # Django defines this flag as "results can be retrieved from any thread or process"; ours
+    # live in this process only, so it stays False although get_result works here.
+    supports_get_result = False
     supports_priority = True
 
     option_keys: tuple[str, ...] = ("WORKERS", "MAX_RESULTS", "DATABASE")
