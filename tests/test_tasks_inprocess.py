@@ -142,3 +142,20 @@ def test_a_thread_pool_bounds_concurrency() -> None:
     for result in started:
         finished(result)
     assert threading.active_count() < 50
+
+
+def test_results_and_pool_are_shared_by_every_thread_of_the_process() -> None:
+    """Django keeps one backend instance per thread; the results must not be per thread."""
+    result = it.double.enqueue(10)
+    finished(result)
+    seen: list[Any] = []
+
+    def other_thread() -> None:
+        seen.append(it.double.get_result(result.id).return_value)
+        seen.append(task_backends["inprocess"] is not task_backends_in_main)
+
+    task_backends_in_main = task_backends["inprocess"]
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join(10)
+    assert seen == [20, True]

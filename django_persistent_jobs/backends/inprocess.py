@@ -69,6 +69,26 @@ class _Running:
     done: bool = False
 
 
+class _Engine:
+    """The state of one in-process backend alias: queue, running attempts, results, threads."""
+
+    def __init__(self) -> None:
+        self.results: OrderedDict[str, Any] = OrderedDict()
+        self.lock = threading.Condition()
+        self.delayed: list[_Entry] = []  # by due time
+        self.ready: list[_Entry] = []  # by priority, then arrival
+        self.running: dict[int, _Running] = {}
+        self.seq = itertools.count()
+        self.tokens = itertools.count(1)
+        self.pool: ThreadPoolExecutor | None = None
+        self.dispatcher: threading.Thread | None = None
+        self.worker_id = f"inprocess:{uuid7().hex[:12]}"
+
+
+_ENGINES: dict[tuple[Any, ...], _Engine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
 class InProcessBackend(BaseTaskBackend):
     """``django.tasks`` on a bounded thread pool in this process; not durable.
 
@@ -95,16 +115,14 @@ class InProcessBackend(BaseTaskBackend):
         self.options = dict(self.options or {})
         self.workers = int(self.options.get("WORKERS", 4))
         self.max_results = int(self.options.get("MAX_RESULTS", 10_000))
-        self._results: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Condition()
-        self._delayed: list[_Entry] = []  # by due time
-        self._ready: list[_Entry] = []  # by priority, then arrival
-        self._running: dict[int, _Running] = {}
-        self._seq = itertools.count()
-        self._tokens = itertools.count(1)
-        self._pool: ThreadPoolExecutor | None = None
-        self._dispatcher: threading.Thread | None = None
-        self._worker_id = f"inprocess:{uuid7().hex[:12]}"
+        # Django keeps one backend instance per thread; the pool, the queue and the results
+        # must be one per process, so every instance of this alias shares one engine.
+        with _ENGINES_LOCK:
+            key = (alias, self.workers, self.max_results)
+            engine = _ENGINES.get(key)
+            if engine is None:
+                engine = _ENGINES[key] = _Engine()
+        self._e = engine
 
     # --- validation ----------------------------------------------------------------------------
     def validate_task(self, task: AnyTask) -> None:
@@ -163,7 +181,7 @@ class InProcessBackend(BaseTaskBackend):
 
         def release() -> None:
             object.__setattr__(result, "enqueued_at", timezone.now())
-            with self._lock:
+            with self._e.lock:
                 self._remember(result)
             task_enqueued.send(sender=type(self), task_result=result)
             self._schedule(result, attempt=1, not_before=task.run_after)
@@ -174,80 +192,80 @@ class InProcessBackend(BaseTaskBackend):
         return result
 
     def get_result(self, result_id: str) -> TaskResult:
-        with self._lock:
-            result = self._results.get(str(result_id))
+        with self._e.lock:
+            result = self._e.results.get(str(result_id))
         if result is None:
             raise TaskResultDoesNotExist(result_id)
         return result
 
     def _remember(self, result: Any) -> None:
-        self._results[result.id] = result
-        while len(self._results) > self.max_results:
-            oldest_id = next(iter(self._results))
-            oldest = self._results[oldest_id]
+        self._e.results[result.id] = result
+        while len(self._e.results) > self.max_results:
+            oldest_id = next(iter(self._e.results))
+            oldest = self._e.results[oldest_id]
             if not oldest.is_finished:
                 break  # never forget a task that has not finished
-            del self._results[oldest_id]
+            del self._e.results[oldest_id]
 
     # --- scheduling ------------------------------------------------------------------------
     def _start(self) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
+        if self._e.pool is None:
+            self._e.pool = ThreadPoolExecutor(
                 max_workers=self.workers, thread_name_prefix=f"tasks-{self.alias}")
-            self._dispatcher = threading.Thread(
+            self._e.dispatcher = threading.Thread(
                 target=self._dispatch, name=f"tasks-{self.alias}-dispatch", daemon=True)
-            self._dispatcher.start()
+            self._e.dispatcher.start()
 
     def _schedule(self, result: Any, attempt: int, not_before: Any = None,
                   delay: float = 0.0) -> None:
         due = time.monotonic() + delay
         if not_before is not None:
             due = max(due, time.monotonic() + (not_before - timezone.now()).total_seconds())
-        with self._lock:
+        with self._e.lock:
             self._start()
-            heapq.heappush(self._delayed, _Entry((due, next(self._seq)), result, attempt))
-            self._lock.notify_all()
+            heapq.heappush(self._e.delayed, _Entry((due, next(self._e.seq)), result, attempt))
+            self._e.lock.notify_all()
 
     def _dispatch(self) -> None:
         """Move due tasks to the ready heap, start the highest priority ones on free threads,
         and time out attempts past their deadline."""
         while True:
             finished: list[Any] = []
-            with self._lock:
+            with self._e.lock:
                 now = time.monotonic()
-                while self._delayed and self._delayed[0].sort_key[0] <= now:
-                    entry = heapq.heappop(self._delayed)
-                    heapq.heappush(self._ready, _Entry(
-                        (-entry.result.task.priority, next(self._seq)), entry.result,
+                while self._e.delayed and self._e.delayed[0].sort_key[0] <= now:
+                    entry = heapq.heappop(self._e.delayed)
+                    heapq.heappush(self._e.ready, _Entry(
+                        (-entry.result.task.priority, next(self._e.seq)), entry.result,
                         entry.attempt))
-                for token, running in list(self._running.items()):
+                for token, running in list(self._e.running.items()):
                     if running.deadline is not None and now >= running.deadline:
-                        del self._running[token]
+                        del self._e.running[token]
                         if self._fail(running.result, running.attempt, TimeoutError(
                                 f"attempt {running.attempt} timed out"), ""):
                             finished.append(running.result)
-                busy = len(self._running)
-                while self._ready and busy < self.workers:
-                    entry = heapq.heappop(self._ready)
-                    token = next(self._tokens)
+                busy = len(self._e.running)
+                while self._e.ready and busy < self.workers:
+                    entry = heapq.heappop(self._e.ready)
+                    token = next(self._e.tokens)
                     limit = self._spec(entry.result.task).effective_timeout()
-                    self._running[token] = _Running(
+                    self._e.running[token] = _Running(
                         entry.result, entry.attempt, time.monotonic() + limit)
                     busy += 1
-                    assert self._pool is not None
-                    self._pool.submit(self._run, token)
-                waits = [e.sort_key[0] for e in self._delayed[:1]]
-                waits += [r.deadline for r in self._running.values() if r.deadline is not None]
+                    assert self._e.pool is not None
+                    self._e.pool.submit(self._run, token)
+                waits = [e.sort_key[0] for e in self._e.delayed[:1]]
+                waits += [r.deadline for r in self._e.running.values() if r.deadline is not None]
                 timeout = max(0.0, min(waits) - now) if waits else None
                 if not finished:
-                    self._lock.wait(timeout)
+                    self._e.lock.wait(timeout)
             for result in finished:
                 task_finished.send(sender=type(self), task_result=result)
 
     # --- execution -------------------------------------------------------------------------
     def _run(self, token: int) -> None:
-        with self._lock:
-            running = self._running.get(token)
+        with self._e.lock:
+            running = self._e.running.get(token)
         if running is None:
             return
         result, attempt = running.result, running.attempt
@@ -257,7 +275,7 @@ class InProcessBackend(BaseTaskBackend):
         if result.started_at is None:
             object.__setattr__(result, "started_at", now)
         object.__setattr__(result, "last_attempted_at", now)
-        result.worker_ids.append(self._worker_id)
+        result.worker_ids.append(self._e.worker_id)
         close_old_connections()
         try:
             task_started.send(sender=type(self), task_result=result)
@@ -267,25 +285,25 @@ class InProcessBackend(BaseTaskBackend):
                 value = task.call(*result.args, **result.kwargs)
             stored, _ = encode_result(task, value)
         except BaseException as exc:
-            with self._lock:
-                if self._running.pop(token, None) is None:
+            with self._e.lock:
+                if self._e.running.pop(token, None) is None:
                     return  # timed out meanwhile: that outcome is already recorded
                 finished = self._fail(
                     result, attempt, exc, "".join(traceback.format_exception(exc)))
-                self._lock.notify_all()
+                self._e.lock.notify_all()
             if finished:
                 task_finished.send(sender=type(self), task_result=result)
             return
         finally:
             for connection in connections.all(initialized_only=True):
                 connection.close()
-        with self._lock:
-            if self._running.pop(token, None) is None:
+        with self._e.lock:
+            if self._e.running.pop(token, None) is None:
                 return  # finished after its timeout: the late result is ignored
             object.__setattr__(result, "_return_value", stored)
             object.__setattr__(result, "finished_at", timezone.now())
             object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
-            self._lock.notify_all()
+            self._e.lock.notify_all()
         task_finished.send(sender=type(self), task_result=result)
 
     def _fail(self, result: Any, attempt: int, exc: BaseException, trace: str) -> bool:
@@ -309,8 +327,8 @@ class InProcessBackend(BaseTaskBackend):
                 except Exception:
                     delay = 60.0
             object.__setattr__(result, "status", TaskResultStatus.READY)
-            heapq.heappush(self._delayed, _Entry(
-                (time.monotonic() + delay, next(self._seq)), result, attempt + 1))
+            heapq.heappush(self._e.delayed, _Entry(
+                (time.monotonic() + delay, next(self._e.seq)), result, attempt + 1))
             return False
         object.__setattr__(result, "finished_at", timezone.now())
         object.__setattr__(result, "status", TaskResultStatus.FAILED)
