@@ -73,6 +73,11 @@ TASKS = {
         "QUEUES": [],
         "OPTIONS": {"WORKERS": 2},
     },
+    "serial": {  # one thread: start order is exactly dispatch order
+        "BACKEND": "django_persistent_jobs.backends.InProcessBackend",
+        "QUEUES": [],
+        "OPTIONS": {"WORKERS": 1},
+    },
 }
 if django.VERSION < (6, 0):
     INSTALLED_APPS.append("django_tasks")

@@ -106,19 +106,17 @@ def test_async_task_context_and_run_after() -> None:
 
 def test_priority_orders_waiting_tasks() -> None:
     it.GATE.clear()
-    blockers = [it.hangs_until_released.enqueue(i) for i in range(2)]  # both threads busy
-    wait_for(lambda: all(b.status == TaskResultStatus.RUNNING for b in blockers),
-             message="both workers busy")
+    blocker = it.block_serial.enqueue()  # the backend's only thread is busy
+    wait_for(lambda: blocker.status == TaskResultStatus.RUNNING, message="the worker busy")
     lowest = it.note.using(priority=-100).enqueue("lowest")
     low = it.note.using(priority=-10).enqueue("low")
     high = it.note.using(priority=90).enqueue("high")
     mid = it.note.enqueue("mid")
     it.GATE.set()
-    for result in (lowest, low, high, mid, *blockers):
+    for result in (lowest, low, high, mid, blocker):
         finished(result)
     notes = [value for name, value in it.CALLS if name == "note"]
-    # Two threads take the two highest first (in either order between them), then the rest.
-    assert sorted(notes[:2]) == ["high", "mid"] and sorted(notes[2:]) == ["low", "lowest"]
+    assert notes == ["high", "mid", "low", "lowest"]
 
 
 def _plain() -> None: ...

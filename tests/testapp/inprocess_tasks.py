@@ -51,7 +51,12 @@ async def async_triple(context: TaskContext, value: int) -> dict[str, int]:
     return {"value": value * 3, "attempt": context.attempt}
 
 
-@task(backend="inprocess")
+@task(backend="serial")
 def note(label: str) -> str:
     CALLS.append(("note", label))
     return label
+
+
+@task(backend="serial", timeout=30)
+def block_serial() -> None:
+    GATE.wait(10)
