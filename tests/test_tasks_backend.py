@@ -348,3 +348,14 @@ def test_check_reports_bad_backend_options() -> None:
                                                      "persistent_jobs.E204"]
     local = InProcessBackend("bad", {"OPTIONS": {"WORKERS": 0}})
     assert [m.id for m in local.check()] == ["persistent_jobs.E205"]
+
+
+def test_the_task_api_comes_from_django_or_the_backport() -> None:
+    """Django 6+: django.tasks; Django 5.2: the django-tasks backport (same backend classes)."""
+    import django
+
+    from django_persistent_jobs.backends.compat import TASKS_PACKAGE
+
+    expected = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
+    assert TASKS_PACKAGE == expected
+    assert type(tasks.add).__mro__[1].__module__ == f"{expected}.base"
