@@ -357,5 +357,5 @@ def test_the_task_api_comes_from_django_or_the_backport() -> None:
     from django_persistent_jobs.backends.compat import TASKS_PACKAGE
 
     expected = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
-    assert TASKS_PACKAGE == expected
+    assert expected == TASKS_PACKAGE
     assert type(tasks.add).__mro__[1].__module__ == f"{expected}.base"
