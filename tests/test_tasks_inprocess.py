@@ -157,3 +157,25 @@ def test_results_and_pool_are_shared_by_every_thread_of_the_process() -> None:
     thread.start()
     thread.join(10)
     assert seen == [20, True]
+
+
+def test_a_hung_task_does_not_keep_the_process_from_exiting() -> None:
+    """Work is lost on exit, as documented: the process exits although a task still runs."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, test_database_env
+
+    script = (
+        "import django, sys, time; django.setup()\n"
+        "from tests.testapp import inprocess_tasks as it\n"
+        "r = it.hangs_until_released.enqueue(1)\n"
+        "while r.status != 'RUNNING': time.sleep(0.01)\n"
+        "print('running', flush=True)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=test_database_env(),
+                          capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().strip() == "running"
+    assert time.monotonic() - started < 8  # the task would hang for 10 s

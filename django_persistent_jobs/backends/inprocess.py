@@ -16,11 +16,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import queue
 import threading
 import time
 import traceback
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +80,8 @@ class _Engine:
         self.running: dict[int, _Running] = {}
         self.seq = itertools.count()
         self.tokens = itertools.count(1)
-        self.pool: ThreadPoolExecutor | None = None
+        #: Tokens of attempts to start, read by the worker threads.
+        self.pool: queue.SimpleQueue[int] | None = None
         self.dispatcher: threading.Thread | None = None
         self.worker_id = f"inprocess:{uuid7().hex[:12]}"
 
@@ -210,8 +211,13 @@ class InProcessBackend(BaseTaskBackend):
     # --- scheduling ------------------------------------------------------------------------
     def _start(self) -> None:
         if self._e.pool is None:
-            self._e.pool = ThreadPoolExecutor(
-                max_workers=self.workers, thread_name_prefix=f"tasks-{self.alias}")
+            # Daemon threads, not a ThreadPoolExecutor: the executor's threads are joined at
+            # interpreter exit, so one hung task would keep the process from exiting. Work here
+            # is documented as lost on exit.
+            self._e.pool = queue.SimpleQueue()
+            for index in range(self.workers):
+                threading.Thread(target=self._work, args=(self._e.pool,), daemon=True,
+                                 name=f"tasks-{self.alias}-{index}").start()
             self._e.dispatcher = threading.Thread(
                 target=self._dispatch, name=f"tasks-{self.alias}-dispatch", daemon=True)
             self._e.dispatcher.start()
@@ -253,7 +259,7 @@ class InProcessBackend(BaseTaskBackend):
                         entry.result, entry.attempt, time.monotonic() + limit)
                     busy += 1
                     assert self._e.pool is not None
-                    self._e.pool.submit(self._run, token)
+                    self._e.pool.put(token)
                 waits = [e.sort_key[0] for e in self._e.delayed[:1]]
                 waits += [r.deadline for r in self._e.running.values() if r.deadline is not None]
                 timeout = max(0.0, min(waits) - now) if waits else None
@@ -263,6 +269,14 @@ class InProcessBackend(BaseTaskBackend):
                 task_finished.send(sender=type(self), task_result=result)
 
     # --- execution -------------------------------------------------------------------------
+    def _work(self, tokens: queue.SimpleQueue[int]) -> None:
+        while True:
+            token = tokens.get()
+            try:
+                self._run(token)
+            except Exception:  # a worker thread must outlive any one task
+                logger.exception("in-process task attempt %s could not be run", token)
+
     def _run(self, token: int) -> None:
         with self._e.lock:
             running = self._e.running.get(token)
