@@ -53,11 +53,6 @@ def too_slow(seconds: float) -> str:
     return "finished"
 
 
-@task(takes_context=True)
-def async_add(context: TaskContext, a: int, b: int) -> dict[str, Any]:
-    return {"sum": a + b, "attempt": context.attempt}
-
-
 @task()
 async def async_sleep_add(a: int, b: int) -> int:
     await asyncio.sleep(0.05)
