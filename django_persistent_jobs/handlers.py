@@ -213,12 +213,12 @@ def _positional_arity(func: Callable[..., Any]) -> int:
     return len(params)
 
 
-def _check_options(spec: HandlerSpec) -> list[tuple[str, str]]:
+def _check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[str, str]]:
     """``(kind, message)`` for every problem with a handler's options (the system check reports
     them). The bounds are those ``enqueue`` applies, from ``bounds``: a handler that passes the
     check can be enqueued with its own options."""
     problems: list[tuple[str, str]] = []
-    name = f"handler {bounds.show(spec.job_type, 80)} ({spec.origin})"
+    name = subject or f"handler {bounds.show(spec.job_type, 80)} ({spec.origin})"
 
     def option(problem: str | None) -> None:
         if problem is not None:

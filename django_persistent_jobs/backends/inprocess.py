@@ -137,9 +137,9 @@ class InProcessBackend(BaseTaskBackend):
                 "PersistentJobsBackend; InProcessBackend keeps nothing across processes."
             )
         spec = self._spec(task)
-        problems = _check_options(spec)
+        problems = _check_options(spec, subject=f"task {task.module_path}")
         if problems:
-            raise InvalidTask("; ".join(problems))
+            raise InvalidTask("; ".join(message for _, message in problems))
 
     def _spec(self, task: AnyTask) -> HandlerSpec:
         options = task_options(task)

@@ -24,7 +24,7 @@ from django.utils.module_loading import import_string
 from .. import conf
 from ..context import JobContext
 from ..errors import DuplicateHandlerError, JobCancelledError, JobError
-from ..handlers import HandlerSpec, _check_options, _code_location, registry
+from ..handlers import OPTION_INVALID, HandlerSpec, _check_options, _code_location, registry
 from .compat import (
     TASK_MAX_PRIORITY,
     TASK_MIN_PRIORITY,
@@ -167,13 +167,13 @@ class PersistentJobsBackend(BaseTaskBackend):
                 options["cron"] or options["interval"]) else None,
             timezone=options["timezone"], location=_code_location(task.func), returns_json=True,
         )
-        problems = _check_options(spec)
+        problems = _check_options(spec, subject=f"task {task.module_path}")
         if options["dedup_key"] is not None and not (
             isinstance(options["dedup_key"], str) or callable(options["dedup_key"])
         ):
-            problems.append(f"task {task.module_path}: dedup_key must be a string or a callable "
-                            "(*args, **kwargs) -> str.")
-        spec.errors = [p.replace(f"handler {spec.job_type!r}", "task", 1) for p in problems]
+            problems.append((OPTION_INVALID, f"task {task.module_path}: dedup_key must be a "
+                             "string or a callable (*args, **kwargs) -> str."))
+        spec.problems = problems
         return spec
 
     def _register(self, task: AnyTask, spec: HandlerSpec) -> None:
