@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
@@ -104,7 +104,10 @@ class Backoff:
         self.current = self.first
 
 
-def run_with_retry[T](
+T = TypeVar("T")  # no PEP 695 generics: Python 3.11 (Django 5.2) is supported
+
+
+def run_with_retry(
     alias: str, fn: Callable[[Any], T], *, what: str, interrupt: threading.Event | None = None,
     backoff: Backoff | None = None,
 ) -> T | None:
@@ -159,7 +162,7 @@ class NotNow(Exception):
         self.locked = locked  # a lock was not granted (rather than: the database was away)
 
 
-def run_bounded[T](
+def run_bounded(
     alias: str, fn: Callable[[Any], T], *, what: str,
     lock_timeout: float = ROW_LOCK_TIMEOUT_SECONDS,
 ) -> T:
