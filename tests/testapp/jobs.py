@@ -59,3 +59,6 @@ from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
 
 # Handlers for the recurring-schedule tests (issue 3).
 from tests.testapp import recurring_jobs  # noqa: E402,F401
+
+# Handlers for the operator-console tests (admin, dashboard, browser).
+from tests.testapp import console_jobs  # noqa: E402,F401
