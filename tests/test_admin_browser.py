@@ -174,17 +174,11 @@ def _db_now() -> Any:
         return cursor.fetchone()[0]
 
 
-def _set_tenant(job: PersistentJob, tenant: str) -> PersistentJob:
-    PersistentJob.objects.filter(pk=job.pk).update(tenant=tenant)
-    return PersistentJob.objects.get(pk=job.pk)
-
-
 def stage(spawn_runner: Spawn) -> dict[str, Any]:
     """Build the broken production the operator must diagnose; return what to look for."""
     # 1. A runner killed mid-job: it claims a hung transcode (timeout 4 s) and a long reindex.
-    hung = _set_tenant(enqueue("media.transcode", {"video": 991, "api_token": "tok-SECRET"}),
-                       "acme")
-    reindex = _set_tenant(enqueue("search.reindex", {"index": "products"}), "globex")
+    hung = enqueue("media.transcode", {"video": 991, "api_token": "tok-SECRET"}, tenant="acme")
+    reindex = enqueue("search.reindex", {"index": "products"}, tenant="globex")
     doomed = spawn_runner("--queues", "media,search", "--concurrency", "2")
     wait_for(lambda: PersistentJob.objects.filter(
         id__in=[hung.id, reindex.id], status=JobStatus.RUNNING, progress__isnull=False,
@@ -196,11 +190,10 @@ def stage(spawn_runner: Spawn) -> dict[str, Any]:
     # 2. A live runner (that will not reap the dead one during the test) makes dead letters of
     #    three job types. Its long stale timeout keeps the killed runner's jobs where they are.
     failing = [
-        _set_tenant(enqueue("billing.charge_card", {"invoice": "INV-1", "card_token": "x"}),
-                    "acme"),
-        _set_tenant(enqueue("billing.charge_card", {"invoice": "INV-2"}), "acme"),
-        _set_tenant(enqueue("emails.send_receipt", {"to": "a@example.com"}), "globex"),
-        _set_tenant(enqueue("reports.render_pdf", {"pages": None}), "initech"),
+        enqueue("billing.charge_card", {"invoice": "INV-1", "card_token": "x"}, tenant="acme"),
+        enqueue("billing.charge_card", {"invoice": "INV-2"}, tenant="acme"),
+        enqueue("emails.send_receipt", {"to": "a@example.com"}, tenant="globex"),
+        enqueue("reports.render_pdf", {"pages": None}, tenant="initech"),
     ]
     spawn_runner("--queues", "default,billing,emails,reports", "--concurrency", "2",
                  env={"PJ_TEST_SETTINGS": '{"STALE_LOCK_TIMEOUT": 600, '
@@ -210,8 +203,8 @@ def stage(spawn_runner: Spawn) -> dict[str, Any]:
         timeout=60, message="four dead letters")
 
     # 3. A job on a queue no runner serves, due for ten minutes already.
-    unserved = _set_tenant(enqueue("exports.nightly", {"day": "2026-11-22"},
-                                   run_at=_db_now() - timedelta(minutes=10)), "initech")
+    unserved = enqueue("exports.nightly", {"day": "2026-11-22"},
+                                   run_at=_db_now() - timedelta(minutes=10), tenant="initech")
 
     # The killed runner's heartbeat must be stale (3 s in the test settings) and the hung job
     # past its 4 s timeout, by the database clock.
