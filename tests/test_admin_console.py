@@ -223,7 +223,7 @@ def test_every_action_appears_in_the_jobs_history_with_the_user(
                                  args=[target.pk]))
     for message in messages:
         assert message in shown, message
-    actors = {(r.event, getattr(r, "actor", None)) for r in caplog.records
+    actors = {(getattr(r, "event", ""), getattr(r, "actor", None)) for r in caplog.records
               if getattr(r, "event", "").startswith("operator_")}
     assert actors == {("operator_retry", "admin user 'root'"),
                       ("operator_cancel", "admin user 'root'")}, actors
@@ -297,13 +297,13 @@ def test_the_job_page_redacts_secret_looking_keys_and_reads_as_a_summary() -> No
 @pytest.mark.django_db
 def test_the_redact_keys_setting_is_checked() -> None:
     with override_settings(PERSISTENT_JOBS={"REDACT_KEYS": "password"}):
-        ids = {m.id for m in run_checks() if m.id.startswith("persistent_jobs")}
+        ids = {m.id for m in run_checks() if (m.id or "").startswith("persistent_jobs")}
     assert "persistent_jobs.E015" in ids
     with override_settings(PERSISTENT_JOBS={"REDACT_KEYS": ["password", ""]}):
-        ids = {m.id for m in run_checks() if m.id.startswith("persistent_jobs")}
+        ids = {m.id for m in run_checks() if (m.id or "").startswith("persistent_jobs")}
     assert "persistent_jobs.E015" in ids
     with override_settings(PERSISTENT_JOBS={"REDACT_KEYS": []}):
-        ids = {m.id for m in run_checks() if m.id.startswith("persistent_jobs")}
+        ids = {m.id for m in run_checks() if (m.id or "").startswith("persistent_jobs")}
     assert "persistent_jobs.E015" not in ids
 
 
@@ -318,7 +318,7 @@ def test_the_list_shows_short_ids_ages_last_errors_and_no_next_run_when_finished
     body = page(client, reverse(JOBS))
     assert str(done.pk)[-8:] in body and f">{done.pk}<" not in body
     assert "ended <span" in body and "4 min ago" in body
-    assert "runs <span" in body and "in 1 h 59 min" in body or "in 2 h" in body
+    assert "runs <span" in body and ("in 1 h 59 min" in body or "in 2 h" in body)
     assert "BOOM</code>" in body and "BOOM happened" in body
     # The finished job's row says when it ended, never when it would run.
     row = body.split(f">{str(done.pk)[-8:]}<")[1].split("</tr>")[0]
