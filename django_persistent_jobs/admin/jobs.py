@@ -187,7 +187,8 @@ class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
             line = format_html("due {}", display.when(obj.next_run_at, now))
         else:
             line = format_html("runs {}", display.when(obj.next_run_at, now))
-        return format_html('{}<br><small class="pj-muted">created {}</small>', line,
+        return format_html('<span class="pj-nowrap">{}</span><br>'
+                           '<small class="pj-muted pj-nowrap">created {}</small>', line,
                            display.when(obj.created_at, now))
 
     @admin.display(description="last error", ordering="last_error_code")
