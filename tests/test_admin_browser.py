@@ -279,6 +279,7 @@ def test_an_operator_answers_the_five_questions_in_three_page_loads_each(
     assert "2 results" in op.text() or "2 job attempts" in op.text(), op.text()[:500]
     assert len(op.all("#result_list tbody tr")) == 2
     op.no_sideways_scroll()
+    op.screenshot("attempts")
     op.done()
 
     # Is it stuck? The hung job, the killed runner's other job, the unserved queue; the runner
