@@ -137,10 +137,14 @@ def test_view_only_staff_see_everything_and_can_do_nothing() -> None:
     failed = dead("console.a", "BOOM")
     waiting = job("console.a")
     JobRunnerRecord.objects.create(id="r1", hostname="h", pid=1, concurrency=2)
-    viewer = staff("viewer", "view_persistentjob", "view_jobattempt", "view_jobrunnerrecord")
+    viewer = staff("viewer", "view_persistentjob")  # enough to see attempts and runners too
     for url in (reverse(DASHBOARD), reverse(JOBS), job_page(failed), reverse(ATTEMPTS),
-                reverse(RUNNERS)):
+                reverse(RUNNERS),
+                reverse("admin:django_persistent_jobs_jobrunnerrecord_change", args=["r1"]),
+                reverse("admin:django_persistent_jobs_persistentjob_history", args=[failed.pk])):
         page(viewer, url)
+    index = page(viewer, reverse("admin:index"))
+    assert reverse(ATTEMPTS) in index and reverse(RUNNERS) in index
     detail = page(viewer, job_page(failed))
     assert "BOOM happened" in detail and "Retry now" not in detail
     assert '<div class="pj-buttons">' not in detail

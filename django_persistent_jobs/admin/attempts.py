@@ -18,7 +18,7 @@ from django.utils.safestring import SafeString
 
 from ..models import JobAttempt, PersistentJob
 from . import display
-from .jobs import ReadOnlyAdminMixin, job_url
+from .jobs import JobViewersMixin, ReadOnlyAdminMixin, job_url
 
 if TYPE_CHECKING:
     _AttemptAdminBase = admin.ModelAdmin[JobAttempt]
@@ -57,7 +57,7 @@ class TenantFilter(admin.SimpleListFilter):
 
 
 @admin.register(JobAttempt)
-class JobAttemptAdmin(ReadOnlyAdminMixin, _AttemptAdminBase):
+class JobAttemptAdmin(JobViewersMixin, ReadOnlyAdminMixin, _AttemptAdminBase):
     list_display = ("job_link", "outcome_display", "message", "started")
     list_filter = (
         "outcome",

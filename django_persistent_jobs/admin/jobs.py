@@ -61,6 +61,15 @@ class ReadOnlyAdminMixin:
         return False
 
 
+class JobViewersMixin:
+    """Attempts and runners are part of what a job viewer needs to see: the permission to view
+    jobs is enough to view them (their own view permission still works on its own)."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.has_perm("django_persistent_jobs.view_persistentjob") or bool(
+            super().has_view_permission(request, obj))  # type: ignore[misc]
+
+
 def status_badge(status: str) -> SafeString:
     label = JobStatus(status).label if status in JobStatus.values else status
     return format_html('<b class="pj-status" style="color:{}">{}</b>',

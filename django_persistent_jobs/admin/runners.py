@@ -19,7 +19,7 @@ from django.utils.safestring import SafeString
 from ..models import JobRunnerRecord, JobStatus, PersistentJob
 from ..stats import runner_state, runner_thresholds
 from . import display
-from .jobs import ReadOnlyAdminMixin, changelist_url
+from .jobs import JobViewersMixin, ReadOnlyAdminMixin, changelist_url
 
 if TYPE_CHECKING:
     _RunnerAdminBase = admin.ModelAdmin[JobRunnerRecord]
@@ -30,7 +30,7 @@ STATE_COLORS = {"live": "#1a7f37", "late": "#b35900", "dead": "#b00020"}
 
 
 @admin.register(JobRunnerRecord)
-class JobRunnerAdmin(ReadOnlyAdminMixin, _RunnerAdminBase):
+class JobRunnerAdmin(JobViewersMixin, ReadOnlyAdminMixin, _RunnerAdminBase):
     list_display = ("id", "state", "heartbeat", "queue_list", "concurrency", "held", "version",
                     "started")
     readonly_fields = ("id", "state", "heartbeat", "hostname", "pid", "queue_list",
