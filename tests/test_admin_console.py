@@ -398,3 +398,25 @@ def test_runners_show_heartbeat_age_state_and_jobs_held() -> None:
                                   args=["dead-1"]))
     assert "DEAD (stale heartbeat)" in detail
     assert JobStatus.RUNNING in {j.status for j in PersistentJob.objects.all()}
+
+
+# ------------------------------------------------------------------ the demo
+
+@override_settings(ROOT_URLCONF="example_project.urls", DEBUG=False)
+def test_the_example_project_serves_the_admins_static_files_with_debug_off() -> None:
+    response = Client().get("/static/admin/css/base.css")
+    assert response.status_code == 200
+    assert b"".join(response.streaming_content).startswith(b"/*")  # type: ignore[attr-defined]
+
+
+def test_the_demos_admin_hint_uses_the_venvs_python_and_offers_serve() -> None:
+    import os
+    import sys
+
+    from example_project.demo.management.commands.demo import Command
+
+    hint = Command()._admin_hint()
+    python = os.path.relpath(sys.executable)
+    assert f"{python} manage.py runserver" in hint and f"{python} manage.py createsuperuser" in hint
+    assert "scripts/demo.sh --serve" in hint
+    assert "DJANGO_SETTINGS_MODULE=example_project.settings" in hint
