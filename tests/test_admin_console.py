@@ -416,7 +416,9 @@ def test_the_demos_admin_hint_uses_the_venvs_python_and_offers_serve() -> None:
     from example_project.demo.management.commands.demo import Command
 
     hint = Command()._admin_hint()
-    python = os.path.relpath(sys.executable)
+    # The interpreter running the demo (the venv's), relative to here when it lives below.
+    relative = os.path.relpath(sys.executable)
+    python = sys.executable if relative.startswith("..") else relative
     assert f"{python} manage.py runserver" in hint and f"{python} manage.py createsuperuser" in hint
     assert "scripts/demo.sh --serve" in hint
     assert "DJANGO_SETTINGS_MODULE=example_project.settings" in hint
