@@ -8,7 +8,8 @@ three page loads, and the test asserts what the pages show. Screenshots of the d
 job page go to a temporary directory (printed), for the docs.
 
 Needs Debian's ``chromium`` and ``chromium-driver``; without them the test is skipped, except
-in CI (``CI=true``), where it fails instead: CI installs them.
+in CI (``CI=true``), where it fails instead: CI installs them. ``PJ_CHROMIUM`` and
+``PJ_CHROMEDRIVER`` give other paths.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
 from tests.conftest import wait_for
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+# PJ_CHROMIUM / PJ_CHROMEDRIVER point elsewhere (other distributions install them elsewhere).
+CHROMIUM = os.environ.get("PJ_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = (os.environ.get("PJ_CHROMEDRIVER") or shutil.which("chromedriver")
+                or "/usr/bin/chromedriver")
 MAX_LOADS = 3
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(240)]
