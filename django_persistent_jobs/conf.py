@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "JSON_ENCODER": None,
     "ALLOW_UNREGISTERED": False,
     "SCHEDULER_INTERVAL": 1.0,
+    "HANDBACK_LIMIT": 3,  # free hand-backs of one job at shutdown; later ones use an attempt
     # Payload keys the admin shows as "***" (case-insensitive substrings of the key).
     "REDACT_KEYS": ("password", "passwd", "secret", "token", "api_key", "apikey",
                     "authorization", "credential", "private_key", "cookie", "session"),
@@ -121,7 +122,7 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
     for key, integer, zero in (
         ("MAX_RETRIES", True, True), ("CONCURRENCY", True, False),
         ("PAYLOAD_MAX_BYTES", True, False), ("PAYLOAD_MAX_DEPTH", True, False),
-        ("PAYLOAD_MAX_KEYS", True, False),
+        ("PAYLOAD_MAX_KEYS", True, False), ("HANDBACK_LIMIT", True, True),
     ):
         msg = _positive_number(key, value(key), integer=integer, allow_zero=zero)
         if msg:
