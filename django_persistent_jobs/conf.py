@@ -208,7 +208,7 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
                        f"(the queue column's length), got {len(default_queue)}.", ""))
     redact = value("REDACT_KEYS")
     if not isinstance(redact, list | tuple) or not all(isinstance(k, str) and k for k in redact):
-        errors.append(("persistent_jobs.E015", "PERSISTENT_JOBS['REDACT_KEYS'] must be a list of "
+        errors.append(("persistent_jobs.E030", "PERSISTENT_JOBS['REDACT_KEYS'] must be a list of "
                        f"non-empty strings, got {redact!r}.", "For example ['password', 'token']."))
     if not isinstance(value("ALLOW_UNREGISTERED"), bool):
         errors.append(("persistent_jobs.E014",

@@ -302,13 +302,13 @@ def test_the_job_page_redacts_secret_looking_keys_and_reads_as_a_summary() -> No
 def test_the_redact_keys_setting_is_checked() -> None:
     with override_settings(PERSISTENT_JOBS={"REDACT_KEYS": "password"}):
         ids = {m.id for m in run_checks() if (m.id or "").startswith("persistent_jobs")}
-    assert "persistent_jobs.E015" in ids
+    assert "persistent_jobs.E030" in ids
     with override_settings(PERSISTENT_JOBS={"REDACT_KEYS": ["password", ""]}):
         ids = {m.id for m in run_checks() if (m.id or "").startswith("persistent_jobs")}
-    assert "persistent_jobs.E015" in ids
+    assert "persistent_jobs.E030" in ids
     with override_settings(PERSISTENT_JOBS={"REDACT_KEYS": []}):
         ids = {m.id for m in run_checks() if (m.id or "").startswith("persistent_jobs")}
-    assert "persistent_jobs.E015" not in ids
+    assert "persistent_jobs.E030" not in ids
 
 
 @pytest.mark.django_db
