@@ -110,6 +110,9 @@ def test_the_dashboard_is_on_the_admin_index_and_needs_the_view_permission() -> 
                  "Who owns it", "acme", "<svg"):
         assert text in body, text
     assert "<script" not in body.split('id="content-main"')[1]  # the page needs no JavaScript
+    # The charts: one bar per hour and per day, each with its numbers as a tooltip.
+    assert body.count("<g><title>") == 24 + 7
+    assert "0 completed, 1 failed attempts, 1 dead-lettered</title>" in body
     nobody = staff("nobody")
     assert reverse(DASHBOARD) not in page(nobody, reverse("admin:index"))
     assert nobody.get(reverse(DASHBOARD)).status_code == 403
