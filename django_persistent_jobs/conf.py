@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, overload
+from typing import Any, Generic, TypeVar, overload
 
 from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
@@ -289,8 +289,11 @@ def _same(value: Any) -> Any:
     return value
 
 
+
+T = TypeVar("T")
+
 # ----------------------------------------------------------------------------- the settings
-class Setting[T]:
+class Setting(Generic[T]):
     """One key of ``PERSISTENT_JOBS``: its default, what makes a value unusable, its type."""
 
     key: str
