@@ -83,3 +83,33 @@ def spawn_runner() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+
+
+def db_clock() -> Any:
+    """The database's current time (to compare with timestamps the server keeps)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]
+
+
+def wait_handler_inside(since: Any, timeout: float = 60.0, message: str = "a handler") -> None:
+    """Wait until a runner process's handler is inside its job, past its first statement.
+
+    A claimed job is ``running`` (with a ``running`` attempt) before a worker starts it, and a
+    runner stopping hands back an unstarted job unlike one that started; tests about the
+    latter must wait for the start. The handlers they use first insert a ``SideEffect`` row in
+    their job's transaction: uncommitted, it shows only as a connection idle in a transaction
+    whose last statement was that insert. ``since`` (from ``db_clock()``, before the runner was
+    spawned) excludes connections of runners that were already gone.
+    """
+
+    def inside() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                " AND pid <> pg_backend_pid() AND backend_start >= %s"
+                " AND state = 'idle in transaction'"
+                " AND query LIKE 'INSERT INTO \"testapp_sideeffect\"%%'", [since])
+            return cursor.fetchone() is not None
+
+    wait_for(inside, timeout, message=f"{message} to start")

@@ -13,6 +13,7 @@ import pytest
 
 from django_persistent_jobs.enqueuing import enqueue
 from django_persistent_jobs.models import JobAttempt, JobStatus
+from tests.conftest import db_clock, wait_handler_inside
 from tests.test_runner_support import attempts_of, get_job, wait_for, wait_status
 from tests.testapp.models import LedgerEntry
 
@@ -44,9 +45,12 @@ def test_sigterm_handbacks_are_counted_then_charged(spawn_runner: Spawn) -> None
     env = {"PJ_TEST_SETTINGS": json.dumps({"HANDBACK_LIMIT": 1, "SHUTDOWN_GRACE": 0.2})}
     seen: list[tuple[str, int, int, str]] = []
     for round_ in range(2):
+        since = db_clock()
         proc = spawn_runner(env=env)
         wait_for(lambda round_=round_: JobAttempt.objects.filter(
             job_id=job.id, outcome="running").exists(), 60, message=f"run {round_ + 1}")
+        # Claimed is not started: a job handed back unstarted is not counted as a hand-back.
+        wait_handler_inside(since, message=f"run {round_ + 1}")
         proc.send_signal(signal.SIGTERM)
         code, out = finish(proc)
         assert code == 0, out

@@ -40,6 +40,11 @@ def claim_loop(runner: Runner) -> None:
             continue
         limit = min(free, settings.batch_size or free)
         runner.wake.clear()
+        # Burst mode may believe "nothing is due" only from a claim that began with none of our
+        # jobs in flight. A job leaves the pool after its completion (and whatever it enqueued)
+        # has committed, so a job finishing *during* the claim commits after the claim's
+        # snapshot: the claim misses its follow-up jobs although the pool is empty afterwards.
+        idle_before_claim = pool.busy == 0
 
         def do_claim(cursor: Any, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(runner):
@@ -74,12 +79,14 @@ def claim_loop(runner: Runner) -> None:
         if len(jobs) == limit:
             continue  # there may be more due right now
         if runner.burst:
-            if not jobs and pool.busy == 0:
+            if not jobs and idle_before_claim:
                 runner.burst_done()
                 break
-            # Wait for a running job to finish (it may enqueue more) or a wake-up, then look again.
+            # Wait for a running job to finish (it may enqueue more) or a wake-up, then look again
+            # (at once if they all finished meanwhile: that claim decides).
             busy_now = pool.busy
-            _wait_for(runner, lambda busy_now=busy_now: pool.busy < busy_now, 0.01)
+            if busy_now:
+                _wait_for(runner, lambda busy_now=busy_now: pool.busy < busy_now, 0.01)
             continue
         runner.wake.wait(poll)
 
