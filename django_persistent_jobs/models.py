@@ -105,6 +105,23 @@ class _InArray(BaseExpression):
         return f"{column_sql} = ANY({array_sql})", (*column_params, *array_params)
 
 
+class _KeyAfter(BaseExpression):
+    """``priority = P AND (next_run_at, id) > (T, I)``: the jobs after a key of the claim order
+    within its priority, written so the claim index scan *starts* there (an index condition, not
+    a filter) instead of walking everything before it."""
+
+    conditional = True
+
+    def __init__(self, priority: Any, next_run_at: Any, job_id: Any) -> None:
+        super().__init__(output_field=models.BooleanField())
+        self.key = (priority, next_run_at, job_id)
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
+        table = compiler.quote_name_unless_alias(compiler.query.get_initial_alias())
+        return (f"{table}.\"priority\" = %s::smallint AND ({table}.\"next_run_at\", "
+                f"{table}.\"id\") > (%s::timestamptz, %s::uuid)", self.key)
+
+
 class PersistentJobQuerySet(models.QuerySet["PersistentJob"]):
     def claimable(self, queues: Any = None, job_types: Any = None) -> PersistentJobQuerySet:
         """Jobs a runner may claim now, in claim order: waiting, due by the database clock, not
@@ -125,6 +142,11 @@ class PersistentJobQuerySet(models.QuerySet["PersistentJob"]):
         )
         qs = qs.filter(Q(dedup_key__isnull=True) | Q(dedup="enqueue") | ~Exists(blocker))
         return qs.order_by("-priority", "next_run_at", "id")
+
+    def after_key(self, priority: Any, next_run_at: Any, job_id: Any) -> PersistentJobQuerySet:
+        """Only jobs of ``priority`` after ``(next_run_at, job_id)`` in claim order: where a
+        claim that just took that job may resume (see ``runner/store.py``)."""
+        return self.filter(_KeyAfter(priority, next_run_at, job_id))
 
 
 PersistentJobManager = models.Manager.from_queryset(PersistentJobQuerySet)

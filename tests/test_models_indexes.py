@@ -128,6 +128,21 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
             plans[name] = "\n".join(r[0] for r in cursor.fetchall())
             cursor.execute("DEALLOCATE pj_claim_generic")
             cursor.execute("SET LOCAL plan_cache_mode = auto")
+        # A claim resuming after the last claimed key starts its index scan there (an index
+        # condition), which is what keeps it from walking the dead entries before that key.
+        resumed = (store.claim_sql(10, after=True).replace("%(runner)s", "$1")
+                   .replace("%(after_priority)s", "$2").replace("%(after_at)s", "$3")
+                   .replace("%(after_id)s", "$4"))
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(f"PREPARE pj_claim_after(text, int, timestamptz, uuid) AS {resumed}")
+        cursor.execute("EXPLAIN EXECUTE pj_claim_after('r', 0, now(), gen_random_uuid())")
+        plans["resumed after a key, generic plan"] = "\n".join(r[0] for r in cursor.fetchall())
+        cursor.execute("DEALLOCATE pj_claim_after")
+        cursor.execute("SET LOCAL plan_cache_mode = auto")
+        index_cond = [line for line in plans["resumed after a key, generic plan"].splitlines()
+                      if "Index Cond" in line]
+        assert index_cond and "next_run_at" in index_cond[0] and "priority" in index_cond[0], \
+            plans["resumed after a key, generic plan"]
         print("\n\n".join(f"-- claim plan ({k}), 60k finished rows:\n{v}"
                           for k, v in plans.items()))
         for name, plan in plans.items():

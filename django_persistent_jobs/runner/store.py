@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ class ClaimedJob:
     tenant: str | None = None
     #: Why the stored payload could not be decoded (the job is then dead-lettered, not run).
     payload_error: str | None = None
+    #: When it was due: with ``priority`` and ``id``, its place in claim order (``ClaimKey``).
+    next_run_at: Any = None
 
 
 @contextmanager
@@ -113,20 +116,26 @@ def compile_queryset(qs: QuerySet[Any]) -> str:
     return inline(query_sql, params)
 
 
-def picked_sql(limit: int, with_queues: bool = False, with_types: bool = False) -> str:
+def picked_sql(limit: int, with_queues: bool = False, with_types: bool = False,
+               after: bool = False) -> str:
     """The ``picked`` part of the claim: ``PersistentJob.objects.claimable()`` locked with
-    ``SKIP LOCKED`` and limited, as the ORM compiles it."""
+    ``SKIP LOCKED`` and limited, as the ORM compiles it; with ``after``, only jobs after the key
+    in parameters ``after_priority``, ``after_at``, ``after_id`` (``ClaimKey``)."""
     from ..models import PersistentJob
 
     qs = PersistentJob.objects.claimable(
         queues=_Placeholder("queues") if with_queues else None,
         job_types=_Placeholder("types") if with_types else None,
     )
+    if after:
+        qs = qs.after_key(_Placeholder("after_priority"), _Placeholder("after_at"),
+                          _Placeholder("after_id"))
     return compile_queryset(qs.values("id").select_for_update(skip_locked=True)[: int(limit)])
 
 
 @functools.lru_cache(maxsize=64)
-def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False) -> str:
+def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False,
+              after: bool = False) -> str:
     """The claim statement for ``limit`` jobs (parameters ``runner``, and ``queues`` and
     ``types`` if asked): lock the picked jobs, insert their attempt rows, mark them running.
 
@@ -136,7 +145,7 @@ def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False) -
     """
     return f"""
 WITH picked AS (
-    {picked_sql(limit, with_queues, with_types)}
+    {picked_sql(limit, with_queues, with_types, after)}
 ), attempt AS (
     INSERT INTO persistent_jobs_attempts (job_id, attempt, runner_id)
     SELECT j.id, j.attempts + 1, %(runner)s FROM persistent_jobs j JOIN picked p ON p.id = j.id
@@ -172,9 +181,13 @@ def waiting_sibling_sql() -> str:
             "AND s.job_type = p.job_type AND s.dedup_key = p.dedup_key AND s.id <> p.id)")
 
 
+ClaimKey = tuple[int, Any, Any]
+"""A job's place in claim order: ``(priority, next_run_at, id)``."""
+
+
 def claim(
     cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None,
-    job_types: Collection[str] | None = None,
+    job_types: Collection[str] | None = None, after: ClaimKey | None = None,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
 
@@ -182,16 +195,19 @@ def claim(
     retries and ends dead-lettered instead of looping forever. With ``job_types`` only jobs of
     those types are claimed: a runner passes the types it has handlers for, so during a rolling
     deploy a job type only the new release knows waits for a new runner instead of being
-    dead-lettered as unknown by an old one. ``None`` claims every type.
+    dead-lettered as unknown by an old one. ``None`` claims every type. With ``after`` only jobs
+    of its priority after it in claim order are considered (see ``ClaimScan``).
     """
     params: dict[str, Any] = {"runner": runner_id}
     if queues:
         params["queues"] = list(queues)
     if job_types is not None:
         params["types"] = list(job_types)
+    if after is not None:
+        params["after_priority"], params["after_at"], params["after_id"] = after
     with prepared(cursor) as fast:
-        fast.execute(claim_sql(limit, bool(queues), job_types is not None), params,
-                     prepare=True)
+        fast.execute(claim_sql(limit, bool(queues), job_types is not None, after is not None),
+                     params, prepare=True)
         rows = fast.fetchall()
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
     jobs = []
@@ -200,9 +216,51 @@ def claim(
         jobs.append(ClaimedJob(
             id=r[0], job_type=r[1], payload=payload, attempt=r[3], max_retries=r[4],
             timeout=r[5], token=r[6], queue=r[7], priority=r[8], cancel_requested=r[9],
-            tenant=r[11], payload_error=problem,
+            tenant=r[11], payload_error=problem, next_run_at=r[10],
         ))
     return jobs
+
+
+class ClaimScan:
+    """Where a runner's next claim starts: after the last job it claimed, with a full scan from
+    the head of the claim order at least every ``rescan`` seconds and whenever asked.
+
+    Every claimed job leaves a dead entry at the head of ``pj_claim_idx`` until a vacuum removes
+    it (and nothing can while any session holds an older snapshot), so a claim that starts at
+    the head walks further with every job drained: the cost per job grows with the backlog.
+    Resuming after the last claimed key starts the index scan past those entries. What the
+    resumed scan cannot see (a job committed late with an earlier key, a higher priority, a job
+    skipped while another session had it locked, a job handed back) is found by the next full
+    scan: at once when the runner is woken (every enqueue NOTIFYs on commit), otherwise within
+    ``rescan`` seconds, and whenever the resumed scan finds nothing. So no job is missed; a job
+    of a higher priority that becomes due without a wake-up waits at most ``rescan`` seconds.
+    """
+
+    def __init__(self, rescan: float = 0.25) -> None:
+        self.rescan = rescan
+        self.key: ClaimKey | None = None
+        self.full_at = 0.0
+
+    def forget(self) -> None:
+        """Make the next claim a full scan (call on every wake-up)."""
+        self.key = None
+
+    def claim(self, cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None,
+              job_types: Collection[str] | None = None) -> list[ClaimedJob]:
+        now = time.monotonic()
+        if self.key is not None and now - self.full_at < self.rescan:
+            jobs = claim(cursor, runner_id, limit, queues, job_types, after=self.key)
+            if jobs:
+                self.key = _key(jobs[-1])
+                return jobs
+        jobs = claim(cursor, runner_id, limit, queues, job_types)
+        self.full_at = now
+        self.key = _key(jobs[-1]) if jobs else None
+        return jobs
+
+
+def _key(job: ClaimedJob) -> ClaimKey:
+    return (job.priority, job.next_run_at, job.id)
 
 
 def _decode_payload(raw: Any) -> tuple[Any, str | None]:

@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""How the cost of one claim grows while a backlog drains, and why (buffers the claim touches).
+
+Usage::
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres python bench/claim_cost.py \
+        [--jobs 40000] [--every 5000] [--hold-snapshot]
+
+Claims and completes ``--jobs`` no-op jobs one at a time on one connection (the runner's own
+statements, no handler, no Python job code), and every ``--every`` jobs prints the mean claim
+time of the last stretch and the shared buffers one claim touched (EXPLAIN ANALYZE, BUFFERS,
+rolled back). Nothing vacuums the table. With ``--hold-snapshot`` another connection holds a
+REPEATABLE READ snapshot for the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+
+from bench.run import fill, recreate_database, setup_django  # noqa: E402
+from bench.settings import BENCH_DB_NAME, DEFAULT_SERVER_URL, bench_database_url  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=40000)
+    parser.add_argument("--every", type=int, default=5000)
+    parser.add_argument("--hold-snapshot", action="store_true")
+    args = parser.parse_args(argv)
+    server_url = os.environ.get("DATABASE_URL") or DEFAULT_SERVER_URL
+    os.environ.pop("PJ_BENCH_DATABASE_URL", None)
+    url = bench_database_url()
+    recreate_database(server_url, BENCH_DB_NAME)
+    setup_django(url)
+    from django_persistent_jobs.runner import store
+
+    holder = psycopg.connect(url)
+    if args.hold_snapshot:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT 1 FROM persistent_jobs LIMIT 1")
+    fill(args.jobs, one_transaction=True, analyze_before_commit=True)
+    explain = "EXPLAIN (ANALYZE, BUFFERS) " + store.claim_sql(1)
+    print("jobs done | mean claim ms (last stretch) | buffers hit by one claim")
+    with psycopg.connect(url, autocommit=True) as conn, conn.cursor() as cur:
+        done, spent = 0, 0.0
+        while done < args.jobs:
+            started = time.perf_counter()
+            jobs = store.claim(cur, "diag", 1, None)
+            spent += time.perf_counter() - started
+            if not jobs:
+                break
+            store.complete(cur, jobs[0])
+            done += 1
+            if done % args.every == 0:
+                with conn.transaction(force_rollback=True):
+                    plan = "\n".join(r[0] for r in cur.execute(explain, {"runner": "x"}))
+                hits = re.search(r"Buffers: shared hit=(\d+)", plan)
+                print(f"{done:9d} | {spent * 1000 / args.every:8.3f} | "
+                      f"{hits.group(1) if hits else '?'}", flush=True)
+                spent = 0.0
+    holder.close()
+    recreate_database(server_url, BENCH_DB_NAME)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
