@@ -117,7 +117,7 @@ class _KeyAfter(BaseExpression):
         self.key = (priority, next_run_at, job_id)
 
     def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
-        table = compiler.quote_name_unless_alias(compiler.query.get_initial_alias())
+        table = connection.ops.quote_name(compiler.query.get_initial_alias())
         return (f"{table}.\"priority\" = %s::smallint AND ({table}.\"next_run_at\", "
                 f"{table}.\"id\") > (%s::timestamptz, %s::uuid)", self.key)
 
