@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from . import bounds, conf
 from .errors import ConfigurationError, DuplicateHandlerError
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 BackoffFn = Callable[[int], float]
 Validator = Callable[[Any], Any]
 _UNSET: Any = object()
+T = TypeVar("T")  # no PEP 695 generics: Python 3.11 (Django 5.2) is supported
 
 #: The kinds of handler problem; ``checks.py`` reports each under its own id.
 OPTION_INVALID = "OPTION_INVALID"
@@ -78,6 +79,9 @@ class HandlerSpec:
     #: ``file:line`` of the handler's code; tells a harmless re-registration of the same code
     #: from a second handler that happens to share the origin (two lambdas, a factory).
     location: str | None = None
+    #: The handler returns its result as JSON text, stored in the job's ``result`` column
+    #: (the django.tasks adapter); other handlers' return values are ignored.
+    returns_json: bool = False
 
     @property
     def is_recurring(self) -> bool:
@@ -209,12 +213,12 @@ def _positional_arity(func: Callable[..., Any]) -> int:
     return len(params)
 
 
-def _check_options(spec: HandlerSpec) -> list[tuple[str, str]]:
+def _check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[str, str]]:
     """``(kind, message)`` for every problem with a handler's options (the system check reports
     them). The bounds are those ``enqueue`` applies, from ``bounds``: a handler that passes the
     check can be enqueued with its own options."""
     problems: list[tuple[str, str]] = []
-    name = f"handler {bounds.show(spec.job_type, 80)} ({spec.origin})"
+    name = subject or f"handler {bounds.show(spec.job_type, 80)} ({spec.origin})"
 
     def option(problem: str | None) -> None:
         if problem is not None:
@@ -281,9 +285,9 @@ def _is_coroutine_function(code: Any) -> bool:
 
 
 @overload
-def job_handler[T](job_type: type[T], /) -> type[T]: ...
+def job_handler(job_type: type[T], /) -> type[T]: ...
 @overload
-def job_handler[T](
+def job_handler(
     job_type: str | None = None, *, max_retries: int | None = None,
     timeout: float | None = None, dedup: Dedup | str | None = None,
     backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,

@@ -7,6 +7,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+import django
 from django.core.exceptions import ImproperlyConfigured
 
 from tests.database import database_url
@@ -17,6 +18,7 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 ROOT_URLCONF = "tests.urls"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+STATIC_URL = "static/"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -24,6 +26,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",  # the admin's CSS in live-server (browser) tests
     "django_persistent_jobs",
     "tests.testapp",
 ]
@@ -59,6 +62,27 @@ def _databases() -> dict:
 
 
 DATABASES = _databases()
+
+# django.tasks: the durable backend (run by runjobs) and the in-process one. On Django 5.2 the
+# task API comes from the django-tasks backport, whose app registers its checks and signals.
+TASKS = {
+    "default": {
+        "BACKEND": "django_persistent_jobs.backends.PersistentJobsBackend",
+        "QUEUES": ["default", "tasks-other"],
+    },
+    "inprocess": {
+        "BACKEND": "django_persistent_jobs.backends.InProcessBackend",
+        "QUEUES": [],
+        "OPTIONS": {"WORKERS": 2},
+    },
+    "serial": {  # one thread: start order is exactly dispatch order
+        "BACKEND": "django_persistent_jobs.backends.InProcessBackend",
+        "QUEUES": [],
+        "OPTIONS": {"WORKERS": 1},
+    },
+}
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")
 
 # Short timings so runner tests finish quickly; individual tests override what they need.
 PERSISTENT_JOBS = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from django.db import connection, connections, transaction
@@ -219,7 +219,10 @@ def test_enqueue_many_against_a_running_duplicate() -> None:
 
 # ------------------------------------------------------------------ concurrency
 
-def _run[R](fn: Callable[[], R]) -> Callable[[], R]:
+R = TypeVar("R")
+
+
+def _run(fn: Callable[[], R]) -> Callable[[], R]:
     """Wrap a thread body so the thread's own Django connection is closed afterwards."""
 
     def body() -> R:

@@ -282,7 +282,8 @@ def _decode_payload(raw: Any) -> tuple[Any, str | None]:
 _COMPLETE = """
 WITH done AS (
     UPDATE persistent_jobs SET status = 'completed', locked_by = NULL, locked_at = NULL,
-        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp()
+        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+        result = %s::jsonb
     WHERE id = %s AND lock_token = %s
     RETURNING id
 )
@@ -293,10 +294,13 @@ RETURNING a.id
 """
 
 
-def complete(cursor: Any, job: ClaimedJob) -> bool:
-    """Mark the job completed inside the handler's transaction; False if the claim was lost."""
+def complete(cursor: Any, job: ClaimedJob, result: str | None = None) -> bool:
+    """Mark the job completed inside the handler's transaction; False if the claim was lost.
+
+    ``result`` is the handler's return value as JSON text (django.tasks results), or None.
+    """
     with prepared(cursor) as fast:
-        fast.execute(_COMPLETE, [job.id, job.token, job.token], prepare=True)
+        fast.execute(_COMPLETE, [result, job.id, job.token, job.token], prepare=True)
         return fast.fetchone() is not None
 
 
@@ -400,7 +404,8 @@ UPDATE persistent_jobs_attempts a SET finished_at = now(), duration = now() - a.
         ELSE COALESCE(%(outcome)s, CASE moved.status
             WHEN 'failed' THEN 'failed' WHEN 'dead_lettered' THEN 'dead_lettered'
             WHEN 'cancelled' THEN 'cancelled' ELSE 'interrupted' END) END,
-    error_code = moved.code, error_message = moved.message, traceback = %(traceback)s
+    error_code = moved.code, error_message = moved.message, traceback = %(traceback)s,
+    error_class = %(error_class)s
 FROM moved WHERE a.id = %(token)s
 RETURNING moved.status
 """
@@ -416,6 +421,7 @@ def transition(
     cursor: Any, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
     handback_limit: int | None = None, charge_delay: float = 0.0,
+    error_class: str = "",
 ) -> str | None:
     """Move a running job out of ``running``; return its new status, or None if not ours.
 
@@ -440,7 +446,7 @@ def transition(
         "message": storable_text(message, MESSAGE_MAX_LENGTH),
         "traceback": storable_text(traceback, TRACEBACK_MAX_LENGTH),
         "delay": storable_delay(delay), "charge_delay": storable_delay(charge_delay),
-        "outcome": outcome,
+        "outcome": outcome, "error_class": storable_text(error_class, 255),
         "handback_limit": configured_handback_limit() if handback_limit is None
         else int(handback_limit),
     }
@@ -476,15 +482,27 @@ def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
 
 def register_runner(
     cursor: Any, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
-    concurrency: int, version: str,
+    concurrency: int, version: str, name: str = "",
 ) -> None:
     cursor.execute(
-        "INSERT INTO persistent_jobs_runners (id, hostname, pid, queues, concurrency, version) "
-        "VALUES (%s, %s, %s, %s::jsonb, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+        "INSERT INTO persistent_jobs_runners (id, name, hostname, pid, queues, concurrency, "
+        "version) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s) ON CONFLICT (id) DO UPDATE SET "
         "heartbeat_at = now()",
-        [runner_id, hostname, pid, json.dumps(list(queues) if queues else None), concurrency,
-         version],
+        [runner_id, name, hostname, pid, json.dumps(list(queues) if queues else None),
+         concurrency, version],
     )
+
+
+def live_namesakes(
+    cursor: Any, runner_id: str, name: str, stale_seconds: float,
+) -> list[tuple[str, str, int]]:
+    """Other runners registered under ``name`` whose heartbeat is fresh: ``(id, host, pid)``."""
+    cursor.execute(
+        "SELECT id, hostname, pid FROM persistent_jobs_runners WHERE name = %s AND id <> %s "
+        "AND heartbeat_at >= now() - %s * interval '1 second' ORDER BY id",
+        [name, runner_id, stale_seconds],
+    )
+    return [(row[0], row[1], row[2]) for row in cursor.fetchall()]
 
 
 def heartbeat(cursor: Any, runner_id: str) -> bool:
