@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             done += 1
             if done % args.every == 0:
                 params: dict[str, object] = {"runner": "x"}
-                statement = store.claim_sql(1, after=scan.key is not None)
-                if scan.key is not None:
+                resumed = scan.key is not None and not args.from_head
+                statement = store.claim_sql(1, after=resumed)
+                if resumed and scan.key is not None:
                     params.update(zip(("after_priority", "after_at", "after_id"), scan.key,
                                       strict=True))
                 with conn.transaction(force_rollback=True):
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{done:9d} | {spent * 1000 / args.every:8.3f} | "
                       f"{hits.group(1) if hits else '?'}", flush=True)
                 spent = 0.0
+        plans = cur.execute("SELECT generic_plans, custom_plans, left(statement, 40) "
+                            "FROM pg_prepared_statements WHERE statement LIKE '%%SKIP LOCKED%%'")
+        for generic, custom, text in plans.fetchall():
+            print(f"prepared claim statement: {generic} generic plans, {custom} custom plans "
+                  f"({text.strip()!r}...)")
     holder.close()
     recreate_database(server_url, BENCH_DB_NAME)
     return 0
