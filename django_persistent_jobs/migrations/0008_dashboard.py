@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_persistent_jobs', '0006_shared_columns'),
+        ('django_persistent_jobs', '0007_runner_name'),
     ]
 
     operations = [
