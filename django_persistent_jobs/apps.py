@@ -16,3 +16,10 @@ class PersistentJobsConfig(AppConfig):
         from . import checks  # noqa: F401  (registers the system checks)
 
         autodiscover_modules("jobs")
+        from django.apps import apps
+
+        if apps.is_installed("django.contrib.admin"):
+            from .api import admin as _api_admin  # noqa: F401  (registers the token admin)
+        from . import metrics
+
+        metrics.connect_signals()

@@ -21,7 +21,7 @@ from django.db import connections, transaction
 from django.db.models.base import ModelState
 from django.utils import timezone
 
-from . import conf
+from . import conf, signals
 from .errors import ConfigurationError, EnqueueError, PayloadError, UnknownJobTypeError
 from .handlers import HandlerSpec, registry
 from .ids import uuid7
@@ -270,6 +270,9 @@ def enqueue(
         max_retries=max_retries, timeout=timeout, queue=queue, priority=priority,
     )
     result, created = _enqueue_prepared(job, alias)
+    result._pj_created = created  # type: ignore[attr-defined]  # the HTTP API: 201 or 200
+    if created:
+        signals.enqueued(result, alias)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "job %s %s", "enqueued" if created else "deduplicated", result.id,
@@ -351,9 +354,10 @@ def enqueue_many(items: Iterable[Any], **common: Any) -> list[PersistentJob]:
     keyed = [p for p in prepared if p.dedup_key is not None and p.dedup is not Dedup.ENQUEUE]
     with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
         if keyed:
-            return _enqueue_many_dedup(cursor, prepared, alias)
+            return signals.enqueued_many(_enqueue_many_dedup(cursor, prepared, alias),
+                                         {p.id for p in prepared}, alias)
         _copy_insert(connections[alias], prepared)
-    return [_instance(p, alias) for p in prepared]
+    return signals.enqueued_many([_instance(p, alias) for p in prepared], None, alias)
 
 
 def _copy_insert(connection: Any, jobs: list[_Prepared]) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections, transaction
 from psycopg.pq import TransactionStatus
 
+from .. import signals
 from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
 from ..handlers import HandlerSpec, global_backoff, registry
@@ -154,6 +155,8 @@ def record_outcome(
             what=f"reading the outcome of job {job.id}", interrupt=interrupt,
         )
     log_transition(job, status, outcome, runner_id, settled_as)
+    signals.finished(job, runner_id, status=status, code=outcome.code, message=outcome.message,
+                     attempt_outcome=attempt_outcome)
     return status
 
 
@@ -196,6 +199,7 @@ def prepare_connection(alias: str, inflight: InFlight) -> None:
 def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading.Event) -> None:
     """Run the handler and settle the job. Never raises except ``JobInterrupted``."""
     job = inflight.job
+    signals.started(job, runner_id)
     spec = registry.get(job.job_type)
     if spec is None:
         record_outcome(alias, job, Outcome(
@@ -238,6 +242,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             "back", job.id, extra={"event": "claim_lost", "job_id": str(job.id),
                                    "job_type": job.job_type, "runner_id": runner_id},
         )
+        signals.finished(job, runner_id, status=None)
         return
     except JobInterrupted:
         raise
@@ -251,6 +256,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             reset_connection(alias)
         record_outcome(alias, job, classify(exc, spec, job.attempt), runner_id, interrupt)
         return
+    signals.finished(job, runner_id, status="completed")
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "job %s completed", job.id,

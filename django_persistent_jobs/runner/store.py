@@ -40,6 +40,7 @@ class ClaimedJob:
     priority: int
     cancel_requested: bool
     tenant: str | None = None
+    due_at: Any = None  # next_run_at when claimed: when the job became due (queue-wait metric)
 
 
 @contextmanager
@@ -125,7 +126,7 @@ def claim(
         ClaimedJob(
             id=r[0], job_type=r[1], payload=json.loads(r[2]) if isinstance(r[2], str) else r[2],
             attempt=r[3], max_retries=r[4], timeout=r[5], token=r[6], queue=r[7],
-            priority=r[8], cancel_requested=r[9], tenant=r[11],
+            priority=r[8], cancel_requested=r[9], tenant=r[11], due_at=r[10],
         )
         for r in rows
     ]

@@ -26,6 +26,9 @@ class Command(BaseCommand):
         parser.add_argument("--grace", type=float, help="Shutdown grace period in seconds.")
         parser.add_argument("--no-scheduler", action="store_true",
                             help="Do not run the recurring-job scheduler in this process.")
+        parser.add_argument("--metrics-port", type=int,
+                            help="Serve Prometheus metrics on this port (needs the 'metrics' "
+                                 "extra); see docs/metrics.md.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["concurrency"] is not None and options["concurrency"] < 1:
@@ -48,6 +51,10 @@ class Command(BaseCommand):
             handler.setFormatter(logging.Formatter(
                 "%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
             package_logger.addHandler(handler)
+        if options["metrics_port"] is not None:
+            from django_persistent_jobs.metrics import serve_for_command
+
+            serve_for_command(options["metrics_port"])
         try:
             runner = Runner(
                 concurrency=options["concurrency"], queues=queues,
