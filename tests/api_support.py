@@ -14,8 +14,9 @@ ALL_PERMS = ("view_persistentjob", "add_persistentjob", "retry_persistentjob",
              "cancel_persistentjob")
 
 
-def make_user(username: str, *perms: str, password: str = "pw-123456") -> User:
-    user = User.objects.create_user(username, password=password)
+def make_user(username: str, *perms: str, password: str = "pw-123456",
+              staff: bool = False) -> User:
+    user = User.objects.create_user(username, password=password, is_staff=staff)
     if perms:
         user.user_permissions.set(Permission.objects.filter(
             content_type__app_label="django_persistent_jobs", codename__in=perms))

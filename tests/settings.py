@@ -17,6 +17,7 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 ROOT_URLCONF = "tests.urls"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+STATIC_URL = "/static/"  # the live-server tests' static handler needs one
 
 INSTALLED_APPS = [
     "django.contrib.admin",
