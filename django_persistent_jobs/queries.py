@@ -92,6 +92,8 @@ def _texts(name: str, values: Iterable[str]) -> tuple[str, ...]:
     """Accept repeated values and comma-separated lists alike (``status=a,b`` = ``a`` + ``b``)."""
     out: list[str] = []
     for value in values:
+        if str(value).strip() == "":
+            raise QueryError(name, f"{name} must not be empty.")
         for part in str(value).split(","):
             part = part.strip()
             if not part:
@@ -105,7 +107,7 @@ def _texts(name: str, values: Iterable[str]) -> tuple[str, ...]:
 
 def parse_when(name: str, value: str | None) -> datetime | None:
     """An ISO 8601 date-time with a time zone (a naive one would be read in an unknown zone)."""
-    if value is None or value == "":
+    if value is None:
         return None
     try:
         parsed = parse_datetime(value.strip())
@@ -135,7 +137,7 @@ def build_filter(values: Mapping[str, Iterable[str]]) -> JobFilter:
                                    f"{', '.join(JobStatus.values)}.")
 
     def one(name: str) -> str | None:
-        given = [v for v in values.get(name, ()) if v != ""]
+        given = list(values.get(name, ()))
         if len(given) > 1:
             raise QueryError(name, f"give {name} at most once.")
         return given[0] if given else None
@@ -152,7 +154,7 @@ def build_filter(values: Mapping[str, Iterable[str]]) -> JobFilter:
 
 
 def parse_limit(value: str | int | None) -> int:
-    if value is None or value == "":
+    if value is None:
         return DEFAULT_LIMIT
     try:
         limit = int(value)
