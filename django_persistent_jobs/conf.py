@@ -42,6 +42,9 @@ DEFAULTS: dict[str, Any] = {
     "JSON_ENCODER": None,
     "ALLOW_UNREGISTERED": False,
     "SCHEDULER_INTERVAL": 1.0,
+    # Payload keys the admin shows as "***" (case-insensitive substrings of the key).
+    "REDACT_KEYS": ("password", "passwd", "secret", "token", "api_key", "apikey",
+                    "authorization", "credential", "private_key", "cookie", "session"),
 }
 
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
@@ -202,6 +205,10 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
         errors.append(("persistent_jobs.E011",
                        "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be at most 100 characters "
                        f"(the queue column's length), got {len(default_queue)}.", ""))
+    redact = value("REDACT_KEYS")
+    if not isinstance(redact, list | tuple) or not all(isinstance(k, str) and k for k in redact):
+        errors.append(("persistent_jobs.E015", "PERSISTENT_JOBS['REDACT_KEYS'] must be a list of "
+                       f"non-empty strings, got {redact!r}.", "For example ['password', 'token']."))
     if not isinstance(value("ALLOW_UNREGISTERED"), bool):
         errors.append(("persistent_jobs.E014",
                        "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got "

@@ -216,6 +216,20 @@ class JobRunnerRecord(models.Model):
         return self.id
 
 
+class JobDashboard(PersistentJob):
+    """No data of its own: gives the operator dashboard a row on the admin index.
+
+    The admin lists models, not pages; this proxy puts "Dashboard" next to the job tables so
+    that an operator reaches it in one click. It has no permissions: viewing it needs the
+    permission to view jobs.
+    """
+
+    class Meta:
+        proxy = True
+        verbose_name = verbose_name_plural = "dashboard"
+        default_permissions = ()
+
+
 #: Every column of ``persistent_jobs`` in model order, for ``RETURNING`` clauses of raw SQL.
 JOB_COLUMNS: tuple[str, ...] = tuple(str(f.column) for f in PersistentJob._meta.concrete_fields)
 JOB_COLUMNS_SQL = ", ".join(f'"{c}"' for c in JOB_COLUMNS)
