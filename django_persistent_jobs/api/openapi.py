@@ -7,7 +7,10 @@ the document allows (or forbids) gets a response it does not describe.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import fields, is_dataclass
+from datetime import datetime, timedelta
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from ..models import AttemptOutcome, JobStatus
 from ..queries import DEFAULT_LIMIT, MAX_LIMIT
@@ -285,8 +288,55 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "properties": {"mode": {"type": "string", "enum": ["now", "later", "reset"],
                                             "default": "now"}},
                 },
-                "Stats": {"type": "object",
-                          "description": "The dashboard's numbers: see docs/api.md."},
+                **stats_schemas(),
             },
         },
     }
+
+
+def _type_schema(hint: Any, components: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema for a type hint of the stats dataclasses, as ``to_dict`` renders it."""
+    origin = get_origin(hint)
+    args = get_args(hint)
+    if origin in (Union, UnionType):
+        others = [a for a in args if a is not type(None)]
+        inner = _type_schema(others[0], components) if len(others) == 1 else {}
+        if "$ref" in inner:
+            return {"anyOf": [inner, {"type": "null"}]}
+        if "type" in inner:
+            return {**inner, "type": [inner["type"], "null"]}
+        return inner
+    if is_dataclass(hint) and isinstance(hint, type):
+        name = hint.__name__
+        if name not in components:
+            components[name] = {}  # placeholder: recursion guard
+            components[name] = _dataclass_schema(hint, components)
+        return _ref(name)
+    if origin in (list, tuple):
+        return {"type": "array", "items": _type_schema(args[0], components) if args else {}}
+    if origin is dict:
+        return {"type": "object",
+                "additionalProperties": _type_schema(args[1], components) if args else {}}
+    simple: dict[Any, dict[str, Any]] = {
+        str: {"type": "string"}, bool: {"type": "boolean"}, int: {"type": "integer"},
+        float: {"type": "number"}, datetime: {"type": "string", "format": "date-time"},
+        timedelta: {"type": "number", "description": "seconds"},
+    }
+    return dict(simple.get(hint, {}))
+
+
+def _dataclass_schema(cls: type, components: dict[str, Any]) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    props = {f.name: _type_schema(hints[f.name], components) for f in fields(cls)}
+    return {"type": "object", "additionalProperties": False, "required": list(props),
+            "properties": props}
+
+
+def stats_schemas() -> dict[str, Any]:
+    """Schemas of ``GET stats``, derived from the ``stats`` dataclasses so they cannot drift."""
+    from ..stats import DashboardStats
+
+    components: dict[str, Any] = {}
+    root = _dataclass_schema(DashboardStats, components)
+    return {"Stats": {**root, "description": "The dashboard's numbers (see docs/api.md)."},
+            **components}

@@ -8,11 +8,8 @@ so a rejected request writes nothing.
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable
 from datetime import timedelta
-from functools import cache
 from typing import Any
 
 from django.db import transaction
@@ -90,19 +87,12 @@ def _field_of(exc: EnqueueError) -> str:
     return first if first in ENQUEUE_FIELDS else "body"
 
 
-@cache
-def _accepts_actor(fn: Callable[..., Any]) -> bool:
-    """Whether a service records who acted (``actor=``); older service layers do not."""
-    try:
-        return "actor" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _act(fn: Callable[..., Any], *args: Any, actor: Any, **kwargs: Any) -> Any:
-    if _accepts_actor(fn):
-        kwargs["actor"] = actor
-    return fn(*args, **kwargs)
+def _actor(caller: auth.Caller) -> str:
+    """Who acted, for the service layer's log line and the job's cancel message."""
+    name = caller.user.get_username()
+    if caller.token is not None:
+        return f"{name} (API token {caller.token.name!r})"
+    return f"{name} (API)"
 
 
 def _enqueue(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
@@ -218,7 +208,7 @@ def retry_view(request: HttpRequest, job_id: str) -> HttpResponse:
         raise bad_request("mode", f"mode must be one of {', '.join(services.RETRY_MODES)}.")
     try:
         job = queries.get_job(job_id, tenant=caller.tenant)
-        job = _act(services.retry_job, job.id, mode, actor=caller.user)
+        job = services.retry_job(job.id, mode, actor=_actor(caller))
     except JobNotFoundError as exc:
         raise _not_found(exc) from None
     except InvalidJobStateError as exc:
@@ -238,7 +228,7 @@ def cancel_view(request: HttpRequest, job_id: str) -> HttpResponse:
         raise bad_request(field, f"Unknown field {field!r}; cancel takes no fields.")
     try:
         job = queries.get_job(job_id, tenant=caller.tenant)
-        job = _act(services.cancel_job, job.id, actor=caller.user)
+        job = services.cancel_job(job.id, actor=_actor(caller))
     except JobNotFoundError as exc:
         raise _not_found(exc) from None
     except InvalidJobStateError as exc:

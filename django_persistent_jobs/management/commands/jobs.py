@@ -196,10 +196,10 @@ class Command(BaseCommand):
         return worst
 
     def do_retry(self, options: dict[str, Any]) -> int:
-        return self._act(options, lambda job_id: services.retry_job(job_id, options["mode"]))
+        return self._act(options, lambda job_id: services.retry_job(job_id, options["mode"], actor="cli"))
 
     def do_cancel(self, options: dict[str, Any]) -> int:
-        return self._act(options, services.cancel_job)
+        return self._act(options, lambda job_id: services.cancel_job(job_id, actor="cli"))
 
     def do_stats(self, options: dict[str, Any]) -> int:
         from django_persistent_jobs.stats import dashboard_stats
