@@ -357,3 +357,41 @@ def test_openapi_document_is_served_and_covers_every_route(client: Client):
 
     routes = {"/" + str(p.pattern).replace("<str:job_id>", "{job_id}") for p in urls.urlpatterns}
     assert routes == set(doc["paths"])
+
+
+# ------------------------------------------------------------------ stats
+def test_stats_serves_the_dashboard_numbers(client: Client, operator_token: str):
+    stage(status="dead_lettered", error_code="SMTP")
+    stage(queue="mail")
+    response = call(client, "GET", "/jobs/stats?window=3600", operator_token)
+    assert response.status_code == 200
+    data = response.json()
+    assert data["status_counts"]["dead_lettered"] == 1
+    assert data["status_counts"]["pending"] == 1
+    assert data["window"] == 3600.0 and data["tenant"] is None
+    assert {q["queue"] for q in data["queues"]} >= {"mail"}
+
+
+def test_stats_of_a_tenant_bound_token_cover_its_tenant_only(client: Client):
+    acme = make_token(make_user("acme", "view_persistentjob"), tenant="acme")
+    stage(tenant="acme")
+    stage(tenant="globex", status="dead_lettered")
+    stage(status="dead_lettered")
+    data = call(client, "GET", "/jobs/stats", acme).json()
+    assert data["tenant"] == "acme"
+    assert data["status_counts"]["pending"] == 1
+    assert data["status_counts"]["dead_lettered"] == 0
+    assert [t["tenant"] for t in data["tenants"]] in (["acme"], [])
+
+
+@pytest.mark.parametrize("query", ["window=10", "window=x", "window=", "colour=red"])
+def test_stats_400(client: Client, operator_token: str, query: str):
+    response = call(client, "GET", f"/jobs/stats?{query}", operator_token)
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] in ("window", "colour")
+
+
+def test_stats_need_view_permission(client: Client):
+    nobody = make_token(make_user("nobody"))
+    assert call(client, "GET", "/jobs/stats", nobody).status_code == 403
+    assert call(client, "GET", "/jobs/stats").status_code == 401

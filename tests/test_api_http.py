@@ -95,6 +95,8 @@ def test_every_endpoint_with_a_token(base: str):
     assert status == 200 and cancelled["status"] == "cancelled"
     status, retried, _ = api.call("POST", f"/jobs/{job_id}/retry", {"mode": "reset"})
     assert status == 200 and retried["status"] == "pending"
+    status, stats, _ = api.call("GET", "/jobs/stats")
+    assert status == 200 and stats["status_counts"]["pending"] == 1
     status, doc, _ = Http(base).call("GET", "/jobs/openapi.json")
     assert status == 200 and doc["openapi"].startswith("3.")
 

@@ -129,3 +129,14 @@ def test_prune_deletes_expired_finished_jobs_now():
     assert data == {"deleted": 1}
     assert not PersistentJob.objects.filter(pk=old.pk).exists()
     assert PersistentJob.objects.filter(pk__in=[recent.pk, dead.pk]).count() == 2
+
+
+def test_stats_json_and_human():
+    stage(status="dead_lettered", error_code="SMTP", tenant="acme")
+    stage(tenant="globex")
+    data = jobs_json("stats")
+    assert data["status_counts"]["dead_lettered"] == 1 and data["status_counts"]["pending"] == 1
+    assert jobs_json("stats", "--tenant", "globex")["status_counts"]["dead_lettered"] == 0
+    code, out, _ = jobs("stats")
+    assert code == 0 and "status_counts" in out
+    assert jobs("stats", "--window", "5")[0] == 2
