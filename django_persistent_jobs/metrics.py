@@ -39,7 +39,6 @@ try:
     import prometheus_client
     from prometheus_client import CollectorRegistry, Counter, Histogram
     from prometheus_client.core import GaugeMetricFamily
-    from prometheus_client.registry import Collector
 except ImportError:  # pragma: no cover - the extra is not installed
     prometheus_client = None  # type: ignore[assignment]
 
@@ -260,8 +259,8 @@ def registry(*, close_connection: bool = False) -> Any:
 
         multiprocess.MultiProcessCollector(reg)
     else:
-        reg.register(_EventsCollector())  # type: ignore[arg-type]
-    reg.register(DatabaseCollector(close_connection))  # type: ignore[arg-type]
+        reg.register(_EventsCollector())
+    reg.register(DatabaseCollector(close_connection))
     return reg
 
 
@@ -274,8 +273,8 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     """Mount anywhere (``path("metrics", metrics_view)``). Authenticated like the API: a bearer
     token (Prometheus ``authorization`` config) or a session whose user can view jobs; a
     tenant-bound token is refused, since these numbers cover every tenant."""
-    from .api.http import ApiError, error_response
     from .api import auth
+    from .api.http import ApiError, error_response
 
     try:
         if request.method not in ("GET", "HEAD"):
@@ -304,7 +303,7 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
 
     if not enable():
         raise ConfigurationError(INSTALL_HINT)
-    server, thread = prometheus_client.start_http_server(
+    server, _thread = prometheus_client.start_http_server(
         port, addr=addr, registry=registry(close_connection=True))
     logger.info("metrics served on %s:%d/metrics", addr, port,
                 extra={"event": "metrics_serving", "port": port})

@@ -14,8 +14,8 @@ import pytest
 from django.utils import timezone
 
 from django_persistent_jobs.models import PersistentJob
-from tests.api_support import stage
 from tests import conftest
+from tests.api_support import stage
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 

@@ -19,9 +19,8 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from django_persistent_jobs import enqueue_many
-from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, PersistentJob
+from django_persistent_jobs.models import JobRunnerRecord
 from tests.api_support import ALL_PERMS, bearer, make_token, make_user, stage
-from tests.conftest import wait_for
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
 

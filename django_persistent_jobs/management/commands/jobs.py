@@ -196,7 +196,8 @@ class Command(BaseCommand):
         return worst
 
     def do_retry(self, options: dict[str, Any]) -> int:
-        return self._act(options, lambda job_id: services.retry_job(job_id, options["mode"], actor="cli"))
+        return self._act(
+            options, lambda job_id: services.retry_job(job_id, options["mode"], actor="cli"))
 
     def do_cancel(self, options: dict[str, Any]) -> int:
         return self._act(options, lambda job_id: services.cancel_job(job_id, actor="cli"))
