@@ -9,9 +9,9 @@ Two kinds of numbers, from two sources, because a deployment runs many processes
   queue-wait histograms) are counted in the process where they happen, from the runner's
   signals. Each runner process is its own scrape target and Prometheus sums across targets.
   Deriving these from the database instead would break counter semantics: retention deletes
-  old rows, and a counter read as ``count(*)`` would go down. Processes forked by one command
-  share one port only in prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``),
-  which ``render`` honours.
+  old rows, and a counter read as ``count(*)`` would go down. Processes started by one command
+  share one port through prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``),
+  which ``render`` honours and ``runjobs --metrics-port`` turns on for its worker processes.
 
 A process counts events only once it exports metrics (``enable``: ``runjobs --metrics-port``,
 the first request to ``metrics_view``, or multiprocess mode), so runners that are not scraped
@@ -20,8 +20,13 @@ pay nothing for them.
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import logging
 import os
+import shutil
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -35,12 +40,16 @@ from . import conf, signals
 
 logger = logging.getLogger("django_persistent_jobs.metrics")
 
-try:
+# prometheus_client is imported only when metrics are first used, never at app start: its
+# multiprocess mode is decided by PROMETHEUS_MULTIPROC_DIR *when it is imported*, and
+# ``runjobs --metrics-port`` sets that variable before anything imports it (``serve_for_command``).
+
+
+def _prom() -> Any:
     import prometheus_client
-    from prometheus_client import CollectorRegistry, Counter, Histogram
-    from prometheus_client.core import GaugeMetricFamily
-except ImportError:  # pragma: no cover - the extra is not installed
-    prometheus_client = None  # type: ignore[assignment]
+
+    return prometheus_client
+
 
 NAMESPACE = "persistent_jobs"
 INSTALL_HINT = ("Prometheus metrics need prometheus-client: "
@@ -55,7 +64,7 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 
 
 def available() -> bool:
-    return prometheus_client is not None
+    return importlib.util.find_spec("prometheus_client") is not None
 
 
 class _Events:
@@ -64,6 +73,8 @@ class _Events:
     application's metrics."""
 
     def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+
         self.started = Counter(
             "started", "Attempts a runner began executing.", ["job_type", "queue"],
             namespace=NAMESPACE, registry=None)
@@ -178,6 +189,8 @@ class DatabaseCollector:
         self.close_connection = close_connection
 
     def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
         alias = str(conf.get("DATABASE"))
         up = GaugeMetricFamily(f"{NAMESPACE}_database_up",
                                "1 if the last scrape could read the job tables.")
@@ -253,6 +266,8 @@ class _EventsCollector:
 
 
 def registry(*, close_connection: bool = False) -> Any:
+    from prometheus_client import CollectorRegistry
+
     reg = CollectorRegistry(auto_describe=False)
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
@@ -266,7 +281,7 @@ def registry(*, close_connection: bool = False) -> Any:
 
 def render(*, close_connection: bool = False) -> bytes:
     """The exposition text: this process's events and the database's state."""
-    return bytes(prometheus_client.generate_latest(registry(close_connection=close_connection)))
+    return bytes(_prom().generate_latest(registry(close_connection=close_connection)))
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
@@ -286,7 +301,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
             raise ApiError(501, "metrics_unavailable", INSTALL_HINT)
     except ApiError as error:
         return error_response(error)
-    return HttpResponse(render(), content_type=prometheus_client.CONTENT_TYPE_LATEST)
+    return HttpResponse(render(), content_type=_prom().CONTENT_TYPE_LATEST)
 
 
 def public_metrics_view(request: HttpRequest) -> HttpResponse:
@@ -294,7 +309,7 @@ def public_metrics_view(request: HttpRequest) -> HttpResponse:
     scraper can reach. Job types, queues and error codes are visible to whoever can."""
     if not enable():
         return HttpResponse(INSTALL_HINT, status=501, content_type="text/plain")
-    return HttpResponse(render(), content_type=prometheus_client.CONTENT_TYPE_LATEST)
+    return HttpResponse(render(), content_type=_prom().CONTENT_TYPE_LATEST)
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> Any:
@@ -303,7 +318,7 @@ def serve(port: int, addr: str = "0.0.0.0") -> Any:
 
     if not enable():
         raise ConfigurationError(INSTALL_HINT)
-    server, _thread = prometheus_client.start_http_server(
+    server, _thread = _prom().start_http_server(
         port, addr=addr, registry=registry(close_connection=True))
     logger.info("metrics served on %s:%d/metrics", addr, port,
                 extra={"event": "metrics_serving", "port": port})
@@ -318,9 +333,30 @@ def serve_for_command(port: int) -> Any:
 
     if not 0 < port < 65536:
         raise CommandError(f"--metrics-port must be a TCP port (1..65535), got {port}.")
+    use_multiprocess_dir()
     try:
         return serve(port)
     except ConfigurationError as exc:
         raise CommandError(str(exc)) from exc
     except OSError as exc:
         raise CommandError(f"Cannot serve metrics on port {port}: {exc}") from exc
+
+
+def use_multiprocess_dir() -> str | None:
+    """Count events in prometheus_client's multiprocess mode, in a private directory, unless
+    the environment already chose a directory.
+
+    A ``runjobs`` may run jobs in worker processes it spawns (``--processes``): they inherit the
+    environment, count into the same directory, and this process's scrape sums them all. With
+    one process the numbers are the same either way. Only possible before prometheus_client is
+    first imported (it picks its mode then); otherwise this process counts in memory alone.
+    """
+    existing = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if existing:
+        return existing
+    if "prometheus_client" in sys.modules:
+        return None
+    path = tempfile.mkdtemp(prefix="persistent-jobs-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    atexit.register(shutil.rmtree, path, True)
+    return path
