@@ -310,7 +310,11 @@ def enqueue_scheduled_run(
     """
     job = _prepare(job_type, payload, dedup_key=dedup_key, queue=queue, priority=priority,
                    tenant=tenant, schedule=schedule)
-    return _enqueue_prepared(job, str(conf.get("DATABASE")))
+    alias = str(conf.get("DATABASE"))
+    result, created = _enqueue_prepared(job, alias)
+    if created:
+        signals.enqueued(result, alias)
+    return result, created
 
 
 def _item_kwargs(item: Any, common: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:

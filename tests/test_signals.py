@@ -139,3 +139,11 @@ def test_a_failing_receiver_does_not_change_the_outcome(start_runner: Callable[.
         signals.job_started.disconnect(explode)
         signals.job_finished.disconnect(explode)
     assert PersistentJob.objects.get(pk=job.id).status == JobStatus.COMPLETED
+
+
+def test_job_enqueued_for_a_recurring_run(recorder: Recorder):
+    from django_persistent_jobs import add_schedule, run_schedule_now
+
+    add_schedule("sig-tick", "test.recurring.work", interval=3600, payload={"note": "s"})
+    job = run_schedule_now("sig-tick")
+    assert [kw["job"].id for kw in recorder.of("enqueued")] == [job.id]

@@ -9,6 +9,7 @@ found; 4 the job's state did not allow the action (for several jobs: at least on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from datetime import timedelta
@@ -163,8 +164,8 @@ class Command(BaseCommand):
                                "--status dead_lettered --job-type emails.send).",
                                returncode=EXIT_USAGE)
         if not job_filter.statuses:
-            job_filter = queries.JobFilter(**{**job_filter.__dict__,
-                                              "statuses": _DEFAULT_STATUSES[options["action"]]})
+            job_filter = dataclasses.replace(
+                job_filter, statuses=_DEFAULT_STATUSES[options["action"]])
         return list(queries.iter_matching(job_filter))
 
     def _act(self, options: dict[str, Any], act: Any) -> int:
