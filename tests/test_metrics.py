@@ -64,16 +64,32 @@ def db_counts() -> dict[str, int]:
             "active": active}
 
 
+def runjobs_accepts(option: str) -> bool:
+    from django_persistent_jobs.management.commands.runjobs import Command
+
+    parser = Command().create_parser("manage.py", "runjobs")
+    return any(option in action.option_strings for action in parser._actions)
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(180)
-def test_metrics_scraped_during_a_real_drain_match_the_database(spawn_runner: Spawn):
+@pytest.mark.parametrize("processes", [None, 2])
+def test_metrics_scraped_during_a_real_drain_match_the_database(
+        spawn_runner: Spawn, processes: int | None):
+    """With worker processes, jobs run (and are counted) in processes other than the one
+    serving the port: their counts must still all reach its exposition."""
+    if processes is not None and not runjobs_accepts("--processes"):
+        pytest.skip("this runjobs has no --processes")
     port = free_port()
     items: list[Any] = [("test.ledger", {"note": str(i), "sleep": 0.05}) for i in range(40)]
     items += [("test.ledger", {"fail_times": 1}) for _ in range(10)]
     items += [("test.ledger", {"permanent": True}) for _ in range(5)]
     items += [{"job_type": "test.ledger", "payload": {}, "queue": "side"} for _ in range(5)]
     enqueue_many(items)
-    proc = spawn_runner("--metrics-port", str(port), "--concurrency", "4")
+    args = ["--metrics-port", str(port), "--concurrency", "4"]
+    if processes is not None:
+        args += ["--processes", str(processes)]
+    proc = spawn_runner(*args)
     previous: dict[Any, float] = {}
     scrapes = 0
     mid_drain = 0  # scrapes that saw both finished attempts and jobs still to run
