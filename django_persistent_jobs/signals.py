@@ -49,10 +49,16 @@ _OUTCOME_FOR_STATUS = {
 }
 
 
-def _sender() -> Any:
-    from .models import PersistentJob
+_SENDER: Any = None
 
-    return PersistentJob
+
+def _sender() -> Any:
+    global _SENDER
+    if _SENDER is None:
+        from .models import PersistentJob
+
+        _SENDER = PersistentJob
+    return _SENDER
 
 
 def _send(signal: Signal, **kwargs: Any) -> None:
