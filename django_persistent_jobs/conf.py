@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     # Payload keys the admin shows as "***" (case-insensitive substrings of the key).
     "REDACT_KEYS": ("password", "passwd", "secret", "token", "api_key", "apikey",
                     "authorization", "credential", "private_key", "cookie", "session"),
+    "HANDBACK_LIMIT": 3,  # free hand-backs of one job at shutdown; later ones use an attempt
 }
 
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
@@ -121,7 +122,7 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
     for key, integer, zero in (
         ("MAX_RETRIES", True, True), ("CONCURRENCY", True, False),
         ("PAYLOAD_MAX_BYTES", True, False), ("PAYLOAD_MAX_DEPTH", True, False),
-        ("PAYLOAD_MAX_KEYS", True, False),
+        ("PAYLOAD_MAX_KEYS", True, False), ("HANDBACK_LIMIT", True, True),
     ):
         msg = _positive_number(key, value(key), integer=integer, allow_zero=zero)
         if msg:
