@@ -16,6 +16,9 @@ class PersistentJobsConfig(AppConfig):
         from . import checks  # noqa: F401  (registers the system checks)
 
         autodiscover_modules("jobs")
+        from .backends.discovery import discover_tasks
+
+        discover_tasks()  # tasks of a PersistentJobsBackend in settings.TASKS
         from django.apps import apps
 
         if apps.is_installed("django.contrib.admin"):

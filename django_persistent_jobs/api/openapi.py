@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from ..errors import MAX_RETRY_AFTER as MAX_SECONDS
 from ..models import AttemptOutcome, JobStatus
 from ..queries import DEFAULT_LIMIT, MAX_LIMIT
 from ..types import Dedup
@@ -263,7 +264,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                         "payload": _ANY,
                         "run_at": _TIME_OR_NULL,
                         "delay": {"type": ["number", "null"], "minimum": 0,
-                                  "maximum": 31_536_000_000},
+                                  "maximum": MAX_SECONDS},
                         "dedup_key": {"type": ["string", "null"], "minLength": 1,
                                       "maxLength": 255},
                         "dedup": {"enum": [*(d.value for d in Dedup), None]},
@@ -275,7 +276,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                         "max_retries": {"type": ["integer", "null"], "minimum": 0,
                                         "maximum": 1_000_000},
                         "timeout": {"type": ["number", "null"], "exclusiveMinimum": 0,
-                                    "maximum": 31_536_000_000},
+                                    "maximum": MAX_SECONDS},
                     },
                 },
                 "EnqueueResult": {
