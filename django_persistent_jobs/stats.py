@@ -249,14 +249,15 @@ def dashboard_stats(
     queues = _queues(jobs, now, serving)
     served_queues = {q.queue for q in queues if q.served}
     stuck, stuck_counts = _stuck(jobs, now, runners, served_queues, unclaimed_after)
+    status_counts, job_types = _counts(jobs)
+    hourly, daily = _series(jobs, attempts, now)
     return DashboardStats(
         now=now, window=window, tenant=tenant, stale_after=stale_after, late_after=late_after,
         unclaimed_after=unclaimed_after,
-        status_counts=_status_counts(jobs),
+        status_counts=status_counts,
         queues=queues,
-        job_types=_job_types(jobs),
-        hourly=_series(jobs, attempts, now, "hour"),
-        daily=_series(jobs, attempts, now, "day"),
+        job_types=job_types,
+        hourly=hourly, daily=daily,
         failure_groups=_failure_groups(jobs, attempts, now - window),
         stuck=stuck, stuck_counts=stuck_counts,
         runners=runners,
@@ -264,21 +265,17 @@ def dashboard_stats(
     )
 
 
-def _status_counts(jobs: QuerySet[PersistentJob]) -> dict[str, int]:
-    counts = _zero_counts()
-    for row in jobs.order_by().values("status").annotate(n=Count("id")):
-        counts[row["status"]] = row["n"]
-    return counts
-
-
-def _job_types(jobs: QuerySet[PersistentJob]) -> list[JobTypeStats]:
+def _counts(jobs: QuerySet[PersistentJob]) -> tuple[dict[str, int], list[JobTypeStats]]:
+    """Jobs per status, and per job type and status: one scan of the table for both."""
+    totals = _zero_counts()
     per_type: dict[str, dict[str, int]] = defaultdict(_zero_counts)
     for row in jobs.order_by().values("job_type", "status").annotate(n=Count("id")):
         per_type[row["job_type"]][row["status"]] = row["n"]
+        totals[row["status"]] += row["n"]
     result = [JobTypeStats(job_type=t, counts=c, total=sum(c.values()))
               for t, c in per_type.items()]
     result.sort(key=lambda s: (-s.total, s.job_type))
-    return result[:LIST_LIMIT]
+    return totals, result[:LIST_LIMIT]
 
 
 def _queues(
@@ -312,36 +309,38 @@ def _queues(
 
 
 def _series(
-    jobs: QuerySet[PersistentJob], attempts: QuerySet[JobAttempt], now: datetime, unit: str,
-) -> list[Bucket]:
-    step = timedelta(hours=1) if unit == "hour" else timedelta(days=1)
-    count = 24 if unit == "hour" else 7
-    current = now.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
-    if unit == "day":
-        current = current.replace(hour=0)
-    first = current - (count - 1) * step
-    values: dict[datetime, dict[str, int]] = {
-        first + i * step: {"completed": 0, "failed": 0, "dead_lettered": 0} for i in range(count)
-    }
+    jobs: QuerySet[PersistentJob], attempts: QuerySet[JobAttempt], now: datetime,
+) -> tuple[list[Bucket], list[Bucket]]:
+    """(hourly over 24 h, daily over 7 days), from one pass per table grouped by UTC hour."""
+    hour = now.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    hours = [hour - timedelta(hours=23 - i) for i in range(24)]
+    today = hour.replace(hour=0)
+    days = [today - timedelta(days=6 - i) for i in range(7)]
+    empty = {"completed": 0, "failed": 0, "dead_lettered": 0}
+    per_hour: dict[datetime, dict[str, int]] = defaultdict(lambda: dict(empty))
     finished = (
         jobs.filter(status__in=(JobStatus.COMPLETED, JobStatus.DEAD_LETTERED),
-                    finished_at__gte=first, finished_at__lte=now)
-        .order_by().annotate(b=Trunc("finished_at", unit, tzinfo=UTC))
+                    finished_at__gte=days[0], finished_at__lte=now)
+        .order_by().annotate(b=Trunc("finished_at", "hour", tzinfo=UTC))
         .values("b", "status").annotate(n=Count("id"))
     )
     for row in finished:
-        if row["b"] in values:
-            values[row["b"]][row["status"]] += row["n"]
+        per_hour[row["b"]][row["status"]] += row["n"]
     failed = (
-        attempts.filter(outcome__in=FAILED_OUTCOMES, finished_at__gte=first,
+        attempts.filter(outcome__in=FAILED_OUTCOMES, finished_at__gte=days[0],
                         finished_at__lte=now)
-        .order_by().annotate(b=Trunc("finished_at", unit, tzinfo=UTC))
+        .order_by().annotate(b=Trunc("finished_at", "hour", tzinfo=UTC))
         .values("b").annotate(n=Count("id"))
     )
     for bucket in failed:
-        if bucket["b"] in values:
-            values[bucket["b"]]["failed"] += bucket["n"]
-    return [Bucket(start=start, **counts) for start, counts in values.items()]
+        per_hour[bucket["b"]]["failed"] += bucket["n"]
+    per_day: dict[datetime, dict[str, int]] = defaultdict(lambda: dict(empty))
+    for start, counts in per_hour.items():
+        day = per_day[start.astimezone(UTC).replace(hour=0)]
+        for key, n in counts.items():
+            day[key] += n
+    return ([Bucket(start=h, **per_hour.get(h, empty)) for h in hours],
+            [Bucket(start=d, **per_day.get(d, empty)) for d in days])
 
 
 def _failure_groups(
@@ -426,13 +425,16 @@ def _stuck(
     unserved = due & ~Q(queue__in=served_queues)
     kinds = {"past_timeout": past_timeout, "stale_runner": stale_runner,
              "unclaimed": unclaimed, "unserved_queue": unserved}
+    # Every kind concerns running or waiting jobs: the partial indexes hold exactly those, so
+    # the cost does not grow with the finished history.
+    active = jobs.filter(status__in=JobStatus.active())
     counts = {
-        kind: n for kind, n in jobs.order_by().aggregate(
+        kind: n for kind, n in active.order_by().aggregate(
             **{kind: Count("id", filter=cond) for kind, cond in kinds.items()}
         ).items()
     }
     any_kind = past_timeout | stale_runner | unclaimed | unserved
-    found = list(jobs.filter(any_kind).order_by("next_run_at", "id").only(
+    found = list(active.filter(any_kind).order_by("next_run_at", "id").only(
         "id", "job_type", "queue", "status", "tenant", "locked_by", "locked_at", "next_run_at",
         "timeout_seconds")[:LIST_LIMIT])
     heartbeat = {r.id: r for r in runners}

@@ -32,9 +32,7 @@ def db_now() -> datetime:
 
 
 def job(job_type: str = "stats.mail", tenant: str | None = None, **fields: Any) -> PersistentJob:
-    created = enqueue(job_type, {})
-    if tenant is not None:
-        fields["tenant"] = tenant
+    created = enqueue(job_type, {}, tenant=tenant)
     if fields:
         PersistentJob.objects.filter(pk=created.pk).update(**fields)
     return PersistentJob.objects.get(pk=created.pk)

@@ -18,7 +18,7 @@ from django.utils.safestring import SafeString
 
 from ..models import JobAttempt, PersistentJob
 from . import display
-from .jobs import ReadOnlyAdminMixin, job_url
+from .jobs import JobViewersMixin, ReadOnlyAdminMixin, job_url
 
 if TYPE_CHECKING:
     _AttemptAdminBase = admin.ModelAdmin[JobAttempt]
@@ -57,9 +57,8 @@ class TenantFilter(admin.SimpleListFilter):
 
 
 @admin.register(JobAttempt)
-class JobAttemptAdmin(ReadOnlyAdminMixin, _AttemptAdminBase):
-    list_display = ("job_link", "attempt", "job_type", "outcome", "error_code", "message",
-                    "runner_id", "started", "took")
+class JobAttemptAdmin(JobViewersMixin, ReadOnlyAdminMixin, _AttemptAdminBase):
+    list_display = ("job_link", "outcome_display", "message", "started")
     list_filter = (
         "outcome",
         ("error_code", admin.AllValuesFieldListFilter),
@@ -81,24 +80,31 @@ class JobAttemptAdmin(ReadOnlyAdminMixin, _AttemptAdminBase):
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobAttempt]:
         return super().get_queryset(request).annotate(pj_now=Now())
 
-    @admin.display(description="job", ordering="job_id")
+    @admin.display(description="job · attempt · type", ordering="job_id")
     def job_link(self, obj: JobAttempt) -> SafeString:
-        return format_html('<a href="{}"><code title="{}">{}</code></a>', job_url(obj.job_id),
-                           obj.job_id, display.short_id(obj.job_id))
+        return format_html('<a href="{}"><code title="{}">{}</code></a> #{}<br><small>{}</small>',
+                           job_url(obj.job_id), obj.job_id, display.short_id(obj.job_id),
+                           obj.attempt, obj.job.job_type)
+
+    @admin.display(description="outcome · took", ordering="outcome")
+    def outcome_display(self, obj: JobAttempt) -> SafeString:
+        return format_html('{}<br><small class="pj-muted">{}</small>', obj.get_outcome_display(),
+                           self.took(obj))
 
     @admin.display(description="job type", ordering="job__job_type")
     def job_type(self, obj: JobAttempt) -> str:
         return obj.job.job_type
 
-    @admin.display(description="message")
+    @admin.display(description="error", ordering="error_code")
     def message(self, obj: JobAttempt) -> SafeString:
-        return format_html('<span title="{}">{}</span>', obj.error_message,
-                           display.truncate(obj.error_message, 90))
+        return format_html('<code>{}</code><br><span title="{}">{}</span>', obj.error_code,
+                           obj.error_message, display.truncate(obj.error_message, 90))
 
-    @admin.display(description="started", ordering="started_at")
+    @admin.display(description="started · runner", ordering="started_at")
     def started(self, obj: JobAttempt) -> SafeString:
         now = getattr(obj, "pj_now", None) or display.db_now()
-        return display.when(obj.started_at, now)
+        return format_html('{}<br><small class="pj-muted">{}</small>',
+                           display.when(obj.started_at, now), obj.runner_id)
 
     @admin.display(description="took", ordering="duration")
     def took(self, obj: JobAttempt) -> str:

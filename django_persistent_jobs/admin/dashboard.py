@@ -34,8 +34,10 @@ WINDOWS: dict[str, timedelta] = {
     "7d": timedelta(days=7),
 }
 DEFAULT_WINDOW = "24h"
-CHART_WIDTH, CHART_HEIGHT = 480, 110
+CHART_WIDTH, CHART_HEIGHT = 860, 120
 SERIES_COLORS = {"completed": "#3d9a50", "failed": "#e08a1e", "dead_lettered": "#c62828"}
+SERIES_LABELS = {"completed": "completed", "failed": "failed attempts",
+                 "dead_lettered": "dead-lettered"}
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def chart(buckets: list[Bucket], unit: str) -> dict[str, Any]:
                 height = max(height, 1.5)
                 y -= height
                 segments.append((SERIES_COLORS[series], round(y, 1), round(height, 1), count))
-        when = (bucket.start.strftime("%H:00") if unit == "hour"
+        when = (bucket.start.strftime("%d %b %H:00") if unit == "hour"
                 else bucket.start.strftime("%a %d %b"))
         bars.append(Bar(
             x=round(i * step + 1, 1), width=round(max(step - 2, 1), 1), segments=segments,
@@ -185,7 +187,7 @@ class JobDashboardAdmin(_DashboardAdminBase):
             } for row in stats.job_types],
             "status_labels": [JobStatus(s).label for s in JobStatus.values],
             "hourly": chart(stats.hourly, "hour"), "daily": chart(stats.daily, "day"),
-            "series_colors": SERIES_COLORS,
+            "series": [(SERIES_LABELS[k], c) for k, c in SERIES_COLORS.items()],
             "groups": groups, "stuck": stuck, "stuck_counts": [
                 (STUCK_KINDS[k], n) for k, n in stats.stuck_counts.items()],
             "unclaimed_after": display.duration(stats.unclaimed_after),

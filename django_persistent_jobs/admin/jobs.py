@@ -61,6 +61,15 @@ class ReadOnlyAdminMixin:
         return False
 
 
+class JobViewersMixin:
+    """Attempts and runners are part of what a job viewer needs to see: the permission to view
+    jobs is enough to view them (their own view permission still works on its own)."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.has_perm("django_persistent_jobs.view_persistentjob") or bool(
+            super().has_view_permission(request, obj))  # type: ignore[misc]
+
+
 def status_badge(status: str) -> SafeString:
     label = JobStatus(status).label if status in JobStatus.values else status
     return format_html('<b class="pj-status" style="color:{}">{}</b>',
@@ -110,8 +119,8 @@ def progress_fraction(progress: Any) -> tuple[float | None, str]:
 
 @admin.register(PersistentJob)
 class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
-    list_display = ("short_id", "job_type", "status_display", "queue", "tenant_display",
-                    "attempts_used", "timing", "last_error_display", "created")
+    list_display = ("short_id", "job_display", "status_display", "timing",
+                    "last_error_display")
     list_display_links = ("short_id",)
     list_filter = (
         "status",
@@ -127,7 +136,6 @@ class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
     list_per_page = 50
     show_full_result_count = False
     change_form_template = "admin/django_persistent_jobs/persistentjob/change_form.html"
-    change_list_template = "admin/django_persistent_jobs/persistentjob/change_list.html"
 
     # ------------------------------------------------------------------ permissions
     def has_retry_permission(self, request: HttpRequest) -> bool:
@@ -161,44 +169,44 @@ class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
     def short_id(self, obj: PersistentJob) -> SafeString:
         return format_html('<code title="{}">{}</code>', obj.id, display.short_id(obj.id))
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description="job type · queue · tenant", ordering="job_type")
+    def job_display(self, obj: PersistentJob) -> SafeString:
+        return format_html('{}<br><small class="pj-muted">{} · {}</small>', obj.job_type,
+                           obj.queue, obj.tenant or "no tenant")
+
+    @admin.display(description="status · attempts", ordering="status")
     def status_display(self, obj: PersistentJob) -> SafeString:
         badge = status_badge(obj.status)
+        used = format_html('<small class="pj-muted">attempt {}/{}</small>', obj.attempts,
+                           obj.max_retries + 1)
         if obj.cancel_requested and obj.status == JobStatus.RUNNING:
-            return format_html('{}<br><small class="pj-warn">cancel requested</small>', badge)
-        return badge
-
-    @admin.display(description="tenant", ordering="tenant")
-    def tenant_display(self, obj: PersistentJob) -> str:
-        return obj.tenant or "-"
-
-    @admin.display(description="attempts")
-    def attempts_used(self, obj: PersistentJob) -> str:
-        return f"{obj.attempts}/{obj.max_retries + 1}"
+            return format_html('{}<br><small class="pj-warn">cancel requested</small><br>{}',
+                               badge, used)
+        return format_html("{}<br>{}", badge, used)
 
     @admin.display(description="when", ordering="next_run_at")
     def timing(self, obj: PersistentJob) -> SafeString:
+        """One line on where the job is in time; a finished job has no "next run"."""
         now = getattr(obj, "pj_now", None) or display.db_now()
         if obj.status in JobStatus.terminal():
-            return format_html("ended {}", display.when(obj.finished_at or obj.updated_at, now))
-        if obj.status == JobStatus.RUNNING:
-            return format_html("started {}", display.when(obj.locked_at, now))
-        if obj.next_run_at <= now:
-            return format_html("due {}", display.when(obj.next_run_at, now))
-        return format_html("runs {}", display.when(obj.next_run_at, now))
+            line = format_html("ended {}", display.when(obj.finished_at or obj.updated_at, now))
+        elif obj.status == JobStatus.RUNNING:
+            line = format_html("started {}", display.when(obj.locked_at, now))
+        elif obj.next_run_at <= now:
+            line = format_html("due {}", display.when(obj.next_run_at, now))
+        else:
+            line = format_html("runs {}", display.when(obj.next_run_at, now))
+        return format_html('<span class="pj-nowrap">{}</span><br>'
+                           '<small class="pj-muted pj-nowrap">created {}</small>', line,
+                           display.when(obj.created_at, now))
 
     @admin.display(description="last error", ordering="last_error_code")
     def last_error_display(self, obj: PersistentJob) -> SafeString:
         if not obj.last_error_code and not obj.last_error:
             return format_html("{}", "")
-        return format_html('<code>{}</code> <span class="pj-msg" title="{}">{}</span>',
+        return format_html('<code>{}</code><br><span class="pj-msg" title="{}">{}</span>',
                            obj.last_error_code or "", obj.last_error,
-                           display.truncate(obj.last_error, 90))
-
-    @admin.display(description="created", ordering="created_at")
-    def created(self, obj: PersistentJob) -> SafeString:
-        now = getattr(obj, "pj_now", None) or display.db_now()
-        return display.when(obj.created_at, now)
+                           display.truncate(obj.last_error, 80))
 
     # ------------------------------------------------------------------ bulk actions
     def _bulk(self, request: HttpRequest, queryset: QuerySet[PersistentJob], name: str) -> None:

@@ -19,7 +19,7 @@ from django.utils.safestring import SafeString
 from ..models import JobRunnerRecord, JobStatus, PersistentJob
 from ..stats import runner_state, runner_thresholds
 from . import display
-from .jobs import ReadOnlyAdminMixin, changelist_url
+from .jobs import JobViewersMixin, ReadOnlyAdminMixin, changelist_url
 
 if TYPE_CHECKING:
     _RunnerAdminBase = admin.ModelAdmin[JobRunnerRecord]
@@ -30,13 +30,13 @@ STATE_COLORS = {"live": "#1a7f37", "late": "#b35900", "dead": "#b00020"}
 
 
 @admin.register(JobRunnerRecord)
-class JobRunnerAdmin(ReadOnlyAdminMixin, _RunnerAdminBase):
-    list_display = ("id", "state", "heartbeat", "queue_list", "concurrency", "held", "version",
-                    "started")
-    readonly_fields = ("id", "state", "heartbeat", "hostname", "pid", "queue_list",
+class JobRunnerAdmin(JobViewersMixin, ReadOnlyAdminMixin, _RunnerAdminBase):
+    list_display = ("id", "name", "state", "heartbeat", "queue_list", "concurrency", "held",
+                    "version", "started")
+    readonly_fields = ("id", "name", "state", "heartbeat", "hostname", "pid", "queue_list",
                        "concurrency", "held", "version", "started")
     fields = readonly_fields
-    search_fields = ("id", "hostname")
+    search_fields = ("id", "name", "hostname")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobRunnerRecord]:
         held = (PersistentJob.objects.filter(status=JobStatus.RUNNING, locked_by=OuterRef("id"))

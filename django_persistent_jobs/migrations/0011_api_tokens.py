@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_persistent_jobs', '0010_dashboard'),
+        ('django_persistent_jobs', '0008_dashboard'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
