@@ -358,4 +358,6 @@ def job_from_row(row: tuple[Any, ...] | list[Any], db: str = "default") -> Persi
 
 
 # Recurring schedules live in their own module (issue 3); imported here so Django sees the model.
+# API tokens live with the API; imported here so Django sees the model.
+from .api.tokens import ApiToken  # noqa: E402,F401
 from .schedule_models import JobSchedule  # noqa: E402,F401

@@ -40,10 +40,9 @@ class ClaimedJob:
     priority: int
     cancel_requested: bool
     tenant: str | None = None
+    due_at: Any = None  # next_run_at when claimed: when the job became due (queue-wait metric)
     #: Why the stored payload could not be decoded (the job is then dead-lettered, not run).
     payload_error: str | None = None
-    #: When it was due: with ``priority`` and ``id``, its place in claim order (``ClaimKey``).
-    next_run_at: Any = None
 
 
 @contextmanager
@@ -216,7 +215,7 @@ def claim(
         jobs.append(ClaimedJob(
             id=r[0], job_type=r[1], payload=payload, attempt=r[3], max_retries=r[4],
             timeout=r[5], token=r[6], queue=r[7], priority=r[8], cancel_requested=r[9],
-            tenant=r[11], payload_error=problem, next_run_at=r[10],
+            tenant=r[11], due_at=r[10], payload_error=problem,
         ))
     return jobs
 
@@ -260,7 +259,7 @@ class ClaimScan:
 
 
 def _key(job: ClaimedJob) -> ClaimKey:
-    return (job.priority, job.next_run_at, job.id)
+    return (job.priority, job.due_at, job.id)
 
 
 def _decode_payload(raw: Any) -> tuple[Any, str | None]:
