@@ -42,7 +42,16 @@ DEFAULTS: dict[str, Any] = {
     "JSON_ENCODER": None,
     "ALLOW_UNREGISTERED": False,
     "SCHEDULER_INTERVAL": 1.0,
+    # Worker processes (see docs/processes.md). None: runjobs uses RUNJOBS_DEFAULT_PROCESSES,
+    # an embedded Runner runs jobs on threads in its own process (0).
+    "PROCESSES": None,
+    "MAX_JOBS_PER_WORKER": None,  # None: never recycle a worker for the jobs it ran
+    "MAX_MEMORY_PER_WORKER": None,  # MiB of RSS; None: never recycle a worker for its memory
+    "TIMEOUT_GRACE": 5.0,  # seconds a timed-out handler gets to return before its worker goes
 }
+
+#: Worker processes ``runjobs`` starts when neither ``--processes`` nor ``PROCESSES`` says.
+RUNJOBS_DEFAULT_PROCESSES = 1
 
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
 #: The largest ``max_retries`` ``enqueue`` accepts (and so the largest MAX_RETRIES setting).
@@ -136,6 +145,15 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
         msg = _positive_number(key, raw_value, integer=False, allow_zero=key == "SHUTDOWN_GRACE")
         if msg:
             errors.append(("persistent_jobs.E004", msg, "Use seconds (a number or timedelta)."))
+    for key, integer, zero in (("PROCESSES", True, True), ("MAX_JOBS_PER_WORKER", True, False),
+                               ("MAX_MEMORY_PER_WORKER", False, False)):
+        if value(key) is not None:
+            msg = _positive_number(key, value(key), integer=integer, allow_zero=zero)
+            if msg:
+                errors.append(("persistent_jobs.E003", msg, "Use a number or None."))
+    grace_msg = _positive_number("TIMEOUT_GRACE", value("TIMEOUT_GRACE"), integer=False)
+    if grace_msg:
+        errors.append(("persistent_jobs.E004", grace_msg, "Use seconds."))
     heartbeat = value("HEARTBEAT_INTERVAL")
     if heartbeat is not None:
         hb = heartbeat.total_seconds() if isinstance(heartbeat, timedelta) else heartbeat
@@ -307,6 +325,10 @@ class RunnerSettings:
     prefetch: int | None
     database: str
     scheduler_interval: float
+    processes: int = 0
+    max_jobs_per_worker: int | None = None
+    max_memory_per_worker: float | None = None  # MiB
+    timeout_grace: float = 5.0
 
     @classmethod
     def load(cls, **overrides: Any) -> RunnerSettings:
@@ -328,6 +350,10 @@ class RunnerSettings:
             "prefetch": get("PREFETCH"),
             "database": get("DATABASE"),
             "scheduler_interval": seconds(get("SCHEDULER_INTERVAL")),
+            "processes": get("PROCESSES") or 0,
+            "max_jobs_per_worker": get("MAX_JOBS_PER_WORKER"),
+            "max_memory_per_worker": get("MAX_MEMORY_PER_WORKER"),
+            "timeout_grace": float(get("TIMEOUT_GRACE")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values["prefetch"] is None:

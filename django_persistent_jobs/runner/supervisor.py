@@ -30,10 +30,11 @@ from .claimer import claim_loop
 from .cleanup import cleanup_loop
 from .db import Backoff, is_connection_error, reset_connection, run_with_retry
 from .execute import InFlight, JobInterrupted, Outcome, _backoff_for, execute, record_outcome
+from .executor import Executor
 from .heartbeat import heartbeat_loop
 from .listener import listen_loop
 from .loop import Loop
-from .pool import WorkerPool
+from .threads import ThreadExecutor
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -58,13 +59,15 @@ class Runner:
         self, *, concurrency: int | None = None, queues: list[str] | tuple[str, ...] | None = None,
         poll_interval: float | None = None, burst: bool = False,
         shutdown_grace: float | None = None, runner_id: str | None = None,
-        scheduler: bool = True, cleanup: bool = True,
+        scheduler: bool = True, cleanup: bool = True, processes: int = 0,
     ) -> None:
         problems = [msg for spec in registry for msg in spec.errors]
         if problems:
             raise ConfigurationError("Invalid job handlers: " + "; ".join(problems))
         if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency!r}.")
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+            raise ConfigurationError(f"processes must be >= 0, got {processes!r}.")
         if poll_interval is not None and poll_interval <= 0:
             raise ConfigurationError(f"poll_interval must be > 0, got {poll_interval!r}.")
         self.settings = conf.RunnerSettings.load(
@@ -85,8 +88,8 @@ class Runner:
         self.finished = threading.Event()
         self.cleanup_due_now = True
         self.exit_code = EXIT_OK
-        self.pool = WorkerPool(self.settings.concurrency, self._execute, self._worker_crashed,
-                               prefetch=self.settings.prefetch or 0)
+        self.processes = processes
+        self.pool: Executor = self._make_executor()
         # Liveness as this runner itself knows it (monotonic, maintained by the heartbeat loop):
         # the last successful heartbeat, and since when beats have come without a gap.
         self.last_beat: float | None = None
@@ -182,6 +185,35 @@ class Runner:
         self._extra_loops.append((name, body))
 
     # ---------------------------------------------------------------- internals
+    def _make_executor(self) -> Executor:
+        """The composition root's one choice: where job code runs.
+
+        With ``processes`` the runner is a supervisor that runs no job code: handlers run in
+        worker processes, so nothing they do (hold the GIL, block in C, crash the interpreter)
+        can starve its heartbeat or its timeouts. Without, they run on threads here.
+        """
+        settings = self.settings
+        if not self.processes:
+            return ThreadExecutor(settings.concurrency, self._execute, self._worker_crashed,
+                                  prefetch=settings.prefetch or 0)
+        from .workers.manager import ProcessExecutor
+
+        return ProcessExecutor(
+            self.processes, settings.concurrency, alias=self.alias, runner_id=self.runner_id,
+            on_lost=self._settle_lost, on_crash=self._worker_crashed,
+            max_jobs=settings.max_jobs_per_worker,
+            max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
+            log_level=logging.getLogger("django_persistent_jobs").level or None,
+        )
+
+    def _settle_lost(self, item: InFlight, why: str) -> None:
+        """A worker process died under this job: the attempt is charged (``WORKER_LOST``), so a
+        job that kills its worker every time ends dead-lettered after its retries."""
+        self._take_over(item, Outcome(
+            "retry", "WORKER_LOST", why,
+            delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
+        ), None)
+
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:
             if self.stopping.is_set():
@@ -232,8 +264,9 @@ class Runner:
             loop.start()
         self.started.set()
         logger.info(
-            "runner %s started: concurrency=%d queues=%s poll=%.2fs handlers=%d%s",
-            self.runner_id, self.settings.concurrency,
+            "runner %s started: %sconcurrency=%d queues=%s poll=%.2fs handlers=%d%s",
+            self.runner_id,
+            f"processes={self.processes} " if self.processes else "", self.settings.concurrency,
             ",".join(self.settings.queues) if self.settings.queues else "*",
             self.settings.poll_interval, len(registry), " (burst)" if self.burst else "",
             extra={"event": "runner_started", "runner_id": self.runner_id},
@@ -362,7 +395,7 @@ class Runner:
                     delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
                 ), "timed_out")
 
-    def _take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str) -> None:
+    def _take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str | None) -> None:
         """Settle a job its worker still holds: kill its connection, record, interrupt."""
         if not self.pool.take_over(item):
             return  # it finished on its own
