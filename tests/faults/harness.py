@@ -50,6 +50,9 @@ FAST_SETTINGS: dict[str, Any] = {
     "SHUTDOWN_GRACE": 3,
     "CLEANUP_INTERVAL": 3600,
 }
+#: Where the suite's runners run job code: ``0`` on threads of the runner process, ``N`` in N
+#: worker processes. CI runs the suite both ways (``PJ_TEST_PROCESSES=1`` for the second).
+PROCESSES = os.environ.get("PJ_TEST_PROCESSES", "0")
 JOB_TYPE = "faults.ledger"
 TERMINAL = ("completed", "dead_lettered", "cancelled")
 APP_PREFIX = "pjfaults-"
@@ -207,6 +210,8 @@ class Fleet:
             "PJ_TEST_SETTINGS": json.dumps({**FAST_SETTINGS, **(settings or {})}),
             "PJ_TEST_LOG": "INFO",
         })
+        if command is None and "--processes" not in args:
+            args = [*args, "--processes", PROCESSES]
         argv = [sys.executable, str(ROOT / "manage.py"), *(command or [
             "runjobs", "--no-scheduler", "--concurrency", str(concurrency), *args])]
         if pid_namespace:

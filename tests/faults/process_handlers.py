@@ -52,9 +52,11 @@ def oom(payload: dict[str, Any], ctx: JobContext) -> None:
 
 @job_handler("procs.pid", max_retries=3, backoff=constant(0.1), timeout=60)
 def report_pid(payload: dict[str, Any], ctx: JobContext) -> None:
-    """Publish the process running the handler, then wait (``sleep``) and write the ledger."""
-    ctx.report_progress({"pid": os.getpid()})
-    ctx.wait_for_cancel(float(payload.get("sleep", 0)))
+    """Publish the process running the handler, then sleep (on the first attempt only, unless
+    ``every``) and write the ledger."""
+    ctx.report_progress({"pid": os.getpid(), "attempt": ctx.attempt})
+    if ctx.attempt == 1 or payload.get("every"):
+        ctx.wait_for_cancel(float(payload.get("sleep", 0)))
     _ledger(ctx)
 
 

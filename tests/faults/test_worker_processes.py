@@ -6,6 +6,7 @@ Real ``runjobs`` processes, real PostgreSQL; synchronisation by log lines and da
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -55,10 +56,8 @@ def _alive(pid: int) -> bool:
 def children(pid: int) -> list[int]:
     found: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
+        with contextlib.suppress(OSError):
             found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
     return found
 
 
@@ -90,3 +89,159 @@ def _ledger_pids(ids: list[Any]) -> list[tuple[Any, ...]]:
     from .harness import sql
 
     return sql("SELECT DISTINCT pid FROM faults_ledger WHERE job_id = ANY(%s)", [list(ids)])
+
+
+def test_a_handler_holding_the_gil_for_three_stale_timeouts_completes_first_time(
+    fleet: Fleet,
+) -> None:
+    """Two runners; one job holds its worker's GIL in C for 3x the stale-lock timeout. The
+    supervisor's heartbeat is in another process, so nobody declares the runner dead."""
+    first, second = (fleet.spawn(args=["--processes", "1"], concurrency=2) for _ in range(2))
+    job_id = enqueue_typed("procs.gil", {"seconds": int(3 * STALE)})
+    row = wait_status(job_id, "completed", timeout=60)
+    assert row["attempts"] == 1
+    assert [(a.attempt, a.outcome) for a in attempts_of([job_id])] == [(1, "completed")]
+    assert len(ledger_of(job_id)) == 1
+    assert first.alive and second.alive
+    assert not first.find("presumed dead") and not second.find("presumed dead")
+
+
+def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_replaced(
+    fleet: Fleet,
+) -> None:
+    """Timeout 1 s, blocked in ``sleep(3600)``: the slot is free at the timeout (a job queued
+    behind it runs at once) and the stuck worker is killed and replaced after the grace."""
+    grace = 1.0
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"TIMEOUT_GRACE": grace})
+    wait_until(lambda: worker_pids(runner), 30, "a worker")
+    (stuck_worker,) = worker_pids(runner)
+    blocked = enqueue_typed("procs.c_sleep", {"report": True})
+    wait_until(lambda: (job_row(blocked)["progress"] or {}).get("pid"), 20, "the handler to start")
+    started = time.monotonic()
+    follower = enqueue_jobs(1)[0]  # waits for the only slot
+    row = wait_status(blocked, "dead_lettered", timeout=10)
+    freed = time.monotonic() - started
+    assert row["code"] == "TIMEOUT"
+    assert freed <= 1.0 + grace + 1.0, freed
+    wait_status(follower, "completed", timeout=10)
+    # The stuck thread never returns, so its process goes: killed after the grace, replaced.
+    runner.wait_line(r"recycling worker 1 .*did not return", timeout=10)
+    wait_until(lambda: not _alive(stuck_worker), 10, "the stuck worker to be killed")
+    killed_after = time.monotonic() - started
+    assert killed_after <= 1.0 + 2 * grace + 3.0, killed_after
+    wait_until(lambda: len(worker_pids(runner)) == 1, 30, "a replacement worker")
+    assert worker_pids(runner) != [stuck_worker]
+    later = enqueue_jobs(3)
+    wait_all_terminal(later, timeout=30)
+    verify([follower, *later])
+    assert len(ledger_of(blocked)) == 0
+    assert runner.alive
+
+
+def test_sigkill_of_a_worker_settles_its_jobs_within_a_second_and_draining_goes_on(
+    fleet: Fleet,
+) -> None:
+    runner = fleet.spawn(args=["--processes", "2"], concurrency=2)
+    wait_until(lambda: len(worker_pids(runner)) == 2, 30, "two workers")
+    ids = [enqueue_typed("procs.pid", {"sleep": 6}) for _ in range(4)]
+
+    def pids_running() -> dict[Any, int] | None:
+        rows = {job_id: (job_row(job_id)["progress"] or {}).get("pid") for job_id in ids}
+        return rows if all(rows.values()) else None
+
+    where = wait_until(pids_running, 30, "four jobs running")
+    victim = next(iter(where.values()))
+    victims = [job_id for job_id, pid in where.items() if pid == victim]
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: all(job_row(j)["status"] != "running" or job_row(j)["attempts"] > 1
+                           for j in victims), 5, "the dead worker's jobs to be settled",
+               interval=0.02)
+    settled = time.monotonic() - killed
+    assert settled <= 1.0, settled
+    lost = [a for a in attempts_of(victims) if a.attempt == 1]
+    assert {(a.outcome, a.error_code) for a in lost} == {("failed", "WORKER_LOST")}
+    runner.wait_line(rf"worker \d+ \(pid {victim}\) died \(killed by signal 9\)", timeout=5)
+    more = enqueue_jobs(30)
+    wait_all_terminal([*ids, *more], timeout=60)
+    verdict = verify([*ids, *more])
+    assert verdict.statuses["completed"] == 34
+    assert runner.alive
+    assert len(worker_pids(runner)) == 2 and victim not in worker_pids(runner)
+
+
+def test_a_poison_pill_that_gets_its_worker_oom_killed_is_dead_lettered(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2)
+    pill = enqueue_typed("procs.oom")
+    others = enqueue_jobs(10)
+    row = wait_status(pill, "dead_lettered", timeout=60)
+    assert row["attempts"] == 3 and row["code"] == "WORKER_LOST"
+    assert [(a.outcome, a.error_code) for a in attempts_of([pill])] == [
+        ("failed", "WORKER_LOST"), ("failed", "WORKER_LOST"), ("dead_lettered", "WORKER_LOST")]
+    assert ledger_of(pill) == []  # killed mid-transaction: its write never committed
+    wait_all_terminal(others, timeout=60)
+    verify(others)
+    assert runner.alive and len(runner.find(r"runner \S+ started:")) == 1
+
+
+def test_sigkill_of_the_supervisor_leaves_no_worker_running(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "2"], concurrency=2)
+    wait_until(lambda: len(worker_pids(runner)) == 2, 30, "two workers")
+    workers = worker_pids(runner)
+    job_id = enqueue_typed("procs.pid", {"sleep": 30})
+    wait_until(lambda: (job_row(job_id)["progress"] or {}).get("pid"), 20, "the job to start")
+    runner.kill()
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to die")
+    assert ledger_of(job_id) == []
+
+
+def test_sigterm_lets_jobs_finish_within_the_grace_hands_back_the_rest_and_exits_zero(
+    fleet: Fleet,
+) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2,
+                         settings={"SHUTDOWN_GRACE": 3})
+    workers = wait_until(lambda: worker_pids(runner), 30, "a worker")
+    short = enqueue_typed("procs.pid", {"sleep": 1})
+    long = enqueue_typed("procs.pid", {"sleep": 60})
+    for job_id in (short, long):
+        wait_until(lambda job_id=job_id: job_row(job_id)["progress"], 20, "both jobs to start")
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(20) == 0
+    assert job_row(short)["status"] == "completed"
+    handed = job_row(long)
+    assert handed["status"] == "pending" and handed["attempts"] == 0
+    assert [a.outcome for a in attempts_of([long])] == ["interrupted"]
+    assert ledger_of(long) == []
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
+
+
+def test_a_second_signal_stops_at_once(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"SHUTDOWN_GRACE": 60})
+    workers = wait_until(lambda: worker_pids(runner), 30, "a worker")
+    job_id = enqueue_typed("procs.pid", {"sleep": 60})
+    wait_until(lambda: job_row(job_id)["progress"], 20, "the job to start")
+    runner.send(signal.SIGTERM)
+    runner.wait_line("stopping", timeout=10)
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(15) == 1
+    assert job_row(job_id)["status"] == "pending"
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
+
+
+def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2,
+                         settings={"MAX_JOBS_PER_WORKER": 5})
+    ids = enqueue_jobs(20)
+    wait_all_terminal(ids, timeout=90)
+    verify(ids)
+    assert len(_ledger_pids(ids)) >= 4  # 5 jobs per process, at most
+    assert runner.find("MAX_JOBS_PER_WORKER")
+
+    hungry = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"MAX_MEMORY_PER_WORKER": 1})  # every worker is over 1 MiB
+    hungry.wait_line("exceeds MAX_MEMORY_PER_WORKER", timeout=30)
+    more = enqueue_jobs(5)
+    wait_all_terminal(more, timeout=90)
+    verify(more)
