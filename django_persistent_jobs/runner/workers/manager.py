@@ -133,15 +133,17 @@ class ProcessExecutor:
 
     # ------------------------------------------------------------------ Executor
     def start(self) -> None:
+        """Start the workers; return once every one of them has set Django up."""
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT
         with self.changed:
-            while not any(w.ready for w in self.workers):
+            while sum(1 for w in self.workers if w.ready) < self.processes:
                 if self.failure is not None:
                     raise self.failure
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RuntimeError(f"no worker process was ready after {START_TIMEOUT:g}s")
+                    raise RuntimeError(
+                        f"the worker processes were not ready after {START_TIMEOUT:g}s")
                 self.changed.wait(min(remaining, 0.1))
 
     @property
