@@ -21,7 +21,7 @@ from django.db import connections, transaction
 from django.db.models.base import ModelState
 from django.utils import timezone
 
-from . import conf
+from . import bounds, conf
 from .errors import ConfigurationError, EnqueueError, PayloadError, UnknownJobTypeError
 from .handlers import HandlerSpec, registry
 from .ids import uuid7
@@ -34,7 +34,7 @@ logger = logging.getLogger("django_persistent_jobs.enqueue")
 _MAX_DEDUP_ROUNDS = 5
 _INSERT_COLUMNS = (
     "id", "job_type", "payload", "queue", "priority", "max_retries", "next_run_at",
-    "timeout_seconds", "dedup_key", "dedup", "schedule",
+    "timeout_seconds", "dedup_key", "dedup", "schedule", "tenant",
 )
 _NEXT_RUN = "COALESCE(%s::timestamptz, now() + %s::float8 * interval '1 second')"
 _WAITING_KEY = (
@@ -60,12 +60,13 @@ class _Prepared:
     dedup_key: str | None
     dedup: Dedup
     schedule_json: str | None
+    tenant: str | None
 
     def params(self) -> list[Any]:
         return [
             self.id, self.job_type, self.payload_json, self.queue, self.priority,
             self.max_retries, self.run_at, self.delay, self.timeout, self.dedup_key,
-            self.dedup.value, self.schedule_json,
+            self.dedup.value, self.schedule_json, self.tenant,
         ]
 
 
@@ -77,6 +78,11 @@ def _spec_for(job_type: Any) -> HandlerSpec | None:
         hint=". Register it with @job_handler in an installed app's jobs.py, or set "
         "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] = True if another service runs it.",
     )
+
+
+def _require(problem: str | None) -> None:
+    if problem is not None:
+        raise EnqueueError(problem)
 
 
 def _as_int(name: str, value: Any, low: int, high: int) -> int:
@@ -97,12 +103,14 @@ class _Options:
     run_at: datetime | None
     delay: float
     dedup: Dedup
+    tenant: str | None
 
 
 def _resolve_options(
     job_type: str, *, run_at: datetime | None = None, delay: timedelta | float | None = None,
     dedup: Dedup | str | None = None, max_retries: int | None = None,
     timeout: float | None = None, queue: str | None = None, priority: int | None = None,
+    tenant: str | None = None,
 ) -> _Options:
     spec = _spec_for(job_type)
     if run_at is not None and delay is not None:
@@ -149,8 +157,10 @@ def _resolve_options(
     if priority is None:
         priority = spec.priority if spec else 0
     _as_int("priority", priority, -32768, 32767)
+    _require(bounds.tenant_problem(tenant))
     return _Options(spec=spec, queue=queue, priority=priority, max_retries=max_retries,
-                    timeout=float(timeout), run_at=run_at, delay=delay_s, dedup=strategy)
+                    timeout=float(timeout), run_at=run_at, delay=delay_s, dedup=strategy,
+                    tenant=tenant)
 
 
 def _prepare_with(
@@ -173,6 +183,7 @@ def _prepare_with(
         priority=options.priority, max_retries=options.max_retries, run_at=options.run_at,
         delay=options.delay, timeout=options.timeout, dedup_key=dedup_key, dedup=options.dedup,
         schedule_json=json.dumps(schedule) if schedule is not None else None,
+        tenant=options.tenant,
     )
 
 
@@ -185,7 +196,7 @@ def _prepare(
 
 
 def _values_sql() -> str:
-    return f"%s, %s, %s::jsonb, %s, %s, %s, {_NEXT_RUN}, %s, %s, %s, %s::jsonb"
+    return f"%s, %s, %s::jsonb, %s, %s, %s, {_NEXT_RUN}, %s, %s, %s, %s::jsonb, %s"
 
 
 def _select_active(cursor: Any, job_type: str, dedup_key: str) -> tuple[Any, ...] | None:
@@ -258,16 +269,19 @@ def enqueue(
     delay: timedelta | float | None = None, dedup_key: str | None = None,
     dedup: Dedup | str | None = None, max_retries: int | None = None,
     timeout: float | None = None, queue: str | None = None, priority: int | None = None,
+    tenant: str | None = None,
 ) -> PersistentJob:
     """Create a job in the caller's transaction and return it.
 
     With Skip dedup and an active job holding ``dedup_key``, nothing is inserted and the active
     job is returned. Options left as ``None`` come from the handler, then from settings.
+    ``tenant`` names the tenant or service that owns the job: stored on the row, seen by the
+    handler as ``ctx.tenant``, kept by retries. Dedup keys are not scoped by tenant.
     """
     alias = str(conf.get("DATABASE"))
     job = _prepare(
         job_type, payload, run_at=run_at, delay=delay, dedup_key=dedup_key, dedup=dedup,
-        max_retries=max_retries, timeout=timeout, queue=queue, priority=priority,
+        max_retries=max_retries, timeout=timeout, queue=queue, priority=priority, tenant=tenant,
     )
     result, created = _enqueue_prepared(job, alias)
     if logger.isEnabledFor(logging.DEBUG):
@@ -282,7 +296,7 @@ def enqueue(
 # --- recurring schedules (issue 3): the scheduler inserts runs through the same path ---------
 def enqueue_scheduled_run(
     job_type: str, payload: Any, *, schedule: Mapping[str, Any], dedup_key: str,
-    queue: str | None = None, priority: int | None = None,
+    queue: str | None = None, priority: int | None = None, tenant: str | None = None,
 ) -> tuple[PersistentJob, bool]:
     """Insert one run of a recurring schedule in the caller's transaction.
 
@@ -292,7 +306,7 @@ def enqueue_scheduled_run(
     runner/scheduler call it; users call ``run_schedule_now``.
     """
     job = _prepare(job_type, payload, dedup_key=dedup_key, queue=queue, priority=priority,
-                   schedule=schedule)
+                   tenant=tenant, schedule=schedule)
     return _enqueue_prepared(job, str(conf.get("DATABASE")))
 
 
@@ -306,7 +320,7 @@ def _item_kwargs(item: Any, common: dict[str, Any]) -> tuple[str, Any, dict[str,
         job_type = data.pop("job_type")
         payload = data.pop("payload", None)
         allowed = {"run_at", "delay", "dedup_key", "dedup", "max_retries", "timeout", "queue",
-                   "priority"}
+                   "priority", "tenant"}
         unknown = set(data) - allowed
         if unknown:
             raise EnqueueError(f"enqueue_many item has unknown keys {sorted(unknown)}.")
@@ -378,7 +392,7 @@ def _copy_insert(connection: Any, jobs: list[_Prepared]) -> None:
                 copy.write_row((
                     job.id, job.job_type, job.payload_json, job.queue, job.priority,
                     job.max_retries, next_run, job.timeout, job.dedup_key, job.dedup.value,
-                    job.schedule_json,
+                    job.schedule_json, job.tenant,
                 ))
     finally:
         cursor.close()
@@ -398,13 +412,13 @@ def _bulk_insert_deduplicated(cursor: Any, jobs: list[_Prepared]) -> set[Any]:
     sql = (
         f"INSERT INTO persistent_jobs ({columns}) SELECT u.id, u.job_type, u.payload::jsonb, "
         "u.queue, u.priority, u.max_retries, COALESCE(u.run_at, now() + u.delay * interval "
-        "'1 second'), u.timeout, u.dedup_key, u.dedup, u.schedule::jsonb FROM unnest("
+        "'1 second'), u.timeout, u.dedup_key, u.dedup, u.schedule::jsonb, u.tenant FROM unnest("
         "%s::uuid[], %s::text[], %s::text[], %s::text[], %s::int[], %s::int[], "
-        "%s::timestamptz[], %s::float8[], %s::float8[], %s::text[], %s::text[], %s::text[]) "
-        "AS u(id, job_type, payload, queue, priority, max_retries, run_at, delay, timeout, "
-        f"dedup_key, dedup, schedule){skip_running} {_ON_CONFLICT} RETURNING id"
+        "%s::timestamptz[], %s::float8[], %s::float8[], %s::text[], %s::text[], %s::text[], "
+        "%s::text[]) AS u(id, job_type, payload, queue, priority, max_retries, run_at, delay, "
+        f"timeout, dedup_key, dedup, schedule, tenant){skip_running} {_ON_CONFLICT} RETURNING id"
     )
-    columns_data: list[list[Any]] = [[] for _ in range(12)]
+    columns_data: list[list[Any]] = [[] for _ in range(13)]
     for job in jobs:
         for i, value in enumerate(job.params()):
             columns_data[i].append(value)
@@ -469,7 +483,7 @@ def _instance(job: _Prepared, alias: str) -> PersistentJob:
         "id": job.id, "job_type": job.job_type, "payload": job.payload, "status": "pending",
         "queue": job.queue, "priority": job.priority, "attempts": 0,
         "max_retries": job.max_retries, "timeout_seconds": job.timeout,
-        "dedup_key": job.dedup_key, "dedup": job.dedup.value,
+        "dedup_key": job.dedup_key, "dedup": job.dedup.value, "tenant": job.tenant,
     })
     state = ModelState()
     state.adding = False

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, overload
 
-from . import conf
+from . import bounds, conf
 from .errors import ConfigurationError, DuplicateHandlerError
 from .types import Dedup
 
@@ -64,6 +64,8 @@ class HandlerSpec:
     interval: timedelta | None = None
     schedule_payload: Any = None
     timezone: str | None = None
+    #: The tenant given to every run of the handler's schedule (recurring handlers only).
+    tenant: str | None = None
     errors: list[str] = field(default_factory=list)
     #: ``file:line`` of the handler's code; tells a harmless re-registration of the same code
     #: from a second handler that happens to share the origin (two lambdas, a factory).
@@ -240,6 +242,13 @@ def _check_options(spec: HandlerSpec) -> list[str]:
             zoneinfo.ZoneInfo(spec.timezone)
         except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError):
             problems.append(f"{name}: unknown time zone {spec.timezone!r}.")
+    if spec.tenant is not None:
+        problem = bounds.tenant_problem(spec.tenant)
+        if problem:
+            problems.append(f"{name}: {problem}")
+        elif not spec.is_recurring:
+            problems.append(f"{name}: tenant is the tenant of the scheduled runs; give cron or "
+                            "interval, or pass tenant= to enqueue().")
     return problems
 
 
@@ -252,6 +261,7 @@ def job_handler[T](
     backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,
     validator: Validator | None = None, cron: str | None = None,
     interval: timedelta | None = None, payload: Any = None, timezone: str | None = None,
+    tenant: str | None = None,
 ) -> Callable[[T], T]: ...
 
 
@@ -260,12 +270,13 @@ def job_handler(
     dedup: Dedup | str | None = None, backoff: BackoffFn | None = None,
     queue: str | None = None, priority: int | None = None, validator: Validator | None = None,
     cron: str | None = None, interval: timedelta | None = None, payload: Any = None,
-    timezone: str | None = None,
+    timezone: str | None = None, tenant: str | None = None,
 ) -> Any:
     """Register a function ``(payload[, ctx])`` or a ``JobHandler`` subclass for a job type.
 
-    ``cron``/``interval`` make the handler recurring; ``payload`` and ``timezone`` then set the
-    payload of each scheduled run and the zone the cron expression is read in.
+    ``cron``/``interval`` make the handler recurring; ``payload``, ``timezone`` and ``tenant``
+    then set the payload of each scheduled run, the zone the cron expression is read in and the
+    tenant each run is enqueued for.
     """
     if isinstance(job_type, type):  # bare @job_handler on a JobHandler subclass
         return job_handler()(job_type)
@@ -274,7 +285,7 @@ def job_handler(
         options: dict[str, Any] = {
             "max_retries": max_retries, "timeout": timeout, "backoff": backoff,
             "queue": queue, "validator": validator, "cron": cron, "interval": interval,
-            "timezone": timezone,
+            "timezone": timezone, "tenant": tenant,
         }
         resolved_type = job_type
         resolved_priority = priority

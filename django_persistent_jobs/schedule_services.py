@@ -21,7 +21,7 @@ from typing import Any
 from django.db import IntegrityError, connections, transaction
 from django.db.models.functions import Now
 
-from . import conf
+from . import bounds, conf
 from .enqueuing import enqueue_scheduled_run
 from .errors import ConfigurationError, EnqueueError
 from .handlers import HandlerSpec, registry
@@ -56,7 +56,8 @@ __all__ = [
 #: the sync's own short transaction).
 _SYNC_LOCK_KEY = "django_persistent_jobs.sync_schedules"
 _TICK_INDEX = "pj_schedule_tick_uniq"
-_UPDATABLE = ("job_type", "cron", "interval", "payload", "timezone", "queue", "priority")
+_UPDATABLE = ("job_type", "cron", "interval", "payload", "timezone", "queue", "priority",
+              "tenant")
 
 
 class ScheduleNotFoundError(LookupError):
@@ -88,6 +89,7 @@ class Definition:
     payload: Any
     queue: str | None
     priority: int | None
+    tenant: str | None = None
 
     @property
     def timing(self) -> Timing:
@@ -118,12 +120,13 @@ def _handler_for(job_type: Any) -> HandlerSpec | None:
 
 def validate_definition(
     job_type: Any, *, cron: Any = None, interval: Any = None, payload: Any = None,
-    timezone: Any = None, queue: Any = None, priority: Any = None,
+    timezone: Any = None, queue: Any = None, priority: Any = None, tenant: Any = None,
 ) -> Definition:
     """Check a whole definition and return it normalised; raise ``ScheduleError`` otherwise.
 
     ``interval`` is a ``timedelta`` or a number of seconds; ``timezone`` defaults to
-    ``settings.TIME_ZONE``; ``queue``/``priority`` left as ``None`` follow the handler.
+    ``settings.TIME_ZONE``; ``queue``/``priority`` left as ``None`` follow the handler;
+    ``tenant`` (``None``: no tenant) is given to every run the schedule enqueues.
     """
     spec = _handler_for(job_type)
     if cron is not None and interval is not None:
@@ -149,6 +152,9 @@ def validate_definition(
         or not -32768 <= priority <= 32767
     ):
         raise ScheduleError(f"priority must be an integer in -32768..32767, got {priority!r}.")
+    problem = bounds.tenant_problem(tenant)
+    if problem:
+        raise ScheduleError(problem)
     try:
         stored, _ = prepare_payload({} if payload is None else payload)
     except EnqueueError as exc:
@@ -160,7 +166,8 @@ def validate_definition(
             raise ScheduleError(
                 f"payload rejected by the validator of {job_type!r}: {exc}"
             ) from exc
-    return Definition(job_type, cron, interval_seconds, str(zone), stored, queue, priority)
+    return Definition(job_type, cron, interval_seconds, str(zone), stored, queue, priority,
+                      tenant)
 
 
 def _check_name(name: Any) -> str:
@@ -193,7 +200,8 @@ def _refuse_code(schedule: JobSchedule, verb: str) -> None:
 def add_schedule(
     name: str, job_type: str, *, cron: str | None = None,
     interval: timedelta | float | None = None, payload: Any = None, timezone: str | None = None,
-    queue: str | None = None, priority: int | None = None, paused: bool = False,
+    queue: str | None = None, priority: int | None = None, tenant: str | None = None,
+    paused: bool = False,
 ) -> JobSchedule:
     """Store a new schedule; its first run is due at the next tick after the database's now.
 
@@ -203,7 +211,7 @@ def add_schedule(
     _check_name(name)
     definition = validate_definition(
         job_type, cron=cron, interval=interval, payload=payload, timezone=timezone, queue=queue,
-        priority=priority,
+        priority=priority, tenant=tenant,
     )
     alias = _alias()
     try:
@@ -213,7 +221,8 @@ def add_schedule(
                 name=name, job_type=definition.job_type, cron=definition.cron,
                 interval_seconds=definition.interval_seconds, timezone=definition.timezone,
                 payload=definition.payload, queue=definition.queue,
-                priority=definition.priority, source=ScheduleSource.DATABASE,
+                priority=definition.priority, tenant=definition.tenant,
+                source=ScheduleSource.DATABASE,
                 paused=bool(paused), next_run_at=definition.timing.first_after(now),
             )
     except IntegrityError:
@@ -226,7 +235,7 @@ def add_schedule(
 
 def update_schedule(name: str, **changes: Any) -> JobSchedule:
     """Change a runtime schedule: any of job_type, cron, interval, payload, timezone, queue,
-    priority. Giving ``cron`` switches an interval schedule to cron and vice versa. A timing
+    priority, tenant. Giving ``cron`` switches an interval schedule to cron and vice versa. A timing
     change moves ``next_run_at`` to the new definition's next tick after now."""
     unknown = set(changes) - set(_UPDATABLE)
     if unknown:
@@ -240,7 +249,7 @@ def update_schedule(name: str, **changes: Any) -> JobSchedule:
             "job_type": schedule.job_type, "payload": schedule.payload,
             "timezone": schedule.timezone, "queue": schedule.queue,
             "priority": schedule.priority, "cron": schedule.cron,
-            "interval": schedule.interval_seconds,
+            "interval": schedule.interval_seconds, "tenant": schedule.tenant,
         }
         if "cron" in changes and "interval" not in changes and changes["cron"] is not None:
             current["interval"] = None
@@ -252,7 +261,7 @@ def update_schedule(name: str, **changes: Any) -> JobSchedule:
             "job_type": definition.job_type, "cron": definition.cron,
             "interval_seconds": definition.interval_seconds, "timezone": definition.timezone,
             "payload": definition.payload, "queue": definition.queue,
-            "priority": definition.priority,
+            "priority": definition.priority, "tenant": definition.tenant,
             # Editing a schedule the system had stopped (handler missing, invalid) is the
             # operator fixing it: the validation above just proved it usable again.
             "active": True, "inactive_reason": InactiveReason.NONE,
@@ -345,7 +354,7 @@ def insert_run(
         with transaction.atomic(using=alias):
             job, created = enqueue_scheduled_run(
                 schedule.job_type, schedule.payload, schedule=info, dedup_key=schedule.name,
-                queue=schedule.queue, priority=schedule.priority,
+                queue=schedule.queue, priority=schedule.priority, tenant=schedule.tenant,
             )
     except IntegrityError as exc:
         if _TICK_INDEX not in str(exc):
@@ -390,7 +399,7 @@ def _code_definition(spec: HandlerSpec) -> Definition:
     if spec.validator is not None:
         spec.validator(stored)
     return Definition(spec.job_type, spec.cron, interval, spec.timezone or default_timezone(),
-                      stored, None, None)
+                      stored, None, None, spec.tenant)
 
 
 def sync_code_schedules() -> SyncReport:
@@ -445,7 +454,8 @@ def _sync_one(name: str, spec: HandlerSpec, row: JobSchedule | None, now: dateti
                 JobSchedule.objects.using(alias).create(
                     name=name, job_type=definition.job_type, cron=definition.cron,
                     interval_seconds=definition.interval_seconds, timezone=definition.timezone,
-                    payload=definition.payload, source=ScheduleSource.CODE,
+                    payload=definition.payload, tenant=definition.tenant,
+                    source=ScheduleSource.CODE,
                     next_run_at=definition.timing.first_after(now),
                 )
         except IntegrityError:  # added at runtime a moment ago: treat as a conflict below
@@ -462,7 +472,7 @@ def _sync_one(name: str, spec: HandlerSpec, row: JobSchedule | None, now: dateti
         return
     values: dict[str, Any] = {}
     for column in ("job_type", "cron", "interval_seconds", "timezone", "payload", "queue",
-                   "priority"):
+                   "priority", "tenant"):
         if getattr(row, column) != getattr(definition, column):
             values[column] = getattr(definition, column)
     if not row.active:
