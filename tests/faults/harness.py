@@ -108,7 +108,12 @@ class RunnerProcess:
         return self.proc.poll() is None
 
     def send(self, sig: int) -> None:
-        os.kill(self.pid, sig)
+        if sig in (signal.SIGSTOP, signal.SIGCONT):
+            # Freeze or thaw the whole runner: its worker processes too, if it has any (they
+            # share its process group; it leads one of its own).
+            os.killpg(self.pid, sig)
+        else:
+            os.kill(self.pid, sig)
 
     def kill(self) -> None:
         """SIGKILL and reap: no handler runs, no shutdown code, sockets just close."""

@@ -29,6 +29,8 @@ from . import protocol
 
 PR_SET_PDEATHSIG = 1
 
+logger = logging.getLogger("django_persistent_jobs.runner")
+
 
 def die_with_parent(parent_pid: int) -> None:
     """Ask the kernel to SIGKILL this process when the thread that started it exits.
@@ -194,6 +196,11 @@ class Worker:
                 self.running.pop(job.id, None)
                 self.tokens.pop(job.id, None)
                 interrupted = item.taken_over.is_set()
+        if interrupted:
+            # Operators want to know whether timed-out code ever returns (one blocked in C
+            # does not: its worker is recycled instead).
+            logger.info("abandoned worker for job %s exited", job.id,
+                        extra={"event": "abandoned_worker_exited", "job_id": str(job.id)})
         self.send((protocol.DONE, job.id))
         return not interrupted
 
