@@ -230,6 +230,9 @@ class Runner:
         self._wait_for_database()
         if self.stopping.is_set():
             return
+        # Worker processes take a moment to set Django up: start them before the runner
+        # registers, so that a registered runner is one that can run jobs.
+        self.pool.start()
         try:
             run_with_retry(self.alias, self.register, what="registering the runner",
                            interrupt=self.stopping)
@@ -242,7 +245,6 @@ class Runner:
 
         note_beat(self)
         rescue_predecessor(self)
-        self.pool.start()
         bodies: list[tuple[str, Callable[[Runner], None]]] = [
             ("listener", listen_loop), ("claimer", claim_loop), ("heartbeat", heartbeat_loop),
         ]
