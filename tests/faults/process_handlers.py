@@ -38,7 +38,10 @@ def c_sleep(payload: dict[str, Any], ctx: JobContext) -> None:
     """Block in C for an hour (GIL released): no exception injected into this thread can end
     it before ``sleep`` returns."""
     if payload.get("report"):
-        ctx.report_progress({"pid": os.getpid()})
+        with connection.cursor() as cursor:  # the job's own session, inside its transaction
+            cursor.execute("SELECT pg_backend_pid()")
+            backend = cursor.fetchone()[0]
+        ctx.report_progress({"pid": os.getpid(), "backend": backend})
     ctypes.CDLL(None).sleep(int(payload.get("seconds", 3600)))
     _ledger(ctx)
 

@@ -111,19 +111,22 @@ def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_repl
 ) -> None:
     """Timeout 1 s, blocked in ``sleep(3600)``: the slot is free at the timeout (a job queued
     behind it runs at once) and the stuck worker is killed and replaced after the grace."""
-    grace = 1.0
+    grace = 3.0
     runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
                          settings={"TIMEOUT_GRACE": grace})
     wait_until(lambda: worker_pids(runner), 30, "a worker")
     (stuck_worker,) = worker_pids(runner)
     blocked = enqueue_typed("procs.c_sleep", {"report": True})
-    wait_until(lambda: (job_row(blocked)["progress"] or {}).get("pid"), 20, "the handler to start")
+    progress = wait_until(lambda: job_row(blocked)["progress"], 20, "the handler to start")
     started = time.monotonic()
     follower = enqueue_jobs(1)[0]  # waits for the only slot
     row = wait_status(blocked, "dead_lettered", timeout=10)
     freed = time.monotonic() - started
     assert row["code"] == "TIMEOUT"
     assert freed <= 1.0 + grace + 1.0, freed
+    # Its database session was terminated at the timeout: nothing it does can commit.
+    wait_until(lambda: not sql_value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                     [progress["backend"]]), 1.5, "the session to be terminated")
     wait_status(follower, "completed", timeout=10)
     # The stuck thread never returns, so its process goes: killed after the grace, replaced.
     runner.wait_line(r"recycling worker 1 .*did not return", timeout=10)

@@ -23,6 +23,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from . import protocol
@@ -30,6 +31,8 @@ from . import protocol
 PR_SET_PDEATHSIG = 1
 
 logger = logging.getLogger("django_persistent_jobs.runner")
+#: A job running longer than this has its database session reported to the supervisor.
+SESSION_REPORT_SECONDS = 0.1
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -107,6 +110,8 @@ class Worker:
                 os._exit(0)  # the supervisor is gone
 
     def serve(self) -> None:
+        threading.Thread(target=self._report_sessions, name=f"pj-w{self.number}-sessions",
+                         daemon=True).start()
         self.send((protocol.READY, os.getpid()))
         while True:
             try:
@@ -166,7 +171,7 @@ class Worker:
     def _run(self, job: Any, cancel: bool) -> bool:
         """Run one job; False if it was interrupted (the thread then exits)."""
         from ...context import JobContext
-        from ..execute import InFlight, JobInterrupted, execute, prepare_connection
+        from ..execute import InFlight, JobInterrupted, execute
 
         ctx = JobContext(
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
@@ -177,14 +182,11 @@ class Worker:
         if cancel:
             ctx._cancel_event.set()
         item = InFlight(job=job, ctx=ctx, deadline=None, thread_ident=threading.get_ident())
+        item.ctx.started_monotonic = time.monotonic()
         with self.lock:
             self.running[job.id] = item
             self.tokens[job.id] = job.token
         try:
-            # If this fails, execute() meets the same problem and settles the job accordingly.
-            with contextlib.suppress(Exception):
-                prepare_connection(self.alias, item)
-            self.send((protocol.STARTED, job.id, item.backend_pid, item.backend_start))
             execute(self.alias, item, self.runner_id, self.never)
         except JobInterrupted:
             pass
@@ -203,6 +205,28 @@ class Worker:
                         extra={"event": "abandoned_worker_exited", "job_id": str(job.id)})
         self.send((protocol.DONE, job.id))
         return not interrupted
+
+    def _report_sessions(self) -> None:
+        """Tell the supervisor which database session runs each job that has run for a while,
+        so that at its timeout the supervisor can terminate that session.
+
+        Not per job: most jobs finish long before any timeout, and a message each way per job
+        is the whole cost of the hand-off. If a handler holds this process's GIL so long that
+        the report never goes out, the job's session ends with the worker, which is recycled
+        when the handler does not return after its timeout.
+        """
+        reported: set[Any] = set()
+        while True:
+            time.sleep(SESSION_REPORT_SECONDS)
+            now = time.monotonic()
+            with self.lock:
+                due = [item for job_id, item in self.running.items()
+                       if job_id not in reported and item.backend_pid is not None
+                       and now - item.ctx.started_monotonic >= SESSION_REPORT_SECONDS]
+                reported &= set(self.running)
+            for item in due:
+                reported.add(item.job.id)
+                self.send((protocol.STARTED, item.job.id, item.backend_pid, item.backend_start))
 
     def _interrupt(self, job_id: Any) -> None:
         """Stop a handler the supervisor has settled: a pure-Python loop ends at its next

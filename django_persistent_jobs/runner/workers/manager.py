@@ -21,13 +21,13 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import selectors
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 from ..execute import InFlight
@@ -66,6 +66,7 @@ class WorkerHandle:
     draining: bool = False
     kill_at: float | None = None
     stop_sent: bool = False
+    gone: bool = False
     jobs_run: int = 0
     in_flight: dict[Any, InFlight] = field(default_factory=dict)
     #: Jobs taken over from it whose thread has not returned yet: job id -> recycle deadline.
@@ -129,6 +130,7 @@ class ProcessExecutor:
         self._wake_r, self._wake_w = self._context.Pipe(duplex=False)
         self._thread = threading.Thread(target=self._manage, name="pj-workers", daemon=True)
         self._last_housekeeping = 0.0
+        self._selector: selectors.BaseSelector | None = None
         self.failure: BaseException | None = None
 
     # ------------------------------------------------------------------ Executor
@@ -334,26 +336,39 @@ class ProcessExecutor:
 
     # ------------------------------------------------------------------ the manager thread
     def _manage(self) -> None:
+        selector = self._selector = selectors.DefaultSelector()
+        selector.register(self._wake_r.fileno(), selectors.EVENT_READ, None)
+        watched: set[WorkerHandle] = set()
         try:
             with self.lock:
                 for _ in range(self.processes):
                     self._spawn_locked()
+            next_housekeeping = 0.0
             while True:
                 with self.lock:
                     workers = list(self.workers)
                     if self._closed and not workers:
                         return
-                waitables: list[Any] = [self._wake_r]
                 for worker in workers:
-                    waitables += [worker.conn, worker.process.sentinel]
-                ready = wait_any(waitables, timeout=HOUSEKEEPING_SECONDS)
-                if self._wake_r in ready:
-                    while self._wake_r.poll():
-                        self._wake_r.recv_bytes()
-                for worker in workers:
-                    if worker.conn in ready or worker.process.sentinel in ready:
-                        self._receive(worker)
-                self._housekeeping()
+                    if worker not in watched:  # started since (by any thread): watch it
+                        watched.add(worker)
+                        selector.register(worker.conn.fileno(), selectors.EVENT_READ, worker)
+                        selector.register(worker.process.sentinel, selectors.EVENT_READ, worker)
+                watched &= set(workers)
+                woken: dict[WorkerHandle, bool] = {}
+                for key, _ in selector.select(timeout=HOUSEKEEPING_SECONDS):
+                    if key.data is None:
+                        while self._wake_r.poll():
+                            self._wake_r.recv_bytes()
+                    else:
+                        exited = key.fd == key.data.process.sentinel
+                        woken[key.data] = woken.get(key.data, False) or exited
+                for worker, exited in woken.items():
+                    self._receive(worker, exited)
+                now = time.monotonic()
+                if now >= next_housekeeping:
+                    next_housekeeping = now + HOUSEKEEPING_SECONDS / 2
+                    self._housekeeping()
         except BaseException as exc:
             self.failure = exc
             logger.critical("worker manager died: %r", exc, exc_info=exc,
@@ -364,14 +379,16 @@ class ProcessExecutor:
                 self._kill(worker)
             raise
 
-    def _receive(self, worker: WorkerHandle) -> None:
-        """Handle what ``worker`` sent; at EOF (it died) settle its jobs and replace it."""
+    def _receive(self, worker: WorkerHandle, exited: bool) -> None:
+        """Handle what ``worker`` sent; once it has exited, settle its jobs and replace it."""
+        if worker.gone:
+            return
         try:
             while worker.conn.poll():
                 self._handle(worker, worker.conn.recv())
         except (EOFError, OSError):
-            pass
-        if worker.process.sentinel in wait_any([worker.process.sentinel], timeout=0):
+            exited = True  # its end of the pipe closed: it is exiting, wait for that
+        if exited:
             self._lost(worker)
 
     def _handle(self, worker: WorkerHandle, message: tuple[Any, ...]) -> None:
@@ -404,6 +421,11 @@ class ProcessExecutor:
                 self.on_crash(item, RuntimeError(message[2]))
 
     def _lost(self, worker: WorkerHandle) -> None:
+        worker.gone = True
+        if self._selector is not None:
+            for fd in (worker.conn.fileno(), worker.process.sentinel):
+                with contextlib.suppress(Exception):
+                    self._selector.unregister(fd)
         with contextlib.suppress(Exception):
             worker.process.join(1)
         code = worker.process.exitcode

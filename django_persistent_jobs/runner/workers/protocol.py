@@ -11,7 +11,8 @@ Supervisor to worker:
 
 Worker to supervisor:
     ``(READY, pid)``                          set up, accepting jobs
-    ``(STARTED, job_id, backend_pid, start)`` the job's database session, for terminating it
+    ``(STARTED, job_id, backend_pid, start)`` the session of a job running for a while (the
+                                              supervisor terminates it at the timeout)
     ``(DONE, job_id)``                        the job's thread returned (settled or interrupted)
     ``(CRASHED, job_id, text)``               its outcome could not be recorded
 """
