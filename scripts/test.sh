@@ -16,3 +16,10 @@ echo "==> makemigrations --check"
 DJANGO_SETTINGS_MODULE=tests.settings "$PYBIN" manage.py makemigrations --check --dry-run
 echo "==> pytest"
 "$PYBIN" -m pytest "$@"
+if [ "$#" -eq 0 ]; then
+    # The fault suite again, with every runner running its jobs in a worker process: the
+    # guarantees hold in both process models (tests/faults/harness.py: PJ_TEST_PROCESSES).
+    echo "==> pytest tests/faults with worker processes"
+    PJ_TEST_PROCESSES=1 "$PYBIN" -m pytest tests/faults -q \
+        --deselect tests/faults/test_worker_processes.py
+fi
