@@ -60,6 +60,7 @@ def report_pid(payload: dict[str, Any], ctx: JobContext) -> None:
     ctx.report_progress({"pid": os.getpid(), "attempt": ctx.attempt})
     if ctx.attempt == 1 or payload.get("every"):
         ctx.wait_for_cancel(float(payload.get("sleep", 0)))
+    ctx.raise_if_cancelled()
     _ledger(ctx)
 
 

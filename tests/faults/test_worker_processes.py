@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from django.db import transaction
 
-from django_persistent_jobs import enqueue
+from django_persistent_jobs import cancel_job, enqueue
 
 from .harness import (
     STALE,
@@ -248,3 +248,15 @@ def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> Non
     more = enqueue_jobs(5)
     wait_all_terminal(more, timeout=90)
     verify(more)
+
+
+def test_cancel_reaches_a_handler_in_a_worker(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2)
+    job_id = enqueue_typed("procs.pid", {"sleep": 60})
+    wait_until(lambda: job_row(job_id)["progress"], 20, "the job to start")
+    started = time.monotonic()
+    cancel_job(job_id)
+    wait_status(job_id, "cancelled", timeout=10)
+    assert time.monotonic() - started < 5  # the handler saw it, long before its 60 s
+    assert ledger_of(job_id) == []
+    assert runner.alive
