@@ -201,10 +201,18 @@ class Runner:
         return ProcessExecutor(
             self.processes, settings.concurrency, alias=self.alias, runner_id=self.runner_id,
             on_lost=self._settle_lost, on_crash=self._worker_crashed,
+            on_failure=self._executor_failed,
             max_jobs=settings.max_jobs_per_worker,
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
             log_level=logging.getLogger("django_persistent_jobs").level or None,
         )
+
+    def _executor_failed(self, exc: BaseException) -> None:
+        """The executor cannot run jobs any more: stop loudly, like a runner whose loop died."""
+        logger.critical("stopping runner %s: its executor failed: %r", self.runner_id, exc,
+                        extra={"event": "runner_failed", "runner_id": self.runner_id})
+        self.exit_code = EXIT_LOOP_DIED
+        self.request_stop()
 
     def _settle_lost(self, item: InFlight, why: str) -> None:
         """A worker process died under this job: the attempt is charged (``WORKER_LOST``), so a

@@ -103,6 +103,7 @@ class ProcessExecutor:
         self, processes: int, concurrency: int, *, alias: str, runner_id: str,
         on_lost: Callable[[InFlight, str], None],
         on_crash: Callable[[InFlight, BaseException], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
         max_jobs: int | None = None, max_memory_mib: float | None = None, grace: float = 5.0,
         log_level: int | None = None, log_to_stderr: bool = False,
     ) -> None:
@@ -112,6 +113,7 @@ class ProcessExecutor:
         self.runner_id = runner_id
         self.on_lost = on_lost
         self.on_crash = on_crash
+        self.on_failure = on_failure
         self.max_jobs = max_jobs
         self.max_memory = None if max_memory_mib is None else max_memory_mib * 1024 * 1024
         self.grace = grace
@@ -127,7 +129,13 @@ class ProcessExecutor:
         self._sealed = False
         self._closed = False
         self._context = multiprocessing.get_context("spawn")
-        self._wake_r, self._wake_w = self._context.Pipe(duplex=False)
+        # A byte on this pipe wakes the manager (os.write of one byte is atomic, whichever
+        # thread writes it).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        #: Workers to start: only the manager thread starts them (see ``_manage``).
+        self._to_spawn = 0
         self._thread = threading.Thread(target=self._manage, name="pj-workers", daemon=True)
         self._last_housekeeping = 0.0
         self._selector: selectors.BaseSelector | None = None
@@ -318,12 +326,12 @@ class ProcessExecutor:
         if worker.draining:
             return
         worker.draining = True
+        self._to_spawn += 1
         logger.info("runner %s: recycling worker %d (pid %s): %s", self.runner_id,
                     worker.number, worker.pid, why,
                     extra={"event": "worker_recycled", "worker_pid": worker.pid,
                            "runner_id": self.runner_id})
-        if not self._closed:
-            self._spawn_locked()
+        self._wake()
 
     def _kill(self, worker: WorkerHandle) -> None:
         with contextlib.suppress(Exception):
@@ -331,21 +339,27 @@ class ProcessExecutor:
                 os.kill(worker.process.pid, signal.SIGKILL)
 
     def _wake(self) -> None:
-        with contextlib.suppress(Exception):
-            self._wake_w.send_bytes(b"")
+        with contextlib.suppress(OSError):  # a full pipe already means "wake up"
+            os.write(self._wake_w, b"w")
 
     # ------------------------------------------------------------------ the manager thread
     def _manage(self) -> None:
         selector = self._selector = selectors.DefaultSelector()
-        selector.register(self._wake_r.fileno(), selectors.EVENT_READ, None)
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
         watched: set[WorkerHandle] = set()
         try:
             with self.lock:
-                for _ in range(self.processes):
-                    self._spawn_locked()
+                self._to_spawn = self.processes
             next_housekeeping = 0.0
             while True:
                 with self.lock:
+                    # Started here and nowhere else: the kernel's parent-death signal follows
+                    # the thread that started a process, and this one lives as long as the
+                    # executor (a worker started by, say, the claim loop would be killed when
+                    # that loop ends at the start of a shutdown).
+                    while self._to_spawn > 0 and not self._closed:
+                        self._to_spawn -= 1
+                        self._spawn_locked()
                     workers = list(self.workers)
                     if self._closed and not workers:
                         return
@@ -358,8 +372,8 @@ class ProcessExecutor:
                 woken: dict[WorkerHandle, bool] = {}
                 for key, _ in selector.select(timeout=HOUSEKEEPING_SECONDS):
                     if key.data is None:
-                        while self._wake_r.poll():
-                            self._wake_r.recv_bytes()
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 4096)
                     else:
                         exited = key.fd == key.data.process.sentinel
                         woken[key.data] = woken.get(key.data, False) or exited
@@ -375,9 +389,11 @@ class ProcessExecutor:
                             extra={"event": "loop_died", "loop": "workers"})
             with self.lock:
                 left = list(self.workers)
+                self.changed.notify_all()
             for worker in left:
                 self._kill(worker)
-            raise
+            if self.on_failure is not None:
+                self.on_failure(exc)
 
     def _receive(self, worker: WorkerHandle, exited: bool) -> None:
         """Handle what ``worker`` sent; once it has exited, settle its jobs and replace it."""
@@ -437,7 +453,7 @@ class ProcessExecutor:
                     if self.in_flight.get(item.job.id) is item]
             expected = worker.stop_sent and not lost
             if not expected and not worker.draining and not self._closed:
-                self._spawn_locked()
+                self._to_spawn += 1
             self.changed.notify_all()
         with contextlib.suppress(Exception):
             worker.conn.close()
