@@ -241,6 +241,14 @@ def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> Non
     verify(ids)
     assert len(_ledger_pids(ids)) >= 4  # 5 jobs per process, at most
     assert runner.find("MAX_JOBS_PER_WORKER")
+    # A replacement worker is the supervisor's like the first: a shutdown gives its job the
+    # grace period (it is not killed when the claim loop stops).
+    last = enqueue_typed("procs.pid", {"sleep": 1.5})
+    wait_until(lambda: job_row(last)["progress"], 20, "the job to start")
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(20) == 0
+    assert job_row(last)["status"] == "completed"
+    assert [(a.attempt, a.outcome) for a in attempts_of([last])] == [(1, "completed")]
 
     hungry = fleet.spawn(args=["--processes", "1"], concurrency=1,
                          settings={"MAX_MEMORY_PER_WORKER": 1})  # every worker is over 1 MiB
