@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "JSON_ENCODER": None,
     "ALLOW_UNREGISTERED": False,
     "SCHEDULER_INTERVAL": 1.0,
+    "HANDBACK_LIMIT": 3,  # free hand-backs of one job at shutdown; later ones use an attempt
     # Worker processes (see docs/processes.md). None: runjobs uses RUNJOBS_DEFAULT_PROCESSES,
     # an embedded Runner runs jobs on threads in its own process (0).
     "PROCESSES": None,
@@ -127,7 +128,7 @@ def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
     for key, integer, zero in (
         ("MAX_RETRIES", True, True), ("CONCURRENCY", True, False),
         ("PAYLOAD_MAX_BYTES", True, False), ("PAYLOAD_MAX_DEPTH", True, False),
-        ("PAYLOAD_MAX_KEYS", True, False),
+        ("PAYLOAD_MAX_KEYS", True, False), ("HANDBACK_LIMIT", True, True),
     ):
         msg = _positive_number(key, value(key), integer=integer, allow_zero=zero)
         if msg:

@@ -103,9 +103,23 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
             ("all queues", store.claim_sql(10), {"runner": "r"}),
             ("some queues", store.claim_sql(10, with_queues=True),
              {"runner": "r", "queues": ["mail"]}),
+            ("registered types", store.claim_sql(10, with_types=True),
+             {"runner": "r", "types": [f"core.idx.{n}" for n in range(0, 20, 2)]}),
+            ("some queues, registered types", store.claim_sql(10, True, True),
+             {"runner": "r", "queues": ["mail"], "types": ["core.idx.1", "core.idx.3"]}),
         ):
             cursor.execute("EXPLAIN " + sql, params)
             plans[name] = "\n".join(r[0] for r in cursor.fetchall())
+        # The runner prepares the statement, so PostgreSQL settles on a generic plan (types
+        # unknown at plan time): that plan must walk pj_claim_idx too.
+        generic = (store.claim_sql(10, with_types=True)
+                   .replace("%(runner)s", "$1").replace("%(types)s", "$2"))
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(f"PREPARE pj_claim_generic(text, text[]) AS {generic}")
+        cursor.execute("EXPLAIN EXECUTE pj_claim_generic('r', '{core.idx.1}')")
+        plans["registered types, generic plan"] = "\n".join(r[0] for r in cursor.fetchall())
+        cursor.execute("DEALLOCATE pj_claim_generic")
+        cursor.execute("SET LOCAL plan_cache_mode = auto")
         print("\n\n".join(f"-- claim plan ({k}), 60k finished rows:\n{v}"
                           for k, v in plans.items()))
         for name, plan in plans.items():

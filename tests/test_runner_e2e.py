@@ -351,18 +351,6 @@ def test_dead_letters_after_one_plus_max_retries_attempts(
     assert dead_single.attempts == 1 and dead_single.last_error_code == "HANDLER_ERROR"
 
 
-def test_unknown_job_type_dead_letters(start_runner: StartRunner, settings: Any) -> None:
-    settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "ALLOW_UNREGISTERED": True}
-    job = enqueue("rt.nobody_handles_this", {"x": 1}, max_retries=5)
-    start_runner(concurrency=1)
-    dead = wait_status(job.id, JobStatus.DEAD_LETTERED)
-    assert dead.attempts == 1
-    assert dead.last_error_code == "UNKNOWN_JOB_TYPE"
-    assert "rt.nobody_handles_this" in dead.last_error
-    [attempt] = attempts_of(job.id)
-    assert (attempt.outcome, attempt.error_code) == ("dead_lettered", "UNKNOWN_JOB_TYPE")
-
-
 def test_payload_invalid_at_run_time_dead_letters(
     isolated_registry: Registry, start_runner: StartRunner
 ) -> None:

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..handlers import registry
 from . import store
 from .db import run_with_retry
 from .heartbeat import heartbeat_fresh
@@ -43,7 +44,11 @@ def claim_loop(runner: Runner) -> None:
         def do_claim(cursor: Any, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(runner):
                 return []  # the database came back after a long while: beat first (see above)
-            return store.claim(cursor, runner.runner_id, limit, settings.queues)
+            # Only types this process has handlers for, read at each claim (a sorted list of a
+            # few names): during a rolling deploy a type only the new release knows waits for a
+            # new runner instead of being dead-lettered as unknown by an old one.
+            return store.claim(cursor, runner.runner_id, limit, settings.queues,
+                               job_types=registry.job_types())
 
         jobs = run_with_retry(runner.alias, do_claim, what="claiming jobs",
                               interrupt=runner.stopping)

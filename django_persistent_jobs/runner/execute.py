@@ -7,6 +7,10 @@ so the handler's business writes roll back with it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import inspect
 import logging
 import select
 import threading
@@ -14,6 +18,7 @@ import traceback as tb_module
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asgiref.sync import async_to_sync
 from django.db import connections, transaction
 from psycopg.pq import TransactionStatus
 
@@ -74,10 +79,18 @@ def _backoff_for(spec: HandlerSpec | None, attempt: int) -> float:
         return 60.0
 
 
+def _describe(exc: BaseException) -> str:
+    """``str(exc)``, which is the handler's code and may itself raise."""
+    try:
+        return str(exc) or type(exc).__name__
+    except Exception:
+        return f"<{type(exc).__name__}: str() of this exception failed>"
+
+
 def classify(exc: BaseException, spec: HandlerSpec | None, attempt: int) -> Outcome:
     """Map what a handler raised to the job's next state."""
     trace = "".join(tb_module.format_exception(exc))
-    message = str(exc) or type(exc).__name__
+    message = _describe(exc)
     if isinstance(exc, JobCancelledError):
         return Outcome("cancel", exc.code, message, trace)
     if isinstance(exc, PermanentJobError):
@@ -105,7 +118,7 @@ def log_transition(
         "job_id": str(job.id), "job_type": job.job_type, "attempt": job.attempt,
         "error_code": outcome.code, "runner_id": runner_id, "status": status,
     }
-    if status in ("failed", "dead_lettered") and outcome.kind != "handback":
+    if status in ("failed", "dead_lettered"):
         # One "failure" record per failed attempt, then what follows from it (retry or dead
         # letter), so a log query for failures does not depend on the verdict.
         logger.warning("job %s attempt %d failed (%s: %s)", job.id, job.attempt, outcome.code,
@@ -130,21 +143,82 @@ def log_transition(
         logger.info("job %s %s (%s)", job.id, status, outcome.code, extra=extra)
 
 
-def record_outcome(
-    alias: str, job: ClaimedJob, outcome: Outcome, runner_id: str,
-    interrupt: threading.Event | None, attempt_outcome: str | None = None,
-) -> str | None:
-    """Apply a fenced transition, retrying through connection loss; returns the new status."""
+#: How many times a settling statement that failed with a non-transient error is tried again
+#: before the job is handed back instead (transient conditions are retried without limit by
+#: ``run_with_retry``). A unique-key conflict with a concurrent enqueue resolves on the first
+#: retry: the statement then sees the committed newer job and settles this one as replaced.
+SETTLE_ROUNDS = 3
+
+
+class SettleFailed(Exception):
+    """Neither the job's outcome nor a hand-back could be recorded."""
+
+
+def _settle(
+    alias: str, job: ClaimedJob, outcome: Outcome, interrupt: threading.Event | None,
+    attempt_outcome: str | None,
+) -> tuple[str | None, Exception | None]:
+    """Apply one transition, retrying a failed statement a few times; ``(status, error)``."""
+    charge_delay = (_backoff_for(registry.get(job.job_type), job.attempt)
+                    if outcome.kind == "handback" else 0.0)
 
     def apply(cursor: Any) -> str | None:
         return store.transition(
             cursor, job.id, job.token, kind=outcome.kind, code=outcome.code,
             message=outcome.message, traceback=outcome.traceback, delay=outcome.delay,
-            outcome=attempt_outcome,
+            outcome=attempt_outcome, charge_delay=charge_delay,
         )
 
-    status = run_with_retry(alias, apply, what=f"recording the outcome of job {job.id}",
-                            interrupt=interrupt)
+    error: Exception | None = None
+    for round_ in range(SETTLE_ROUNDS):
+        try:
+            return run_with_retry(alias, apply, what=f"recording the outcome of job {job.id}",
+                                  interrupt=interrupt), None
+        except Exception as exc:
+            error = exc
+            logger.warning(
+                "job %s: recording %s failed (%s: %s); %s", job.id, outcome.code,
+                type(exc).__name__, store.storable_text(exc, 500),
+                "trying again" if round_ + 1 < SETTLE_ROUNDS else "giving up",
+                extra={"event": "settle_retry", "job_id": str(job.id)},
+            )
+            if is_connection_error(exc):
+                reset_connection(alias)
+            threading.Event().wait(0.05 * 2**round_)
+    return None, error
+
+
+def record_outcome(
+    alias: str, job: ClaimedJob, outcome: Outcome, runner_id: str,
+    interrupt: threading.Event | None, attempt_outcome: str | None = None,
+) -> str | None:
+    """Apply a fenced transition, retrying through connection loss; returns the new status.
+
+    No database error may take the runner down with it: a settling statement that keeps
+    failing (not a transient condition, which is retried for as long as it lasts) is tried
+    ``SETTLE_ROUNDS`` times, then the job is handed back (counted, so a job whose outcome can
+    never be recorded still ends dead-lettered), and the runner goes on. Only if the hand-back
+    fails as well does this raise ``SettleFailed``: the caller must then stop the runner, so
+    that another one rescues the job rather than it staying claimed by a live runner.
+    """
+    status, error = _settle(alias, job, outcome, interrupt, attempt_outcome)
+    if error is not None:
+        fallback = Outcome(
+            "release" if outcome.kind == "release" else "handback", "SETTLE_FAILED",
+            f"could not record the outcome of attempt {job.attempt} ({outcome.code}: "
+            f"{outcome.message[:1000]}): {type(error).__name__}: {_describe(error)}",
+        )
+        logger.error("job %s: handing it back, its outcome could not be recorded", job.id,
+                     extra={"event": "settle_failed", "job_id": str(job.id),
+                            "runner_id": runner_id, "error_code": outcome.code})
+        status, second = _settle(alias, job, fallback, interrupt, "interrupted")
+        if second is not None:
+            raise SettleFailed(f"job {job.id}: could not record its outcome nor hand it back: "
+                               f"{second}") from second
+        outcome = fallback
+    if outcome.kind == "handback" and status in ("failed", "dead_lettered"):
+        # Handed back once too often: the statement charged it as an interrupted attempt.
+        outcome = dataclasses.replace(outcome, code="INTERRUPTED")
     settled_as = None
     if status is None:
         # Not ours any more: rescued, taken over, or (after a connection failure at COMMIT)
@@ -193,6 +267,45 @@ def prepare_connection(alias: str, inflight: InFlight) -> None:
     inflight.backend_pid, inflight.backend_start = known[1], known[2]
 
 
+#: How often the event loop running an async handler looks whether the supervisor took the
+#: job over (timeout, shutdown), so that it can cancel the coroutine instead of letting it run.
+ASYNC_TAKE_OVER_POLL = 0.05
+
+
+class _AsyncTakenOver(Exception):
+    """An async handler was cancelled because the supervisor settled its job already."""
+
+
+def run_awaitable(awaitable: Any, inflight: InFlight) -> Any:
+    """Run an async handler's coroutine to completion, from the worker thread.
+
+    ``async_to_sync`` runs the event loop in a helper thread and executes every
+    ``sync_to_async(thread_sensitive=True)`` call, which includes Django's async ORM methods
+    (``acreate``, ``aget``, ...), back in this worker thread, on this thread's connection and
+    so inside the job's transaction: the handler's writes commit atomically with the
+    completion and roll back with a failure, exactly as for a plain function. When the
+    supervisor takes the job over (timeout, shutdown), the coroutine is cancelled.
+    """
+
+    async def drive() -> Any:
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=ASYNC_TAKE_OVER_POLL)
+                if done:
+                    return task.result()
+                if inflight.taken_over.is_set():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    raise _AsyncTakenOver(inflight.job.id)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    return async_to_sync(drive)()
+
+
 def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading.Event) -> None:
     """Run the handler and settle the job. Never raises except ``JobInterrupted``."""
     job = inflight.job
@@ -201,6 +314,12 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         record_outcome(alias, job, Outcome(
             "dead", "UNKNOWN_JOB_TYPE",
             f"no handler is registered for job type {job.job_type!r} in runner {runner_id}",
+        ), runner_id, interrupt)
+        return
+    if job.payload_error is not None:
+        record_outcome(alias, job, Outcome(
+            "dead", "PAYLOAD_INVALID",
+            f"the stored payload cannot be decoded: {job.payload_error}",
         ), runner_id, interrupt)
         return
     if spec.validator is not None:
@@ -216,7 +335,15 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
     try:
         prepare_connection(alias, inflight)
         with transaction.atomic(using=alias):
-            spec.func(job.payload, inflight.ctx)
+            returned = spec.func(job.payload, inflight.ctx)
+            if inspect.isawaitable(returned):
+                returned = run_awaitable(returned, inflight)
+            elif inspect.isgenerator(returned) or inspect.isasyncgen(returned):
+                raise PermanentJobError(
+                    f"the handler for {job.job_type!r} returned a generator, so its body never "
+                    "ran; a handler must be a plain function or an async def coroutine function",
+                    code="HANDLER_INVALID",
+                )
             # psycopg sends BEGIN lazily, so an idle connection here means the handler ran no
             # SQL on it: there is nothing to commit atomically with the completion, which then
             # runs as one autocommit statement instead of BEGIN + UPDATE + COMMIT. (Pending
@@ -245,8 +372,10 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         if inflight.taken_over.is_set():
             # The supervisor already recorded a timeout or hand-back for this attempt.
             return
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
+        if isinstance(exc, KeyboardInterrupt):
             raise
+        # ``SystemExit`` from a handler (``sys.exit()`` in library code) ends the attempt, not
+        # the runner: in a worker thread it could only ever have stopped that one thread.
         if is_connection_error(exc):
             reset_connection(alias)
         record_outcome(alias, job, classify(exc, spec, job.attempt), runner_id, interrupt)

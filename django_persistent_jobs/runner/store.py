@@ -9,14 +9,18 @@ handler's transaction, business writes included, rolls back.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import psycopg
+from django.db import IntegrityError
 
-TransitionKind = Literal["retry", "dead", "cancel", "handback"]
+from .. import conf
+
+TransitionKind = Literal["retry", "dead", "cancel", "handback", "release"]
 
 _WAITING_SIBLING = (
     "p.dedup_key IS NOT NULL AND NOT (p.dedup = 'enqueue') AND EXISTS (SELECT 1 FROM "
@@ -40,6 +44,8 @@ class ClaimedJob:
     priority: int
     cancel_requested: bool
     tenant: str | None = None
+    #: Why the stored payload could not be decoded (the job is then dead-lettered, not run).
+    payload_error: str | None = None
 
 
 @contextmanager
@@ -69,12 +75,19 @@ def prepared(cursor: Any) -> Iterator[psycopg.Cursor[Any]]:
         raw.close()
 
 
-def _claim_sql(with_queues: bool) -> str:
+def _claim_sql(with_queues: bool, with_types: bool = False) -> str:
     queue_filter = "AND j.queue = ANY(%(queues)s)" if with_queues else ""
+    # Written so no index can serve it: ``job_type = ANY(...)`` would tempt the planner onto
+    # (job_type, status), which returns every waiting job of those types for a sort, a cost
+    # that grows with the backlog. As a filter it rides along the ordered pj_claim_idx scan,
+    # which stops at LIMIT; a runner normally handles nearly every type, so it drops little.
+    type_filter = ("AND array_position(%(types)s::text[], j.job_type::text) IS NOT NULL"
+                   if with_types else "")
     return f"""
 WITH picked AS (
     SELECT j.id FROM persistent_jobs j
     WHERE j.status IN ('pending', 'failed') AND j.next_run_at <= now() {queue_filter}
+      {type_filter}
       AND (j.dedup_key IS NULL OR j.dedup = 'enqueue' OR NOT EXISTS (
           SELECT 1 FROM persistent_jobs r WHERE r.status = 'running'
             AND r.job_type = j.job_type AND r.dedup_key = j.dedup_key
@@ -90,45 +103,70 @@ WITH picked AS (
 UPDATE persistent_jobs j SET status = 'running', attempts = j.attempts + 1,
     locked_by = %(runner)s, locked_at = now(), lock_token = a.id, updated_at = now()
 FROM attempt a WHERE a.job_id = j.id
-RETURNING j.id, j.job_type, j.payload, j.attempts, j.max_retries, j.timeout_seconds,
+RETURNING j.id, j.job_type, j.payload::text, j.attempts, j.max_retries, j.timeout_seconds,
     j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at, j.tenant
 """
 
 
-_CLAIM_ALL = _claim_sql(False)
-_CLAIM_QUEUES = _claim_sql(True)
+_CLAIM = {(queues, types): _claim_sql(queues, types)
+          for queues in (False, True) for types in (False, True)}
 
 
-def claim_sql(limit: int, with_queues: bool = False) -> str:
-    """The claim statement for ``limit`` jobs (parameters ``runner``, and ``queues`` if asked)."""
-    return (_CLAIM_QUEUES if with_queues else _CLAIM_ALL).replace("{limit}", str(int(limit)))
+def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False) -> str:
+    """The claim statement for ``limit`` jobs (parameters ``runner``, and ``queues`` and
+    ``types`` if asked)."""
+    return _CLAIM[(with_queues, with_types)].replace("{limit}", str(int(limit)))
 
 
 def claim(
     cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None,
+    job_types: Collection[str] | None = None,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
 
     The attempt is counted here, at claim time, so a job that kills its runner still uses up its
-    retries and ends dead-lettered instead of looping forever.
+    retries and ends dead-lettered instead of looping forever. With ``job_types`` only jobs of
+    those types are claimed: a runner passes the types it has handlers for, so during a rolling
+    deploy a job type only the new release knows waits for a new runner instead of being
+    dead-lettered as unknown by an old one. ``None`` claims every type.
     """
     # The LIMIT is a literal: with ``LIMIT $n`` PostgreSQL keeps re-planning instead of settling
     # on the generic plan of the prepared statement (a runner only ever uses a few values).
     params: dict[str, Any] = {"runner": runner_id}
     if queues:
         params["queues"] = list(queues)
+    if job_types is not None:
+        params["types"] = list(job_types)
     with prepared(cursor) as fast:
-        fast.execute(claim_sql(limit, bool(queues)), params, prepare=True)
+        fast.execute(claim_sql(limit, bool(queues), job_types is not None), params,
+                     prepare=True)
         rows = fast.fetchall()
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
-    return [
-        ClaimedJob(
-            id=r[0], job_type=r[1], payload=json.loads(r[2]) if isinstance(r[2], str) else r[2],
-            attempt=r[3], max_retries=r[4], timeout=r[5], token=r[6], queue=r[7],
-            priority=r[8], cancel_requested=r[9], tenant=r[11],
-        )
-        for r in rows
-    ]
+    jobs = []
+    for r in rows:
+        payload, problem = _decode_payload(r[2])
+        jobs.append(ClaimedJob(
+            id=r[0], job_type=r[1], payload=payload, attempt=r[3], max_retries=r[4],
+            timeout=r[5], token=r[6], queue=r[7], priority=r[8], cancel_requested=r[9],
+            tenant=r[11], payload_error=problem,
+        ))
+    return jobs
+
+
+def _decode_payload(raw: Any) -> tuple[Any, str | None]:
+    """The payload, or why it cannot be decoded.
+
+    The claim has committed by now: an exception here would leave every job of the batch claimed
+    by a runner whose claim loop just died. A stored payload Python cannot read (an integer of
+    more digits than ``sys.int_max_str_digits``, nesting deeper than the recursion limit: rows
+    written by raw SQL or an older release) must cost its own job only.
+    """
+    if not isinstance(raw, str):
+        return raw, None
+    try:
+        return json.loads(raw), None
+    except (ValueError, RecursionError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 _COMPLETE = """
@@ -152,44 +190,107 @@ def complete(cursor: Any, job: ClaimedJob) -> bool:
         return fast.fetchone() is not None
 
 
+def configured_handback_limit() -> int:
+    """``HANDBACK_LIMIT`` as the settling statement needs it (validated when a runner starts)."""
+    value = conf.get("HANDBACK_LIMIT")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return int(conf.DEFAULTS["HANDBACK_LIMIT"])
+    return value
+
+
+#: Column widths the settling statement writes into (see models.py).
+CODE_MAX_LENGTH = 64
+MESSAGE_MAX_LENGTH = 10_000
+TRACEBACK_MAX_LENGTH = 50_000
+#: The longest retry delay stored: a handler's ``retry_after`` or a backoff function may return
+#: anything (``inf``, ``1e300``) and ``next_run_at`` must stay a timestamp PostgreSQL can add.
+MAX_DELAY_SECONDS = 10 * 365 * 86400.0
+
+
+def storable_text(text: Any, limit: int) -> str:
+    """``text`` as PostgreSQL can store it, at most ``limit`` characters.
+
+    A ``text`` column cannot hold NUL and UTF-8 cannot encode a lone surrogate (a file name
+    decoded with surrogateescape, bytes quoted in a message). Both are written as backslash
+    escapes (``\\x00``, ``\\udcff``) so the stored text still says what the error said.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text[:limit]
+
+
+def storable_delay(delay: Any) -> float:
+    """A retry delay PostgreSQL can add to ``now()``: finite, 0 .. ``MAX_DELAY_SECONDS``."""
+    try:
+        value = float(delay)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    if not math.isfinite(value):
+        return MAX_DELAY_SECONDS if value > 0 else 0.0
+    return min(max(value, 0.0), MAX_DELAY_SECONDS)
+
+
 _TRANSITION = f"""
 WITH cur AS (
-    SELECT p.id,
+    SELECT p.id, p.charged, p.handbacks,
         CASE
             WHEN %(kind)s = 'cancel' OR p.cancel_requested THEN 'cancelled'
-            WHEN %(kind)s = 'dead' OR (%(kind)s = 'retry' AND p.attempts >= p.max_retries + 1)
+            WHEN %(kind)s = 'dead' OR (p.charged AND p.attempts >= p.max_retries + 1)
                 THEN 'dead_lettered'
             WHEN {_WAITING_SIBLING} THEN 'replaced'
-            WHEN %(kind)s = 'handback' THEN 'pending'
+            WHEN NOT p.charged THEN 'pending'
             ELSE 'failed'
         END AS verdict
-    FROM persistent_jobs p
-    WHERE p.id = %(id)s AND p.lock_token = %(token)s AND p.status = 'running'
-    FOR UPDATE
+    FROM (
+        SELECT p.*, (%(kind)s = 'retry' OR (%(kind)s = 'handback'
+                     AND p.handbacks >= %(handback_limit)s)) AS charged
+        FROM persistent_jobs p
+        WHERE p.id = %(id)s AND p.lock_token = %(token)s AND p.status = 'running'
+        FOR UPDATE
+    ) p
+), settled AS (
+    SELECT cur.id, cur.verdict,
+        CASE WHEN %(kind)s = 'handback' AND cur.charged THEN 'INTERRUPTED'
+             ELSE %(code)s END AS code,
+        CASE WHEN %(kind)s = 'handback' AND cur.charged
+             THEN %(message)s || ' (handed back ' || (cur.handbacks + 1)
+                  || ' times; this hand-back is charged as an attempt)'
+             ELSE %(message)s END AS message,
+        CASE WHEN %(kind)s = 'handback' AND cur.charged THEN %(charge_delay)s
+             ELSE %(delay)s END AS delay,
+        cur.charged AND %(kind)s = 'handback' AS charged_handback
+    FROM cur
 ), moved AS (
     UPDATE persistent_jobs p SET
-        status = CASE cur.verdict WHEN 'replaced' THEN 'cancelled' ELSE cur.verdict END,
-        attempts = CASE WHEN cur.verdict = 'pending' THEN greatest(p.attempts - 1, 0)
+        status = CASE s.verdict WHEN 'replaced' THEN 'cancelled' ELSE s.verdict END,
+        attempts = CASE WHEN s.verdict = 'pending' THEN greatest(p.attempts - 1, 0)
                    ELSE p.attempts END,
-        next_run_at = CASE WHEN cur.verdict IN ('failed', 'pending')
-                      THEN now() + %(delay)s * interval '1 second' ELSE p.next_run_at END,
+        handbacks = CASE WHEN %(kind)s = 'handback' THEN p.handbacks + 1 ELSE p.handbacks END,
+        next_run_at = CASE WHEN s.verdict IN ('failed', 'pending')
+                      THEN now() + s.delay * interval '1 second' ELSE p.next_run_at END,
         locked_by = NULL, locked_at = NULL, lock_token = NULL,
-        last_error = CASE WHEN cur.verdict = 'replaced'
+        last_error = CASE WHEN s.verdict = 'replaced'
                      THEN 'retry superseded by a newer job with the same dedup key: '
-                          || %(message)s
-                     ELSE %(message)s END,
-        last_error_code = CASE WHEN cur.verdict = 'replaced' THEN 'REPLACED'
-                          ELSE %(code)s END,
-        finished_at = CASE WHEN cur.verdict IN ('failed', 'pending') THEN NULL ELSE now() END,
+                          || s.message
+                     ELSE s.message END,
+        last_error_code = CASE WHEN s.verdict = 'replaced' THEN 'REPLACED' ELSE s.code END,
+        finished_at = CASE WHEN s.verdict IN ('failed', 'pending') THEN NULL ELSE now() END,
         updated_at = now()
-    FROM cur WHERE p.id = cur.id
-    RETURNING p.status
+    FROM settled s WHERE p.id = s.id
+    RETURNING p.status, s.code, s.message, s.charged_handback
 )
 UPDATE persistent_jobs_attempts a SET finished_at = now(), duration = now() - a.started_at,
-    outcome = COALESCE(%(outcome)s, CASE moved.status
-        WHEN 'failed' THEN 'failed' WHEN 'dead_lettered' THEN 'dead_lettered'
-        WHEN 'cancelled' THEN 'cancelled' ELSE 'interrupted' END),
-    error_code = %(code)s, error_message = %(message)s, traceback = %(traceback)s
+    outcome = CASE WHEN moved.charged_handback THEN moved.status
+        ELSE COALESCE(%(outcome)s, CASE moved.status
+            WHEN 'failed' THEN 'failed' WHEN 'dead_lettered' THEN 'dead_lettered'
+            WHEN 'cancelled' THEN 'cancelled' ELSE 'interrupted' END) END,
+    error_code = moved.code, error_message = moved.message, traceback = %(traceback)s
 FROM moved WHERE a.id = %(token)s
 RETURNING moved.status
 """
@@ -198,21 +299,63 @@ RETURNING moved.status
 def transition(
     cursor: Any, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
+    handback_limit: int | None = None, charge_delay: float = 0.0,
 ) -> str | None:
     """Move a running job out of ``running``; return its new status, or None if not ours.
 
     ``retry`` goes to ``failed`` (due after ``delay``) or, with retries used up, to
-    ``dead_lettered``; ``dead`` dead-letters; ``cancel`` cancels; ``handback`` returns the job to
-    ``pending`` without charging the attempt. A cancellation request always wins, and a retry
-    that would collide with a newer waiting job holding the same dedup key is cancelled as
-    ``REPLACED`` instead.
+    ``dead_lettered``; ``dead`` dead-letters; ``cancel`` cancels. ``handback`` returns a job
+    whose attempt was interrupted (the runner is stopping) to ``pending`` without charging the
+    attempt, and counts it in ``handbacks``: once a job has been handed back ``handback_limit``
+    times, a further hand-back is charged like a failed attempt (code ``INTERRUPTED``, retried
+    after ``charge_delay``, or dead-lettered with its retries used up), so a job that gets its
+    runner stopped every time cannot loop forever. ``release`` returns a claimed job that never
+    started: not charged, not counted. ``handback_limit`` defaults to the ``HANDBACK_LIMIT``
+    setting. A cancellation request always wins, and a job that
+    would go back to waiting next to a newer waiting job holding the same dedup key is
+    cancelled as ``REPLACED`` instead.
+
+    Text is made storable (see ``storable_text``) and the delay bounded here, so nothing a
+    handler raises can make the settling statement itself fail.
     """
-    cursor.execute(_TRANSITION, {
-        "id": job_id, "token": token, "kind": kind, "code": code, "message": message[:10000],
-        "traceback": traceback[:50000], "delay": delay, "outcome": outcome,
-    })
+    params = {
+        "id": job_id, "token": token, "kind": kind,
+        "code": storable_text(code, CODE_MAX_LENGTH),
+        "message": storable_text(message, MESSAGE_MAX_LENGTH),
+        "traceback": storable_text(traceback, TRACEBACK_MAX_LENGTH),
+        "delay": storable_delay(delay), "charge_delay": storable_delay(charge_delay),
+        "outcome": outcome,
+        "handback_limit": configured_handback_limit() if handback_limit is None
+        else int(handback_limit),
+    }
+    for round_ in range(DEDUP_CONFLICT_ROUNDS):
+        try:
+            cursor.execute(_TRANSITION, params)
+            break
+        except (IntegrityError, psycopg.errors.UniqueViolation) as exc:
+            # A Replace enqueue of the same key committed its new waiting job while this
+            # statement waited on its index entry: the statement's snapshot predates that job,
+            # so it chose to put this one back to waiting too, and lost the unique index. Run
+            # again (in autocommit a fresh statement sees the newer job, and settles this one as
+            # replaced); inside a transaction the caller's transaction is aborted: let it decide.
+            in_transaction = getattr(getattr(cursor, "db", None), "in_atomic_block", True)
+            if (round_ + 1 == DEDUP_CONFLICT_ROUNDS or in_transaction
+                    or not _is_waiting_dedup_conflict(exc)):
+                raise
     row = cursor.fetchone()
     return None if row is None else str(row[0])
+
+
+#: Rounds of the settling statement against concurrent Replace enqueues of the job's key. One
+#: retry settles it (the conflicting job has committed); more cover several enqueues in a row.
+DEDUP_CONFLICT_ROUNDS = 5
+
+
+def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    diag = getattr(cause, "diag", None)
+    return (getattr(cause, "sqlstate", None) == "23505"
+            and getattr(diag, "constraint_name", None) == "pj_dedup_waiting_uniq")
 
 
 def register_runner(

@@ -329,7 +329,7 @@ class Runner:
     def hand_back_unstarted(self, jobs: list[store.ClaimedJob]) -> None:
         for job in jobs:
             record_outcome(self.alias, job, Outcome(
-                "handback", "SHUTDOWN", "runner stopping; claimed job handed back unstarted",
+                "release", "SHUTDOWN", "runner stopping; claimed job handed back unstarted",
             ), self.runner_id, self.forced, attempt_outcome="interrupted")
 
     def _worker_crashed(self, item: InFlight, exc: BaseException) -> None:
@@ -431,7 +431,7 @@ class Runner:
             # Prefetched but never started: hand back at once, uncharged, rather than start
             # new work after the signal.
             self._take_over(item, Outcome(
-                "handback", "SHUTDOWN",
+                "release", "SHUTDOWN",
                 f"runner {self.runner_id} stopped before starting attempt {item.job.attempt}; "
                 "handed back unstarted",
             ), "interrupted")

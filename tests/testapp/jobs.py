@@ -58,5 +58,6 @@ def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
 from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
 from tests.faults import process_handlers as _process_handlers  # noqa: E402, F401
 
-# Handlers for the recurring-schedule tests (issue 3).
-from tests.testapp import recurring_jobs  # noqa: E402,F401
+# Handlers for the recurring-schedule tests (issue 3), and for the settling tests that run real
+# runjobs processes.
+from tests.testapp import recurring_jobs, settle_jobs  # noqa: E402,F401
