@@ -72,3 +72,15 @@ def cpu(payload: dict[str, Any], ctx: JobContext) -> None:
     end = time.perf_counter() + float(payload.get("ms", 5)) / 1000
     while time.perf_counter() < end:
         pass
+
+
+@job_handler("procs.async", max_retries=0, timeout=60)
+async def async_ledger(payload: dict[str, Any], ctx: JobContext) -> None:
+    """An ``async def`` handler, run on an event loop in the worker, its write in the job's
+    transaction (``sync_to_async`` runs it on the job's thread, so on the job's connection)."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    await asyncio.sleep(float(payload.get("sleep", 0.01)))
+    await sync_to_async(_ledger)(ctx)

@@ -268,3 +268,12 @@ def test_cancel_reaches_a_handler_in_a_worker(fleet: Fleet) -> None:
     assert time.monotonic() - started < 5  # the handler saw it, long before its 60 s
     assert ledger_of(job_id) == []
     assert runner.alive
+
+
+def test_async_handlers_run_to_completion_in_a_worker(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2)
+    ids = [enqueue_typed("procs.async", {"n": i}) for i in range(5)]
+    wait_all_terminal(ids, timeout=30)
+    verify(ids)
+    pids = {row[0] for row in _ledger_pids(ids)}
+    assert pids and runner.pid not in pids and pids <= set(worker_pids(runner))
