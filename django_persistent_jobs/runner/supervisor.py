@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -89,6 +90,7 @@ class Runner:
         self.cleanup_due_now = True
         self.exit_code = EXIT_OK
         self.processes = processes
+        self._lost: queue.SimpleQueue[tuple[InFlight, str]] = queue.SimpleQueue()
         self.pool: Executor = self._make_executor()
         # Liveness as this runner itself knows it (monotonic, maintained by the heartbeat loop):
         # the last successful heartbeat, and since when beats have come without a gap.
@@ -215,12 +217,19 @@ class Runner:
         self.request_stop()
 
     def _settle_lost(self, item: InFlight, why: str) -> None:
-        """A worker process died under this job: the attempt is charged (``WORKER_LOST``), so a
-        job that kills its worker every time ends dead-lettered after its retries."""
-        self._take_over(item, Outcome(
-            "retry", "WORKER_LOST", why,
-            delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
-        ), None)
+        """A worker process died under this job (called by the executor's thread): the
+        supervisor settles it on its next tick, like a timeout."""
+        self._lost.put((item, why))
+
+    def _settle_lost_jobs(self) -> None:
+        """The attempt is charged (``WORKER_LOST``), so a job that kills its worker every time
+        ends dead-lettered after its retries, like any poison pill."""
+        while not self._lost.empty():
+            item, why = self._lost.get()
+            self._take_over(item, Outcome(
+                "retry", "WORKER_LOST", why,
+                delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
+            ), None)
 
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:
@@ -396,6 +405,7 @@ class Runner:
         self._shutdown()
 
     def _enforce_timeouts(self) -> None:
+        self._settle_lost_jobs()
         now = time.monotonic()
         for item in self.pool.snapshot():
             if item.deadline is not None and now >= item.deadline:

@@ -5,7 +5,7 @@ to a thread that lives as long as the executor), reads every message they send, 
 their process sentinels, so a worker that dies by any means (segfault, ``os._exit``, the OOM
 killer, SIGKILL) is noticed the moment the kernel reaps it. Its in-flight jobs are then settled
 ``WORKER_LOST`` (charged: a poison pill still ends dead-lettered after its retries) through the
-``on_lost`` callback, and a replacement starts.
+``on_lost`` callback (the supervisor settles them on its next tick), and a replacement starts.
 
 Slots are counted here, per worker: a job taken over by the supervisor (timeout, shutdown) frees
 its slot at once, whatever its thread does. A thread that has not returned ``grace`` seconds
@@ -468,20 +468,10 @@ class ProcessExecutor:
             extra={"event": "worker_lost", "worker_pid": worker.pid, "runner_id": self.runner_id,
                    "job_ids": [str(item.job.id) for item in lost]},
         )
-        if lost:
-            why = (f"worker process {worker.pid} of runner {self.runner_id} died ({how}) while "
-                   "running this attempt")
-            threading.Thread(target=self._settle_lost, args=(lost, why), name="pj-settle-lost",
-                             daemon=True).start()
-
-    def _settle_lost(self, items: list[InFlight], why: str) -> None:
-        from django.db import connections
-
-        try:
-            for item in items:
-                self.on_lost(item, why)
-        finally:
-            connections.close_all()
+        why = (f"worker process {worker.pid} of runner {self.runner_id} died ({how}) while "
+               "running this attempt")
+        for item in lost:
+            self.on_lost(item, why)
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
