@@ -84,3 +84,10 @@ async def async_ledger(payload: dict[str, Any], ctx: JobContext) -> None:
 
     await asyncio.sleep(float(payload.get("sleep", 0.01)))
     await sync_to_async(_ledger)(ctx)
+
+
+@job_handler("procs.segfault", max_retries=1, backoff=constant(0.1), timeout=60)
+def segfault(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Crash the interpreter: read address 0 (SIGSEGV), as a broken C extension would."""
+    _ledger(ctx)
+    ctypes.string_at(0)

@@ -277,3 +277,16 @@ def test_async_handlers_run_to_completion_in_a_worker(fleet: Fleet) -> None:
     verify(ids)
     pids = {row[0] for row in _ledger_pids(ids)}
     assert pids and runner.pid not in pids and pids <= set(worker_pids(runner))
+
+
+def test_a_segfaulting_handler_costs_its_attempts_not_the_runner(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1)
+    job_id = enqueue_typed("procs.segfault")
+    row = wait_status(job_id, "dead_lettered", timeout=60)
+    assert (row["attempts"], row["code"]) == (2, "WORKER_LOST")
+    runner.wait_line(r"died \(killed by signal 11\)", timeout=5)
+    assert ledger_of(job_id) == []
+    after = enqueue_jobs(5)
+    wait_all_terminal(after, timeout=30)
+    verify(after)
+    assert runner.alive
