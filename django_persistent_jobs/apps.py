@@ -16,3 +16,6 @@ class PersistentJobsConfig(AppConfig):
         from . import checks  # noqa: F401  (registers the system checks)
 
         autodiscover_modules("jobs")
+        from .backends.discovery import discover_tasks
+
+        discover_tasks()  # tasks of a PersistentJobsBackend in settings.TASKS

@@ -24,20 +24,28 @@ JOB_TYPE_MAX_LENGTH = 200
 QUEUE_MAX_LENGTH = 100
 DEDUP_KEY_MAX_LENGTH = 255
 TENANT_MAX_LENGTH = 200
+#: Column lengths of the schedules table.
+SCHEDULE_NAME_MAX_LENGTH = 200
+CRON_MAX_LENGTH = 200
+TIMEZONE_MAX_LENGTH = 64
 #: ``priority`` is a ``smallint``.
 PRIORITY_MIN = -32768
 PRIORITY_MAX = 32767
 #: The largest ``max_retries`` (and MAX_RETRIES setting): far beyond any sensible retry count.
 MAX_RETRIES_LIMIT = 1_000_000
-#: The longest delay, timeout, ``retry_after`` or backoff result (about 1,000 years): far beyond
-#: any real wait, and well inside what ``now() + seconds * interval '1 second'`` can compute and
-#: psycopg can read back (Python datetimes end at year 9999).
-MAX_SECONDS = 1000 * 365 * 86400.0
+#: The longest delay, timeout, ``retry_after`` or backoff result (about 10 years): far beyond
+#: any real wait, the longest retry delay the runner stores, inside what ``now() + seconds *
+#: interval '1 second'`` can compute and psycopg can read back (Python datetimes end at year
+#: 9999), and below ``threading.TIMEOUT_MAX``, so a handler may wait on ``ctx.time_left``
+#: whatever its timeout.
+MAX_SECONDS = 10 * 365 * 86400.0
 #: The latest ``run_at`` psycopg can read back into a Python datetime.
 MAX_RUN_AT = datetime(9999, 12, 31, tzinfo=UTC)
 #: The largest integer (in decimal digits) a payload may hold: Python's default limit for
 #: converting between int and text, so every process (ours and the runner's) can read it back.
 PAYLOAD_INT_MAX_DIGITS = 4300
+#: The largest serialized payload a ``jsonb`` value can hold (its size field has 28 bits).
+PAYLOAD_MAX_BYTES_LIMIT = 2**28 - 1
 DEDUP_CHOICES = ("skip", "enqueue", "replace")
 
 
@@ -71,23 +79,23 @@ def _string_problem(name: str, value: Any, max_length: int) -> str | None:
     return None
 
 
-def job_type_problem(value: Any) -> str | None:
-    return _string_problem("job_type", value, JOB_TYPE_MAX_LENGTH)
+def job_type_problem(value: Any, name: str = "job_type") -> str | None:
+    return _string_problem(name, value, JOB_TYPE_MAX_LENGTH)
 
 
-def queue_problem(value: Any) -> str | None:
-    return _string_problem("queue", value, QUEUE_MAX_LENGTH)
+def queue_problem(value: Any, name: str = "queue") -> str | None:
+    return _string_problem(name, value, QUEUE_MAX_LENGTH)
 
 
-def dedup_key_problem(value: Any) -> str | None:
+def dedup_key_problem(value: Any, name: str = "dedup_key") -> str | None:
     """``None`` (no key) is acceptable."""
-    return None if value is None else _string_problem("dedup_key", value, DEDUP_KEY_MAX_LENGTH)
+    return None if value is None else _string_problem(name, value, DEDUP_KEY_MAX_LENGTH)
 
 
-def tenant_problem(value: Any) -> str | None:
+def tenant_problem(value: Any, name: str = "tenant") -> str | None:
     """``None`` (no tenant) is acceptable; an empty string is not, so a blank form field or an
     unset variable cannot silently make a job tenant-less."""
-    return None if value is None else _string_problem("tenant", value, TENANT_MAX_LENGTH)
+    return None if value is None else _string_problem(name, value, TENANT_MAX_LENGTH)
 
 
 def _integer_problem(name: str, value: Any, low: int, high: int) -> str | None:
@@ -96,12 +104,12 @@ def _integer_problem(name: str, value: Any, low: int, high: int) -> str | None:
     return None
 
 
-def priority_problem(value: Any) -> str | None:
-    return _integer_problem("priority", value, PRIORITY_MIN, PRIORITY_MAX)
+def priority_problem(value: Any, name: str = "priority") -> str | None:
+    return _integer_problem(name, value, PRIORITY_MIN, PRIORITY_MAX)
 
 
-def max_retries_problem(value: Any) -> str | None:
-    return _integer_problem("max_retries", value, 0, MAX_RETRIES_LIMIT)
+def max_retries_problem(value: Any, name: str = "max_retries") -> str | None:
+    return _integer_problem(name, value, 0, MAX_RETRIES_LIMIT)
 
 
 def _is_number(value: Any) -> bool:
@@ -121,21 +129,21 @@ def seconds_of(value: Any) -> float | None:
     return None
 
 
-def timeout_problem(value: Any) -> str | None:
+def timeout_problem(value: Any, name: str = "timeout") -> str | None:
+    """Seconds (a number or a ``timedelta``) in ``(0, MAX_SECONDS]``."""
     seconds = seconds_of(value)
     if seconds is None or not (math.isfinite(seconds) and 0 < seconds <= MAX_SECONDS):
-        return (f"timeout must be a number of seconds > 0 (at most {MAX_SECONDS:.0f}), "
+        return (f"{name} must be a number of seconds > 0 (at most {MAX_SECONDS:.0f}), "
                 f"got {show(value)}.")
     return None
 
 
-def delay_problem(value: Any) -> str | None:
-    if seconds_of(value) is None:
-        return f"delay must be a timedelta or seconds, got {show(value)}."
+def delay_problem(value: Any, name: str = "delay") -> str | None:
     seconds = seconds_of(value)
-    assert seconds is not None
+    if seconds is None:
+        return f"{name} must be a timedelta or seconds, got {show(value)}."
     if not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
-        return f"delay must be >= 0 and at most {MAX_SECONDS:.0f} seconds, got {show(value)}."
+        return f"{name} must be >= 0 and at most {MAX_SECONDS:.0f} seconds, got {show(value)}."
     return None
 
 
@@ -147,24 +155,34 @@ def run_at_problem(value: Any) -> str | None:
                 "a naive datetime is ambiguous.")
     try:
         in_range = value.astimezone(UTC) < MAX_RUN_AT
-    except OverflowError:
+    except OverflowError:  # beyond year 1 or 9999 once converted to UTC
         in_range = False
     if not in_range:
-        return f"run_at must be before {MAX_RUN_AT.date()}, got {show(value)}."
+        return f"run_at must be between year 1 and {MAX_RUN_AT.date()} UTC, got {show(value)}."
     return None
 
 
 def backoff_problem(value: Any) -> str | None:
-    """A backoff result (or ``retry_after``): seconds in ``0..MAX_SECONDS``."""
+    """What a backoff callable returned: finite seconds (a number or a ``timedelta``) of at most
+    ``MAX_SECONDS``; a negative result means "retry now"."""
     seconds = seconds_of(value)
-    if seconds is None or not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
-        return (f"a backoff must be a number of seconds between 0 and {MAX_SECONDS:.0f}, "
+    if seconds is None or not (math.isfinite(seconds) and seconds <= MAX_SECONDS):
+        return (f"a backoff must return finite seconds, at most {MAX_SECONDS:.0f}, "
                 f"got {show(value)}.")
     return None
 
 
-def dedup_problem(value: Any) -> str | None:
+def backoff_seconds(value: Any) -> float:
+    """A backoff result as the delay to store; ``ValueError`` (with ``backoff_problem``'s
+    message) when it is unusable."""
+    problem = backoff_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return max(0.0, seconds_of(value) or 0.0)
+
+
+def dedup_problem(value: Any, name: str = "dedup") -> str | None:
     choice = getattr(value, "value", value)  # a Dedup member or its string
-    if choice not in DEDUP_CHOICES:
-        return f"dedup must be one of {list(DEDUP_CHOICES)}, got {show(value)}."
+    if not isinstance(choice, str) or choice not in DEDUP_CHOICES:
+        return f"{name} must be one of {list(DEDUP_CHOICES)}, got {show(value)}."
     return None

@@ -1,46 +1,107 @@
-"""System checks: bad settings and bad handler options are reported before any runner starts.
+"""System checks: bad settings and bad handlers are reported before any runner starts.
 
-Ids: ``persistent_jobs.E001``-``E014`` for settings (see ``conf.validate``), ``E101`` for handler
-options, ``E102`` for recurring-schedule problems.
+This module owns the check ids: one id per condition, each with a hint that says what to do.
+``conf.problems()`` and the handler registry say *what* is wrong (with the same message a
+process that skips the checks gets as ``ConfigurationError``); the tables below say under which
+id it is reported.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from django.conf import settings as django_settings
 from django.core import checks
 
 from . import conf
-from .handlers import registry
+from .handlers import BODY_NEVER_RUNS, OPTION_INVALID, SCHEDULE_INVALID, registry
+
+
+def _known_keys() -> str:
+    return "Known keys: " + ", ".join(sorted(conf.DEFAULTS)) + "."
+
+
+def _database_aliases() -> str:
+    return "Use one of: " + ", ".join(django_settings.DATABASES)
+
+
+_Hint = str | Callable[[], str]
+
+#: Settings: a key of ``PERSISTENT_JOBS`` (its value is unusable) or a cross-key condition.
+SETTING_CHECKS: dict[str, tuple[str, _Hint]] = {
+    conf.NOT_A_DICT: ("persistent_jobs.E001", "Set PERSISTENT_JOBS = {...}."),
+    conf.UNKNOWN_KEY: ("persistent_jobs.E002", _known_keys),
+    "MAX_RETRIES": ("persistent_jobs.E003", "Use a whole number of retries, 0 or more."),
+    "TIMEOUT": ("persistent_jobs.E004", "Use seconds (a number or a timedelta)."),
+    conf.HEARTBEAT_TOO_SLOW: ("persistent_jobs.E005",
+                              "Lower HEARTBEAT_INTERVAL or raise STALE_LOCK_TIMEOUT."),
+    "DEDUP": ("persistent_jobs.E006", "Use 'skip', 'enqueue' or 'replace'."),
+    "BACKOFF": ("persistent_jobs.E007",
+                "Give a callable attempt -> seconds, or its dotted path."),
+    "JSON_ENCODER": ("persistent_jobs.E008",
+                     "Give a json.JSONEncoder subclass or its dotted path."),
+    "RETENTION": ("persistent_jobs.E009",
+                  "Use a timedelta/seconds, None (keep forever), or a dict per status."),
+    "QUEUES": ("persistent_jobs.E010", "For example ['default', 'emails'], or None."),
+    "DEFAULT_QUEUE": ("persistent_jobs.E011", "For example 'default'."),
+    "DATABASE": ("persistent_jobs.E012", _database_aliases),
+    conf.NOT_POSTGRESQL: ("persistent_jobs.E013",
+                          "Point PERSISTENT_JOBS['DATABASE'] at a PostgreSQL database."),
+    "ALLOW_UNREGISTERED": ("persistent_jobs.E014", "Use True or False."),
+    "CONCURRENCY": ("persistent_jobs.E015", "Use a whole number of at least 1."),
+    "POLL_INTERVAL": ("persistent_jobs.E016", "Use seconds (a number or a timedelta)."),
+    "STALE_LOCK_TIMEOUT": ("persistent_jobs.E017", "Use seconds (a number or a timedelta)."),
+    "HEARTBEAT_INTERVAL": ("persistent_jobs.E018",
+                           "Use seconds, or None for a third of STALE_LOCK_TIMEOUT."),
+    "CLEANUP_INTERVAL": ("persistent_jobs.E019", "Use seconds (a number or a timedelta)."),
+    "SHUTDOWN_GRACE": ("persistent_jobs.E020", "Use seconds >= 0."),
+    "BATCH_SIZE": ("persistent_jobs.E021", "Use a whole number of at least 1, or None."),
+    "PREFETCH": ("persistent_jobs.E022", "Use a whole number >= 0, or None."),
+    "PAYLOAD_MAX_BYTES": ("persistent_jobs.E023", "Use a whole number of bytes."),
+    "PAYLOAD_MAX_DEPTH": ("persistent_jobs.E024", "Use a whole number of levels."),
+    "PAYLOAD_MAX_KEYS": ("persistent_jobs.E025", "Use a whole number of keys."),
+    "SCHEDULER_INTERVAL": ("persistent_jobs.E026", "Use seconds (a number or a timedelta)."),
+    "HANDBACK_LIMIT": ("persistent_jobs.E027", "Use a whole number >= 0."),
+    "PROCESSES": ("persistent_jobs.E031",
+                  "Use a whole number >= 0 (0 runs handlers on threads), or None."),
+    "MAX_JOBS_PER_WORKER": ("persistent_jobs.E032", "Use a whole number of at least 1, or None."),
+    "MAX_MEMORY_PER_WORKER": ("persistent_jobs.E033", "Use MiB (a number > 0), or None."),
+    "TIMEOUT_GRACE": ("persistent_jobs.E034", "Use seconds (a number or a timedelta)."),
+}
+
+#: Handlers registered with ``@job_handler``.
+HANDLER_CHECKS: dict[str, tuple[str, str]] = {
+    OPTION_INVALID: ("persistent_jobs.E101",
+                     "Fix the option in the @job_handler call (or the class attribute)."),
+    SCHEDULE_INVALID: ("persistent_jobs.E102",
+                       "Fix cron/interval/timezone/payload/tenant in the @job_handler call."),
+    BODY_NEVER_RUNS: ("persistent_jobs.E103",
+                      "Use a plain function (or async def) that does the work when called; "
+                      "a generator's body runs only when something iterates it."),
+}
+
+
+def setting_check(condition: str) -> tuple[str, str]:
+    """The ``(id, hint)`` a settings problem is reported under."""
+    check_id, hint = SETTING_CHECKS[condition]
+    return check_id, hint() if callable(hint) else hint
 
 
 @checks.register("persistent_jobs")
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    return [
-        checks.Error(message, hint=hint or None, id=check_id)
-        for check_id, message, hint in conf.validate()
-    ]
-
-
-#: How the schedule-related problems of ``registry._check_options`` begin (after the handler's
-#: name); everything else is a plain option problem.
-_SCHEDULE_PROBLEMS = ("cron", "interval", "give either cron or interval", "time zone",
-                      "unknown time zone")
-
-
-def _problem_id(spec: Any, problem: str) -> str:
-    # Classify on the text after "handler 'type' (origin): ", never on the whole message: a job
-    # type such as 'reports.cron_sync' must not turn its max_retries problem into E102.
-    prefix = f"handler {spec.job_type!r} ({spec.origin}): "
-    detail = problem[len(prefix):] if problem.startswith(prefix) else problem
-    return "persistent_jobs.E102" if detail.startswith(_SCHEDULE_PROBLEMS) else (
-        "persistent_jobs.E101")
+    errors: list[checks.CheckMessage] = []
+    for problem in conf.problems():
+        check_id, hint = setting_check(problem.condition)
+        errors.append(checks.Error(problem.message, hint=hint or None, id=check_id))
+    return errors
 
 
 @checks.register("persistent_jobs")
 def check_handlers(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     errors: list[checks.CheckMessage] = []
     for spec in registry:
-        for problem in spec.errors:
-            errors.append(checks.Error(problem, obj=spec.origin, id=_problem_id(spec, problem)))
+        for condition, message in spec.problems:
+            check_id, hint = HANDLER_CHECKS[condition]
+            errors.append(checks.Error(message, hint=hint, obj=spec.origin, id=check_id))
     return errors

@@ -1,8 +1,15 @@
-"""Settings for django-persistent-jobs, read lazily from ``settings.PERSISTENT_JOBS``.
+"""Settings for django-persistent-jobs: ``settings.PERSISTENT_JOBS``, typed and read lazily.
 
-Settings are never read at import time: Django's test runner and ``override_settings`` change
-them after our modules are imported, so every accessor looks the dict up again. Validation lives
-here too so that the system check (``checks.py``) and the runner report the same messages.
+``conf.settings`` has one attribute per key, with its default next to it. Reading an attribute
+looks the dict up again (Django's test runner and ``override_settings`` change it after our
+modules are imported), checks the value and returns it typed; an invalid value raises
+``ConfigurationError``, an ``ImproperlyConfigured``, with the very message the system check
+reports. So a process that never runs the checks (a shell, a WSGI worker) still gets a clear
+configuration error rather than a ``ValueError`` from deep inside ``enqueue``.
+
+This module says what is wrong with a value; ``checks.py`` owns the check ids and hints. The
+bounds shared with job options (MAX_RETRIES, TIMEOUT, DEFAULT_QUEUE, DEDUP) come from
+``bounds.py``, so a setting the check accepts is accepted by ``enqueue`` too.
 """
 
 from __future__ import annotations
@@ -12,57 +19,28 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
+from django.dispatch import receiver
+from django.test.signals import setting_changed
 from django.utils.module_loading import import_string
 
-#: Every key accepted in ``settings.PERSISTENT_JOBS`` with its default.
-DEFAULTS: dict[str, Any] = {
-    "MAX_RETRIES": 3,
-    "TIMEOUT": 300,
-    "CONCURRENCY": 10,
-    "POLL_INTERVAL": 1.0,
-    "STALE_LOCK_TIMEOUT": 30,
-    "HEARTBEAT_INTERVAL": None,  # None: a third of STALE_LOCK_TIMEOUT
-    "DEDUP": "skip",
-    "BACKOFF": None,  # None: 2 ** min(attempt, 10) seconds, +/-10% jitter
-    "RETENTION": {"completed": timedelta(days=7), "cancelled": timedelta(days=7),
-                  "dead_lettered": None},
-    "CLEANUP_INTERVAL": 300,
-    "SHUTDOWN_GRACE": 30,
-    "QUEUES": None,  # None: every queue
-    "DEFAULT_QUEUE": "default",
-    "BATCH_SIZE": None,  # None: as many as there are free slots
-    "PREFETCH": 0,  # claimed jobs held waiting for a worker; None: as many as CONCURRENCY
-    "DATABASE": "default",
-    "PAYLOAD_MAX_BYTES": 128 * 1024,
-    "PAYLOAD_MAX_DEPTH": 10,
-    "PAYLOAD_MAX_KEYS": 500,
-    "JSON_ENCODER": None,
-    "ALLOW_UNREGISTERED": False,
-    "SCHEDULER_INTERVAL": 1.0,
-    "HANDBACK_LIMIT": 3,  # free hand-backs of one job at shutdown; later ones use an attempt
-    # Worker processes (see docs/processes.md). None: runjobs uses RUNJOBS_DEFAULT_PROCESSES,
-    # an embedded Runner runs jobs on threads in its own process (0).
-    "PROCESSES": None,
-    "MAX_JOBS_PER_WORKER": None,  # None: never recycle a worker for the jobs it ran
-    "MAX_MEMORY_PER_WORKER": None,  # MiB of RSS; None: never recycle a worker for its memory
-    "TIMEOUT_GRACE": 5.0,  # seconds a timed-out handler gets to return before its worker goes
-}
+from . import bounds
 
 #: Worker processes ``runjobs`` starts when neither ``--processes`` nor ``PROCESSES`` says.
 RUNJOBS_DEFAULT_PROCESSES = 1
 
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
-#: The largest ``max_retries`` ``enqueue`` accepts (and so the largest MAX_RETRIES setting).
-MAX_RETRIES_LIMIT = 1_000_000
+#: Kept for callers that imported them from here; ``bounds`` owns them.
+MAX_RETRIES_LIMIT = bounds.MAX_RETRIES_LIMIT
+DEDUP_CHOICES = bounds.DEDUP_CHOICES
 #: Retention must fit PostgreSQL's interval arithmetic; timedelta's own maximum does.
 _MAX_RETENTION_SECONDS = timedelta.max.total_seconds()
-DEDUP_CHOICES = ("skip", "enqueue", "replace")
 
 
-class ConfigurationError(Exception):
+class ConfigurationError(ImproperlyConfigured):
     """A value in ``settings.PERSISTENT_JOBS`` (or a handler option) cannot be used."""
 
 
@@ -77,28 +55,8 @@ def _raw() -> dict[str, Any]:
     return value
 
 
-def get(key: str) -> Any:
-    """Return one setting, falling back to its default."""
-    if key not in DEFAULTS:
-        raise KeyError(f"Unknown PERSISTENT_JOBS setting {key!r}")
-    return _raw().get(key, DEFAULTS[key])
-
-
-def _positive_number(
-    key: str, value: Any, *, integer: bool, allow_zero: bool = False
-) -> str | None:
-    kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    number: float = value
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        kind = "an integer" if integer else "a number"
-        return f"PERSISTENT_JOBS['{key}'] must be {kind}, got {value!r}."
-    if (isinstance(number, float) and not math.isfinite(number)) or number < 0 or (
-        number == 0 and not allow_zero
-    ):
-        bound = ">= 0" if allow_zero else "> 0"
-        kind = "an integer" if integer else "a finite number"
-        return f"PERSISTENT_JOBS['{key}'] must be {kind} {bound}, got {value!r}."
-    return None
+def _name(key: str) -> str:
+    return f"PERSISTENT_JOBS['{key}']"
 
 
 def seconds(value: Any) -> float:
@@ -108,138 +66,136 @@ def seconds(value: Any) -> float:
     return float(value)
 
 
-def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
-    """Return ``(check_id, message, hint)`` for every invalid setting; empty when all is well."""
-    errors: list[tuple[str, str, str]] = []
-    try:
-        conf = _raw() if raw is None else raw
-    except ConfigurationError as exc:
-        return [("persistent_jobs.E001", str(exc), "Set PERSISTENT_JOBS = {...}.")]
-
-    for key in conf:
-        if key not in DEFAULTS:
-            known = ", ".join(sorted(DEFAULTS))
-            errors.append(("persistent_jobs.E002", f"Unknown key PERSISTENT_JOBS['{key}'].",
-                           f"Known keys: {known}."))
-
-    def value(key: str) -> Any:
-        return conf.get(key, DEFAULTS[key])
-
-    for key, integer, zero in (
-        ("MAX_RETRIES", True, True), ("CONCURRENCY", True, False),
-        ("PAYLOAD_MAX_BYTES", True, False), ("PAYLOAD_MAX_DEPTH", True, False),
-        ("PAYLOAD_MAX_KEYS", True, False), ("HANDBACK_LIMIT", True, True),
+# ----------------------------------------------------------------------------- value checks
+# Each returns why ``value`` is unusable for ``key``, or None.
+def _number_problem(key: str, value: Any, *, integer: bool, allow_zero: bool) -> str | None:
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an integer" if integer else "a number"
+        return f"{_name(key)} must be {kind}, got {bounds.show(value)}."
+    number: Any = value
+    if (isinstance(number, float) and not math.isfinite(number)) or number < 0 or (
+        number == 0 and not allow_zero
     ):
-        msg = _positive_number(key, value(key), integer=integer, allow_zero=zero)
-        if msg:
-            errors.append(("persistent_jobs.E003", msg, "Use a whole number."))
-    if not _positive_number("MAX_RETRIES", value("MAX_RETRIES"), integer=True, allow_zero=True) \
-            and value("MAX_RETRIES") > MAX_RETRIES_LIMIT:
-        errors.append(("persistent_jobs.E003",
-                       f"PERSISTENT_JOBS['MAX_RETRIES'] must be at most {MAX_RETRIES_LIMIT}, "
-                       f"got {value('MAX_RETRIES')!r}.", "Use a whole number."))
-    for key in ("TIMEOUT", "POLL_INTERVAL", "STALE_LOCK_TIMEOUT", "CLEANUP_INTERVAL",
-                "SHUTDOWN_GRACE", "SCHEDULER_INTERVAL"):
-        raw_value = value(key)
-        if isinstance(raw_value, timedelta):
-            raw_value = raw_value.total_seconds()
-        msg = _positive_number(key, raw_value, integer=False, allow_zero=key == "SHUTDOWN_GRACE")
-        if msg:
-            errors.append(("persistent_jobs.E004", msg, "Use seconds (a number or timedelta)."))
-    for key, integer, zero in (("PROCESSES", True, True), ("MAX_JOBS_PER_WORKER", True, False),
-                               ("MAX_MEMORY_PER_WORKER", False, False)):
-        if value(key) is not None:
-            msg = _positive_number(key, value(key), integer=integer, allow_zero=zero)
-            if msg:
-                errors.append(("persistent_jobs.E003", msg, "Use a number or None."))
-    grace_msg = _positive_number("TIMEOUT_GRACE", value("TIMEOUT_GRACE"), integer=False)
-    if grace_msg:
-        errors.append(("persistent_jobs.E004", grace_msg, "Use seconds."))
-    heartbeat = value("HEARTBEAT_INTERVAL")
-    if heartbeat is not None:
-        hb = heartbeat.total_seconds() if isinstance(heartbeat, timedelta) else heartbeat
-        msg = _positive_number("HEARTBEAT_INTERVAL", hb, integer=False)
-        if msg:
-            errors.append(("persistent_jobs.E004", msg, "Use seconds or None."))
-        else:
-            stale = value("STALE_LOCK_TIMEOUT")
-            stale_s = stale.total_seconds() if isinstance(stale, timedelta) else stale
-            if isinstance(stale_s, int | float) and hb * 2 > stale_s:
-                errors.append((
-                    "persistent_jobs.E005",
-                    f"PERSISTENT_JOBS['HEARTBEAT_INTERVAL'] ({hb}s) must be at most half of "
-                    f"STALE_LOCK_TIMEOUT ({stale_s}s), or a live runner could be taken for dead.",
-                    "Lower HEARTBEAT_INTERVAL or raise STALE_LOCK_TIMEOUT.",
-                ))
-    prefetch = value("PREFETCH")
-    if prefetch is not None:
-        msg = _positive_number("PREFETCH", prefetch, integer=True, allow_zero=True)
-        if msg:
-            errors.append(("persistent_jobs.E003", msg, "Use a whole number >= 0 or None."))
-    batch = value("BATCH_SIZE")
-    if batch is not None:
-        msg = _positive_number("BATCH_SIZE", batch, integer=True)
-        if msg:
-            errors.append(("persistent_jobs.E003", msg, "Use a whole number or None."))
-    if value("DEDUP") not in DEDUP_CHOICES:
-        errors.append(("persistent_jobs.E006",
-                       f"PERSISTENT_JOBS['DEDUP'] must be one of {DEDUP_CHOICES}, "
-                       f"got {value('DEDUP')!r}.", "Use 'skip', 'enqueue' or 'replace'."))
-    backoff = value("BACKOFF")
-    if backoff is not None:
-        try:
-            resolve_callable(backoff, "BACKOFF")
-        except ConfigurationError as exc:
-            errors.append(("persistent_jobs.E007", str(exc),
-                           "Give a callable attempt -> seconds, or its dotted path."))
-    encoder = value("JSON_ENCODER")
-    if encoder is not None:
-        try:
-            resolve_encoder(encoder)
-        except ConfigurationError as exc:
-            errors.append(("persistent_jobs.E008", str(exc),
-                           "Give a json.JSONEncoder subclass or its dotted path."))
-    try:
-        retention(conf)
-    except ConfigurationError as exc:
-        errors.append(("persistent_jobs.E009", str(exc),
-                       "Use a timedelta/seconds, None (keep forever), or a dict per status."))
-    queues = value("QUEUES")
-    if queues is not None and (
-        not isinstance(queues, list | tuple) or not queues
-        or not all(isinstance(q, str) and q for q in queues)
+        bound = ">= 0" if allow_zero else "> 0"
+        kind = "an integer" if integer else "a finite number"
+        return f"{_name(key)} must be {kind} {bound}, got {bounds.show(value)}."
+    if not integer and number > bounds.MAX_SECONDS:
+        return (f"{_name(key)} must be at most {bounds.MAX_SECONDS:.0f} seconds, "
+                f"got {bounds.show(value)}.")
+    return None
+
+
+def _positive_int(key: str, value: Any) -> str | None:
+    return _number_problem(key, value, integer=True, allow_zero=False)
+
+
+def _payload_bytes(key: str, value: Any) -> str | None:
+    problem = _positive_int(key, value)
+    if problem is None and value > bounds.PAYLOAD_MAX_BYTES_LIMIT:
+        return (f"{_name(key)} must be at most {bounds.PAYLOAD_MAX_BYTES_LIMIT} (what jsonb "
+                f"can hold), got {bounds.show(value)}.")
+    return problem
+
+
+def _non_negative_int(key: str, value: Any) -> str | None:
+    return _number_problem(key, value, integer=True, allow_zero=True)
+
+
+def _optional_int(*, allow_zero: bool) -> Callable[[str, Any], str | None]:
+    def check(key: str, value: Any) -> str | None:
+        if value is None:
+            return None
+        return _number_problem(key, value, integer=True, allow_zero=allow_zero)
+    return check
+
+
+def _optional_number(key: str, value: Any) -> str | None:
+    return None if value is None else _number_problem(key, value, integer=False,
+                                                      allow_zero=False)
+
+
+def _seconds_problem(*, allow_zero: bool = False, optional: bool = False,
+                     ) -> Callable[[str, Any], str | None]:
+    def check(key: str, value: Any) -> str | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, timedelta):
+            value = value.total_seconds()
+        return _number_problem(key, value, integer=False, allow_zero=allow_zero)
+    return check
+
+
+def _max_retries(key: str, value: Any) -> str | None:
+    return bounds.max_retries_problem(value, _name(key))
+
+
+def _timeout(key: str, value: Any) -> str | None:
+    return bounds.timeout_problem(value, _name(key))
+
+
+def _dedup(key: str, value: Any) -> str | None:
+    return bounds.dedup_problem(value, _name(key))
+
+
+def _default_queue(key: str, value: Any) -> str | None:
+    return bounds.queue_problem(value, _name(key))
+
+
+def _queues(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not value or not all(
+        bounds.queue_problem(q) is None for q in value
     ):
-        errors.append(("persistent_jobs.E010",
-                       f"PERSISTENT_JOBS['QUEUES'] must be a non-empty list of queue names or "
-                       f"None, got {queues!r}.", "For example ['default', 'emails']."))
-    for key in ("DATABASE", "DEFAULT_QUEUE"):
-        if not isinstance(value(key), str) or not value(key):
-            errors.append(("persistent_jobs.E011",
-                           f"PERSISTENT_JOBS['{key}'] must be a non-empty string.", ""))
-    default_queue = value("DEFAULT_QUEUE")
-    if isinstance(default_queue, str) and len(default_queue) > 100:
-        errors.append(("persistent_jobs.E011",
-                       "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be at most 100 characters "
-                       f"(the queue column's length), got {len(default_queue)}.", ""))
-    if not isinstance(value("ALLOW_UNREGISTERED"), bool):
-        errors.append(("persistent_jobs.E014",
-                       "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got "
-                       f"{value('ALLOW_UNREGISTERED')!r}.", ""))
-    alias = value("DATABASE")
-    if isinstance(alias, str) and alias not in django_settings.DATABASES:
-        errors.append(("persistent_jobs.E012",
-                       f"PERSISTENT_JOBS['DATABASE'] names {alias!r}, which is not in "
-                       "settings.DATABASES.",
-                       "Use one of: " + ", ".join(django_settings.DATABASES)))
-    elif isinstance(alias, str):
-        engine = django_settings.DATABASES[alias].get("ENGINE", "")
-        if "postgresql" not in engine:
-            errors.append(("persistent_jobs.E013",
-                           f"Database {alias!r} uses {engine!r}; django-persistent-jobs needs "
-                           "PostgreSQL (django.db.backends.postgresql).", ""))
-    return errors
+        return (f"{_name(key)} must be a non-empty list of queue names (strings of 1.."
+                f"{bounds.QUEUE_MAX_LENGTH} characters) or None, got {bounds.show(value)}.")
+    return None
 
 
+def _database(key: str, value: Any) -> str | None:
+    if not isinstance(value, str) or not value:
+        return f"{_name(key)} must be a non-empty string, got {bounds.show(value)}."
+    if value not in django_settings.DATABASES:
+        return (f"{_name(key)} names {value!r}, which is not in settings.DATABASES.")
+    return None
+
+
+def _boolean(key: str, value: Any) -> str | None:
+    if not isinstance(value, bool):
+        return f"{_name(key)} must be True or False, got {bounds.show(value)}."
+    return None
+
+
+def _callable(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        resolve_callable(value, key)
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
+
+
+def _encoder(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        resolve_encoder(value)
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
+
+
+def _retention(key: str, value: Any) -> str | None:
+    try:
+        _retention_of(value)
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
+
+
+# ----------------------------------------------------------------------------- conversions
 def resolve_callable(value: Any, key: str) -> Callable[..., Any]:
     """Turn a callable or its dotted path into the callable, with a message that names ``key``."""
     if isinstance(value, str):
@@ -247,10 +203,10 @@ def resolve_callable(value: Any, key: str) -> Callable[..., Any]:
             value = import_string(value)
         except ImportError as exc:
             raise ConfigurationError(
-                f"PERSISTENT_JOBS['{key}'] = {value!r} cannot be imported: {exc}"
+                f"{_name(key)} = {value!r} cannot be imported: {exc}"
             ) from exc
     if not callable(value):
-        raise ConfigurationError(f"PERSISTENT_JOBS['{key}'] must be callable, got {value!r}.")
+        raise ConfigurationError(f"{_name(key)} must be callable, got {bounds.show(value)}.")
     return value
 
 
@@ -264,14 +220,19 @@ def resolve_encoder(value: Any) -> type[json.JSONEncoder]:
             ) from exc
     if not (isinstance(value, type) and issubclass(value, json.JSONEncoder)):
         raise ConfigurationError(
-            f"PERSISTENT_JOBS['JSON_ENCODER'] must be a json.JSONEncoder subclass, got {value!r}."
+            "PERSISTENT_JOBS['JSON_ENCODER'] must be a json.JSONEncoder subclass, got "
+            f"{bounds.show(value)}."
         )
     return value
 
 
-def retention(conf: dict[str, Any] | None = None) -> dict[str, float | None]:
+_DEFAULT_RETENTION: dict[str, timedelta | None] = {
+    "completed": timedelta(days=7), "cancelled": timedelta(days=7), "dead_lettered": None,
+}
+
+
+def _retention_of(raw: Any) -> dict[str, float | None]:
     """Seconds to keep each terminal status (``None`` keeps forever)."""
-    raw = (conf if conf is not None else _raw()).get("RETENTION", DEFAULTS["RETENTION"])
     if raw is None or (isinstance(raw, int | float | timedelta) and not isinstance(raw, bool)):
         # One value applies to completed and cancelled; dead letters are kept for operators.
         base = None if raw is None else seconds(raw)
@@ -283,18 +244,17 @@ def retention(conf: dict[str, Any] | None = None) -> dict[str, float | None]:
     if not isinstance(raw, dict):
         raise ConfigurationError(
             f"PERSISTENT_JOBS['RETENTION'] must be a timedelta, seconds, None or a dict, "
-            f"got {raw!r}."
+            f"got {bounds.show(raw)}."
         )
     result: dict[str, float | None] = dict.fromkeys(TERMINAL_RETENTION_KEYS)
-    defaults = DEFAULTS["RETENTION"]
     for status in TERMINAL_RETENTION_KEYS:
-        item = raw.get(status, defaults[status])
+        item = raw.get(status, _DEFAULT_RETENTION[status])
         if item is None:
             continue
         if isinstance(item, bool) or not isinstance(item, int | float | timedelta):
             raise ConfigurationError(
                 f"PERSISTENT_JOBS['RETENTION']['{status}'] must be a timedelta, seconds or "
-                f"None, got {item!r}."
+                f"None, got {bounds.show(item)}."
             )
         if not 0 < seconds(item) <= _MAX_RETENTION_SECONDS:
             raise ConfigurationError(
@@ -308,6 +268,248 @@ def retention(conf: dict[str, Any] | None = None) -> dict[str, float | None]:
             f"PERSISTENT_JOBS['RETENTION'] has unknown statuses {sorted(unknown)}; "
             f"use {list(TERMINAL_RETENTION_KEYS)}."
         )
+    return result
+
+
+def _optional_seconds(value: Any) -> float | None:
+    return None if value is None else seconds(value)
+
+
+def _optional_callable(value: Any) -> Callable[..., Any] | None:
+    return None if value is None else resolve_callable(value, "BACKOFF")
+
+
+def _optional_encoder(value: Any) -> type[json.JSONEncoder] | None:
+    return None if value is None else resolve_encoder(value)
+
+
+def _optional_queues(value: Any) -> tuple[str, ...] | None:
+    return tuple(value) if value else None
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+
+T = TypeVar("T")
+
+# ----------------------------------------------------------------------------- the settings
+class Setting(Generic[T]):
+    """One key of ``PERSISTENT_JOBS``: its default, what makes a value unusable, its type."""
+
+    key: str
+
+    def __init__(self, default: Any, check: Callable[[str, Any], str | None],
+                 convert: Callable[[Any], T]) -> None:
+        self.default = default
+        self.check = check
+        self.convert = convert
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = name
+
+    def raw(self, values: dict[str, Any] | None = None) -> Any:
+        """The configured value (or the default), unchecked."""
+        return (_raw() if values is None else values).get(self.key, self.default)
+
+    def problem(self, values: dict[str, Any] | None = None) -> str | None:
+        return self.check(self.key, self.raw(values))
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> Setting[T]: ...
+    @overload
+    def __get__(self, instance: Settings, owner: type) -> T: ...
+
+    def __get__(self, instance: Settings | None, owner: type) -> Setting[T] | T:
+        if instance is None:
+            return self
+        try:
+            return instance._cache[self.key]
+        except KeyError:
+            pass
+        value = self.raw()
+        problem = self.check(self.key, value)
+        if problem is not None:
+            raise ConfigurationError(problem)  # not cached: raised on every read until fixed
+        converted = self.convert(value)
+        instance._cache[self.key] = converted
+        return converted
+
+
+class Settings:
+    """``settings.PERSISTENT_JOBS``, one typed attribute per key (each key is optional).
+
+    Checked values are cached (``enqueue`` reads several per call) until Django reports a
+    settings change (``override_settings``, the ``settings`` test fixture), like Django's own
+    cached settings.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    #: Retries after the first attempt (a job runs at most ``1 + MAX_RETRIES`` times).
+    MAX_RETRIES = Setting[int](3, _max_retries, int)
+    #: Per-attempt timeout in seconds (a number or a timedelta).
+    TIMEOUT = Setting[float](300, _timeout, seconds)
+    #: Jobs one runner executes at once.
+    CONCURRENCY = Setting[int](10, _positive_int, int)
+    #: Seconds between polls when no NOTIFY arrives.
+    POLL_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
+    #: Seconds without a heartbeat after which a runner is dead and its jobs are rescued.
+    STALE_LOCK_TIMEOUT = Setting[float](30, _seconds_problem(), seconds)
+    #: Seconds between heartbeats; None: a third of STALE_LOCK_TIMEOUT.
+    HEARTBEAT_INTERVAL = Setting[float | None](
+        None, _seconds_problem(optional=True), _optional_seconds)
+    #: The dedup strategy of handlers that do not choose one.
+    DEDUP = Setting[str]("skip", _dedup, str)
+    #: A callable ``attempt -> seconds`` (or its dotted path); None: 2 ** min(attempt, 10)
+    #: seconds with +/-10% jitter.
+    BACKOFF = Setting[Callable[..., Any] | None](None, _callable, _optional_callable)
+    #: How long finished jobs are kept, per terminal status (None keeps forever).
+    RETENTION = Setting[dict[str, float | None]](dict(_DEFAULT_RETENTION), _retention,
+                                                 _retention_of)
+    #: Seconds between cleanup passes.
+    CLEANUP_INTERVAL = Setting[float](300, _seconds_problem(), seconds)
+    #: Seconds in-flight jobs get to finish at shutdown.
+    SHUTDOWN_GRACE = Setting[float](30, _seconds_problem(allow_zero=True), seconds)
+    #: Queues a runner serves; None: every queue.
+    QUEUES = Setting[tuple[str, ...] | None](None, _queues, _optional_queues)
+    #: The queue of handlers that do not choose one.
+    DEFAULT_QUEUE = Setting[str]("default", _default_queue, str)
+    #: Jobs claimed per statement; None: as many as there are free slots.
+    BATCH_SIZE = Setting[int | None](None, _optional_int(allow_zero=False), _same)
+    #: Claimed jobs held waiting for a worker; None: as many as CONCURRENCY.
+    PREFETCH = Setting[int | None](0, _optional_int(allow_zero=True), _same)
+    #: The database alias jobs live in.
+    DATABASE = Setting[str]("default", _database, str)
+    #: Largest serialized payload, in UTF-8 bytes.
+    PAYLOAD_MAX_BYTES = Setting[int](128 * 1024, _payload_bytes, int)
+    #: Deepest payload nesting.
+    PAYLOAD_MAX_DEPTH = Setting[int](10, _positive_int, int)
+    #: Most keys in a payload, counted over every nested object.
+    PAYLOAD_MAX_KEYS = Setting[int](500, _positive_int, int)
+    #: A ``json.JSONEncoder`` subclass (or its dotted path) applied to payloads first.
+    JSON_ENCODER = Setting[type[json.JSONEncoder] | None](None, _encoder, _optional_encoder)
+    #: Accept job types without a handler in this process (another service runs them).
+    ALLOW_UNREGISTERED = Setting[bool](False, _boolean, bool)
+    #: Seconds between scheduler passes.
+    SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
+    #: Free hand-backs of one job at shutdown; later ones are charged as attempts.
+    HANDBACK_LIMIT = Setting[int](3, _non_negative_int, int)
+    #: Worker processes ``runjobs`` runs handlers in (0: threads of the runjobs process);
+    #: None: ``RUNJOBS_DEFAULT_PROCESSES``. An embedded ``Runner`` does not read it.
+    PROCESSES = Setting[int | None](None, _optional_int(allow_zero=True), _same)
+    #: Recycle a worker process after this many jobs; None: never.
+    MAX_JOBS_PER_WORKER = Setting[int | None](None, _optional_int(allow_zero=False), _same)
+    #: Recycle a worker process whose RSS exceeds this many MiB; None: never.
+    MAX_MEMORY_PER_WORKER = Setting[float | None](None, _optional_number, _same)
+    #: Seconds a timed-out handler's thread gets to return before its worker is recycled.
+    TIMEOUT_GRACE = Setting[float](5.0, _seconds_problem(), seconds)
+
+    @classmethod
+    def declared(cls) -> dict[str, Setting[Any]]:
+        return {k: v for k, v in vars(cls).items() if isinstance(v, Setting)}
+
+
+settings = Settings()
+_SETTINGS = Settings.declared()
+
+
+@receiver(setting_changed)
+def _settings_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting in ("PERSISTENT_JOBS", "DATABASES"):
+        settings.clear()
+
+#: Every key accepted in ``settings.PERSISTENT_JOBS`` with its default.
+DEFAULTS: dict[str, Any] = {key: s.default for key, s in _SETTINGS.items()}
+
+
+def get(key: str) -> Any:
+    """The value of one setting as configured (falling back to its default), checked first.
+
+    The older untyped accessor, kept for callers not yet moved to ``settings.KEY``; it raises
+    ``ConfigurationError`` for an invalid value just as the typed attributes do.
+    """
+    setting = _SETTINGS.get(key)
+    if setting is None:
+        raise KeyError(f"Unknown PERSISTENT_JOBS setting {key!r}")
+    value = setting.raw()
+    problem = setting.check(key, value)
+    if problem is not None:
+        raise ConfigurationError(problem)
+    return value
+
+
+def retention(conf: dict[str, Any] | None = None) -> dict[str, float | None]:
+    """Seconds to keep each terminal status (``None`` keeps forever)."""
+    return _retention_of((_raw() if conf is None else conf).get("RETENTION",
+                                                               DEFAULTS["RETENTION"]))
+
+
+# ----------------------------------------------------------------------------- the problems
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong with the settings. ``condition`` is a setting key or one of the
+    cross-key conditions below; ``checks.py`` maps each condition to its id and hint."""
+
+    condition: str
+    message: str
+
+
+NOT_A_DICT = "NOT_A_DICT"
+UNKNOWN_KEY = "UNKNOWN_KEY"
+HEARTBEAT_TOO_SLOW = "HEARTBEAT_TOO_SLOW"
+NOT_POSTGRESQL = "NOT_POSTGRESQL"
+
+
+def problems(raw: dict[str, Any] | None = None) -> list[Problem]:
+    """Every problem with the settings (empty when all is well), in key order."""
+    try:
+        values = _raw() if raw is None else raw
+    except ConfigurationError as exc:
+        return [Problem(NOT_A_DICT, str(exc))]
+    found: list[Problem] = [
+        Problem(UNKNOWN_KEY, f"Unknown key {_name(key)}.") for key in values
+        if key not in _SETTINGS
+    ]
+    for key, setting in _SETTINGS.items():
+        message = setting.problem(values)
+        if message is not None:
+            found.append(Problem(key, message))
+    bad = {p.condition for p in found}
+    heartbeat = Settings.HEARTBEAT_INTERVAL.raw(values)
+    if heartbeat is not None and not bad & {"HEARTBEAT_INTERVAL", "STALE_LOCK_TIMEOUT"}:
+        hb, stale = seconds(heartbeat), seconds(Settings.STALE_LOCK_TIMEOUT.raw(values))
+        if hb * 2 > stale:
+            found.append(Problem(
+                HEARTBEAT_TOO_SLOW,
+                f"PERSISTENT_JOBS['HEARTBEAT_INTERVAL'] ({hb:g}s) must be at most half of "
+                f"STALE_LOCK_TIMEOUT ({stale:g}s), or a live runner could be taken for dead.",
+            ))
+    if "DATABASE" not in bad:
+        alias = Settings.DATABASE.raw(values)
+        engine = django_settings.DATABASES[alias].get("ENGINE", "")
+        if "postgresql" not in engine:
+            found.append(Problem(
+                NOT_POSTGRESQL,
+                f"Database {alias!r} uses {engine!r}; django-persistent-jobs needs PostgreSQL "
+                "(django.db.backends.postgresql).",
+            ))
+    return found
+
+
+def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
+    """``(check_id, message, hint)`` for every problem; the shape older callers expect."""
+    from .checks import setting_check
+
+    result = []
+    for problem in problems(raw):
+        check_id, hint = setting_check(problem.condition)
+        result.append((check_id, problem.message, hint))
     return result
 
 
@@ -333,28 +535,27 @@ class RunnerSettings:
 
     @classmethod
     def load(cls, **overrides: Any) -> RunnerSettings:
-        errors = validate()
-        if errors:
-            raise ConfigurationError("; ".join(msg for _, msg, _ in errors))
-        stale = seconds(get("STALE_LOCK_TIMEOUT"))
-        heartbeat = get("HEARTBEAT_INTERVAL")
-        queues = get("QUEUES")
+        found = problems()
+        if found:
+            raise ConfigurationError("; ".join(p.message for p in found))
+        stale = settings.STALE_LOCK_TIMEOUT
+        heartbeat = settings.HEARTBEAT_INTERVAL
         values: dict[str, Any] = {
-            "concurrency": get("CONCURRENCY"),
-            "poll_interval": seconds(get("POLL_INTERVAL")),
+            "concurrency": settings.CONCURRENCY,
+            "poll_interval": settings.POLL_INTERVAL,
             "stale_lock_timeout": stale,
-            "heartbeat_interval": stale / 3 if heartbeat is None else seconds(heartbeat),
-            "cleanup_interval": seconds(get("CLEANUP_INTERVAL")),
-            "shutdown_grace": seconds(get("SHUTDOWN_GRACE")),
-            "queues": tuple(queues) if queues else None,
-            "batch_size": get("BATCH_SIZE"),
-            "prefetch": get("PREFETCH"),
-            "database": get("DATABASE"),
-            "scheduler_interval": seconds(get("SCHEDULER_INTERVAL")),
-            "processes": get("PROCESSES") or 0,
-            "max_jobs_per_worker": get("MAX_JOBS_PER_WORKER"),
-            "max_memory_per_worker": get("MAX_MEMORY_PER_WORKER"),
-            "timeout_grace": float(get("TIMEOUT_GRACE")),
+            "heartbeat_interval": stale / 3 if heartbeat is None else heartbeat,
+            "cleanup_interval": settings.CLEANUP_INTERVAL,
+            "shutdown_grace": settings.SHUTDOWN_GRACE,
+            "queues": settings.QUEUES,
+            "batch_size": settings.BATCH_SIZE,
+            "prefetch": settings.PREFETCH,
+            "database": settings.DATABASE,
+            "scheduler_interval": settings.SCHEDULER_INTERVAL,
+            "processes": settings.PROCESSES or 0,
+            "max_jobs_per_worker": settings.MAX_JOBS_PER_WORKER,
+            "max_memory_per_worker": settings.MAX_MEMORY_PER_WORKER,
+            "timeout_grace": settings.TIMEOUT_GRACE,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values["prefetch"] is None:

@@ -10,37 +10,62 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from django.db import connections, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from django.db.models import Q
 from django.db.models.base import ModelState
-from django.utils import timezone
+from django.db.models.sql import Query
 
 from . import bounds, conf
 from .errors import ConfigurationError, EnqueueError, PayloadError, UnknownJobTypeError
 from .handlers import HandlerSpec, registry
 from .ids import uuid7
-from .models import JOB_COLUMNS_SQL, PersistentJob, job_from_row
+from .models import JOB_COLUMNS_SQL, WAITING_DEDUP, PersistentJob, job_from_row
 from .payload import PayloadLimits, prepare_payload
 from .types import Dedup
 
 logger = logging.getLogger("django_persistent_jobs.enqueue")
 
-_MAX_DEDUP_ROUNDS = 5
 _INSERT_COLUMNS = (
     "id", "job_type", "payload", "queue", "priority", "max_retries", "next_run_at",
     "timeout_seconds", "dedup_key", "dedup", "schedule", "tenant",
 )
 _NEXT_RUN = "COALESCE(%s::timestamptz, now() + %s::float8 * interval '1 second')"
-_WAITING_KEY = (
-    "status IN ('pending', 'failed') AND dedup_key IS NOT NULL AND NOT (dedup = 'enqueue')"
-)
+
+
+def _condition_sql(condition: Q) -> str:
+    """``condition`` as the SQL Django writes for it in a partial index, constants inlined.
+
+    The dedup statements must spell the waiting-job predicate exactly as the unique index
+    ``pj_dedup_waiting_uniq`` does (``ON CONFLICT ... WHERE`` infers the index from it), so both
+    are compiled from the one ``Q`` in ``models``.
+    """
+    query = Query(model=PersistentJob, alias_cols=False)
+    where = query.build_where(condition)
+    connection = connections[DEFAULT_DB_ALIAS]
+    sql, params = where.as_sql(query.get_compiler(connection=connection), connection)
+    literals = []
+    for param in params:
+        if not isinstance(param, str):
+            raise TypeError(f"cannot inline {param!r} into the dedup predicate")
+        literals.append("'" + param.replace("'", "''").replace("%", "%%") + "'")
+    return str(sql % tuple(literals))
+
+
+_WAITING_KEY = _condition_sql(WAITING_DEDUP)
 _ON_CONFLICT = f"ON CONFLICT (job_type, dedup_key) WHERE {_WAITING_KEY} DO NOTHING"
+#: Takes the enqueue turn of each ``(job_type, dedup_key)``, in one order for every session (so
+#: two batches sharing keys cannot deadlock each other). Volatile functions in the select list
+#: run after ORDER BY, so the locks are taken in that order.
+_LOCK_KEYS = (
+    "SELECT pg_advisory_xact_lock(hashtext(u.t), hashtext(u.k)) FROM unnest(%s::text[], "
+    "%s::text[]) AS u(t, k) ORDER BY hashtext(u.t), hashtext(u.k)"
+)
 
 
 @dataclass(frozen=True)
@@ -71,8 +96,7 @@ class _Prepared:
 
 
 def _spec_for(job_type: Any) -> HandlerSpec | None:
-    if not isinstance(job_type, str) or not job_type:
-        raise EnqueueError(f"job_type must be a non-empty string, got {job_type!r}.")
+    _require(bounds.job_type_problem(job_type))
     return registry.resolve(
         job_type, missing=UnknownJobTypeError, invalid=ConfigurationError,
         hint=". Register it with @job_handler in an installed app's jobs.py, or set "
@@ -83,12 +107,6 @@ def _spec_for(job_type: Any) -> HandlerSpec | None:
 def _require(problem: str | None) -> None:
     if problem is not None:
         raise EnqueueError(problem)
-
-
-def _as_int(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise EnqueueError(f"{name} must be an integer in {low}..{high}, got {value!r}.")
-    return value
 
 
 @dataclass(frozen=True)
@@ -112,63 +130,43 @@ def _resolve_options(
     timeout: float | None = None, queue: str | None = None, priority: int | None = None,
     tenant: str | None = None,
 ) -> _Options:
+    """Fill options left as ``None`` from the handler, then settings, and check every value
+    against ``bounds`` (the same rules the system check applies to handlers and settings)."""
     spec = _spec_for(job_type)
     if run_at is not None and delay is not None:
         raise EnqueueError("Give run_at or delay, not both.")
     if run_at is not None:
-        if not isinstance(run_at, datetime):
-            raise EnqueueError(f"run_at must be a datetime, got {type(run_at).__name__}.")
-        if timezone.is_naive(run_at):
-            raise EnqueueError(
-                "run_at must be timezone-aware (for example timezone.now() + timedelta(...)); "
-                "a naive datetime is ambiguous."
-            )
+        _require(bounds.run_at_problem(run_at))
     delay_s = 0.0
     if delay is not None:
-        if isinstance(delay, timedelta):
-            delay_s = delay.total_seconds()
-        elif isinstance(delay, int | float) and not isinstance(delay, bool):
-            delay_s = float(delay)
-        else:
-            raise EnqueueError(f"delay must be a timedelta or seconds, got {delay!r}.")
-        if not math.isfinite(delay_s) or delay_s < 0:
-            raise EnqueueError(f"delay must be >= 0, got {delay!r}.")
-    try:
-        strategy = Dedup(dedup) if dedup is not None else (
-            spec.effective_dedup() if spec else Dedup(conf.get("DEDUP"))
-        )
-    except ValueError:
-        raise EnqueueError(
-            f"dedup must be one of {[d.value for d in Dedup]}, got {dedup!r}."
-        ) from None
+        _require(bounds.delay_problem(delay))
+        delay_s = bounds.seconds_of(delay) or 0.0
+    if dedup is None:
+        dedup = spec.effective_dedup() if spec else conf.settings.DEDUP
+    _require(bounds.dedup_problem(dedup))
     if max_retries is None:
-        max_retries = spec.effective_max_retries() if spec else int(conf.get("MAX_RETRIES"))
-    _as_int("max_retries", max_retries, 0, 1_000_000)
+        max_retries = spec.effective_max_retries() if spec else conf.settings.MAX_RETRIES
+    _require(bounds.max_retries_problem(max_retries))
     if timeout is None:
-        timeout = spec.effective_timeout() if spec else conf.seconds(conf.get("TIMEOUT"))
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
-        math.isfinite(timeout) and timeout > 0
-    ):
-        raise EnqueueError(f"timeout must be a number of seconds > 0, got {timeout!r}.")
+        timeout = spec.effective_timeout() if spec else conf.settings.TIMEOUT
+    _require(bounds.timeout_problem(timeout))
     if queue is None:
-        queue = spec.effective_queue() if spec else str(conf.get("DEFAULT_QUEUE"))
-    if not isinstance(queue, str) or not 0 < len(queue) <= 100:
-        raise EnqueueError(f"queue must be a string of 1..100 characters, got {queue!r}.")
+        queue = spec.effective_queue() if spec else conf.settings.DEFAULT_QUEUE
+    _require(bounds.queue_problem(queue))
     if priority is None:
         priority = spec.priority if spec else 0
-    _as_int("priority", priority, -32768, 32767)
+    _require(bounds.priority_problem(priority))
     _require(bounds.tenant_problem(tenant))
     return _Options(spec=spec, queue=queue, priority=priority, max_retries=max_retries,
-                    timeout=float(timeout), run_at=run_at, delay=delay_s, dedup=strategy,
-                    tenant=tenant)
+                    timeout=bounds.seconds_of(timeout) or 0.0, run_at=run_at, delay=delay_s,
+                    dedup=Dedup(dedup), tenant=tenant)
 
 
 def _prepare_with(
     job_type: str, payload: Any, options: _Options, dedup_key: str | None,
     schedule: Mapping[str, Any] | None = None, limits: PayloadLimits | None = None,
 ) -> _Prepared:
-    if dedup_key is not None and (not isinstance(dedup_key, str) or not 0 < len(dedup_key) <= 255):
-        raise EnqueueError(f"dedup_key must be a string of 1..255 characters, got {dedup_key!r}.")
+    _require(bounds.dedup_key_problem(dedup_key))
     stored, text = prepare_payload({} if payload is None else payload, limits)
     spec = options.spec
     if spec is not None and spec.validator is not None:
@@ -235,33 +233,117 @@ def _cancel_waiting_duplicates(cursor: Any, job_type: str, keys: list[str]) -> i
     return int(cursor.rowcount)
 
 
+def lock_dedup_keys(cursor: Any, keys: Iterable[tuple[str, str]]) -> None:
+    """Wait for the enqueue turn of each ``(job_type, dedup_key)`` and hold it until the
+    transaction ends.
+
+    A Skip or Replace enqueue that lost a race for its key (its insert met another one's row)
+    takes the key's turn this way and then settles, instead of racing again and again. The lock
+    is a transaction-scoped advisory lock on the key's hash (two ``int4`` keys: a space apart
+    from single-key advisory locks); a hash collision only makes two keys take turns. Only keys
+    that were actually contended are locked, so a transaction enqueuing many keys does not fill
+    PostgreSQL's lock table.
+    """
+    pairs = sorted(set(keys))
+    if pairs:
+        cursor.execute(_LOCK_KEYS, [[t for t, _ in pairs], [k for _, k in pairs]])
+
+
+class _Contended(Exception):
+    """An optimistic Replace lost its race for these keys; undo it and take their turns."""
+
+    def __init__(self, keys: list[tuple[str, str]]) -> None:
+        super().__init__(keys)
+        self.keys = keys
+
+
 def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
     """Return ``(job, created)``; ``created`` is False when Skip returned an existing job."""
-    if job.dedup_key is not None and job.dedup is Dedup.REPLACE:
-        # Cancelling the old job and inserting the new one must commit together, also when the
-        # caller runs in autocommit: otherwise a failed insert would leave neither job waiting.
-        # Inside the caller's atomic block this adds nothing (no savepoint).
-        with transaction.atomic(using=alias, savepoint=False):
-            return _enqueue_prepared_in(job, alias)
-    return _enqueue_prepared_in(job, alias)
-
-
-def _enqueue_prepared_in(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
-    with connections[alias].cursor() as cursor:
-        for _ in range(_MAX_DEDUP_ROUNDS):
-            if job.dedup_key is not None and job.dedup is Dedup.SKIP:
-                existing = _select_active(cursor, job.job_type, job.dedup_key)
-                if existing is not None:
-                    return job_from_row(existing, alias), False
-            elif job.dedup_key is not None and job.dedup is Dedup.REPLACE:
-                _cancel_waiting_duplicates(cursor, job.job_type, [job.dedup_key])
+    if job.dedup_key is None or job.dedup is Dedup.ENQUEUE:
+        with connections[alias].cursor() as cursor:
             row = _insert_one(cursor, job)
-            if row is not None:
-                return job_from_row(row, alias), True
-        raise EnqueueError(
-            f"Could not settle dedup key {job.dedup_key!r} for {job.job_type!r} after "
-            f"{_MAX_DEDUP_ROUNDS} rounds of concurrent enqueues; nothing was inserted."
-        )
+        assert row is not None  # no ON CONFLICT clause without a dedup key
+        return job_from_row(row, alias), True
+    tried = False
+    if job.dedup is Dedup.SKIP:
+        # Uncontended, Skip is one SELECT, or one INSERT: no transaction of its own needed. A
+        # lost race leaves nothing behind (the insert did nothing), so it can wait its turn.
+        with connections[alias].cursor() as cursor:
+            settled = _attempt(cursor, job, alias)
+        if settled is not None:
+            return settled
+        tried = True
+    elif not connections[alias].in_atomic_block:
+        # Autocommit: Replace's cancel and insert are a transaction of their own, and a lost
+        # round simply rolls it back (no savepoint needed, as in ``_round``).
+        settled = _round(None, job, alias)
+        if settled is not None:
+            return settled
+        tried = True
+    # A key's turn lasts until the transaction ends: a transaction of its own when the caller
+    # runs in autocommit; inside the caller's atomic block this adds nothing.
+    with transaction.atomic(using=alias, savepoint=False), connections[alias].cursor() as cursor:
+        if not tried:
+            settled = _round(cursor, job, alias)
+            if settled is not None:
+                return settled
+        lock_dedup_keys(cursor, [(job.job_type, job.dedup_key)])
+        return _settle(cursor, job, alias)
+
+
+def _attempt(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
+    """One round of Skip or Replace for a keyed job; ``None`` when another job with the key
+    became waiting in between (the insert met it on the unique index)."""
+    assert job.dedup_key is not None
+    if job.dedup is Dedup.SKIP:
+        existing = _select_active(cursor, job.job_type, job.dedup_key)
+        if existing is not None:
+            return job_from_row(existing, alias), False
+    else:
+        _cancel_waiting_duplicates(cursor, job.job_type, [job.dedup_key])
+    row = _insert_one(cursor, job)
+    return None if row is None else (job_from_row(row, alias), True)
+
+
+def _is_deadlock(exc: BaseException) -> bool:
+    return getattr(exc.__cause__, "sqlstate", None) == "40P01"
+
+
+def _round(cursor: Any | None, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
+    """``_attempt`` in a savepoint (or a transaction of its own outside any); ``None`` (with
+    nothing left behind) when it lost the race.
+
+    Losing means the insert met a concurrent job's row, or PostgreSQL broke a deadlock between
+    enqueues of the same keys by failing this statement: either way the savepoint undoes the
+    round's cancellations, so no row lock is held while waiting for the key's turn (the enqueue
+    holding the turn may need that row), and the caller's transaction stays usable.
+    """
+    try:
+        with transaction.atomic(using=alias), connections[alias].cursor() as own:
+            settled = _attempt(cursor or own, job, alias)
+            if settled is None:
+                raise _Contended([])
+        return settled
+    except _Contended:
+        return None
+    except OperationalError as exc:
+        if not _is_deadlock(exc):
+            raise
+        return None
+
+
+def _settle(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
+    """Skip or Replace one keyed job while holding its key's turn, until it is done.
+
+    Every enqueue that meets a conflict waits for the turn before trying again, so while this
+    one holds it a round can be lost only to an enqueue making its first attempt or to a retry
+    being scheduled for a running job with the key; neither repeats, and nothing here gives up
+    or raises because others use the key.
+    """
+    while True:
+        settled = _round(cursor, job, alias)
+        if settled is not None:
+            return settled
 
 
 def enqueue(
@@ -278,7 +360,7 @@ def enqueue(
     ``tenant`` names the tenant or service that owns the job: stored on the row, seen by the
     handler as ``ctx.tenant``, kept by retries. Dedup keys are not scoped by tenant.
     """
-    alias = str(conf.get("DATABASE"))
+    alias = conf.settings.DATABASE
     job = _prepare(
         job_type, payload, run_at=run_at, delay=delay, dedup_key=dedup_key, dedup=dedup,
         max_retries=max_retries, timeout=timeout, queue=queue, priority=priority, tenant=tenant,
@@ -293,7 +375,7 @@ def enqueue(
     return result
 
 
-# --- recurring schedules (issue 3): the scheduler inserts runs through the same path ---------
+# --- recurring schedules: the scheduler inserts runs through the same path ---------------------
 def enqueue_scheduled_run(
     job_type: str, payload: Any, *, schedule: Mapping[str, Any], dedup_key: str,
     queue: str | None = None, priority: int | None = None, tenant: str | None = None,
@@ -307,7 +389,12 @@ def enqueue_scheduled_run(
     """
     job = _prepare(job_type, payload, dedup_key=dedup_key, queue=queue, priority=priority,
                    tenant=tenant, schedule=schedule)
-    return _enqueue_prepared(job, str(conf.get("DATABASE")))
+    return _enqueue_prepared(job, conf.settings.DATABASE)
+
+
+#: The options an ``enqueue_many`` item (or its ``common`` keyword arguments) may give.
+_ITEM_OPTIONS = frozenset({"run_at", "delay", "dedup_key", "dedup", "max_retries", "timeout",
+                           "queue", "priority", "tenant"})
 
 
 def _item_kwargs(item: Any, common: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
@@ -316,19 +403,30 @@ def _item_kwargs(item: Any, common: dict[str, Any]) -> tuple[str, Any, dict[str,
     if isinstance(item, Mapping):
         data = dict(item)
         if "job_type" not in data:
-            raise EnqueueError(f"enqueue_many item {item!r} has no 'job_type'.")
+            raise EnqueueError(f"enqueue_many item {bounds.show(item)} has no 'job_type'.")
         job_type = data.pop("job_type")
         payload = data.pop("payload", None)
-        allowed = {"run_at", "delay", "dedup_key", "dedup", "max_retries", "timeout", "queue",
-                   "priority", "tenant"}
-        unknown = set(data) - allowed
+        unknown = set(data) - _ITEM_OPTIONS
         if unknown:
-            raise EnqueueError(f"enqueue_many item has unknown keys {sorted(unknown)}.")
+            raise EnqueueError(
+                f"enqueue_many item has unknown keys {bounds.show(sorted(map(str, unknown)))}.")
         return job_type, payload, {**common, **data}
     raise EnqueueError(
         "enqueue_many takes (job_type, payload) tuples or dicts with 'job_type' and 'payload', "
-        f"got {item!r}."
+        f"got {bounds.show(item)}."
     )
+
+
+def _options_key(job_type: Any, kwargs: dict[str, Any]) -> Any:
+    """A cache key for resolved options; ``None`` when a value is unhashable. Types are part of
+    it: ``priority=True`` must not reuse what ``priority=1`` resolved to (they are equal)."""
+    key = (type(job_type), job_type,
+           tuple((name, type(value), value) for name, value in sorted(kwargs.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def enqueue_many(items: Iterable[Any], **common: Any) -> list[PersistentJob]:
@@ -339,19 +437,22 @@ def enqueue_many(items: Iterable[Any], **common: Any) -> list[PersistentJob]:
     anything is written. The result is aligned with ``items``: a Skip-deduplicated item yields
     the job that already held its key.
     """
-    alias = str(conf.get("DATABASE"))
+    alias = conf.settings.DATABASE
+    unknown = set(common) - _ITEM_OPTIONS
+    if unknown:
+        raise EnqueueError(f"enqueue_many got unknown options {sorted(unknown)}; it takes "
+                           f"{sorted(_ITEM_OPTIONS)}.")
+    if isinstance(items, str | bytes | Mapping) or not isinstance(items, Iterable):
+        raise EnqueueError("enqueue_many takes an iterable of items (a list of (job_type, "
+                           f"payload) tuples or dicts), got {bounds.show(items)}.")
     prepared: list[_Prepared] = []
     cache: dict[Any, _Options] = {}
     limits = PayloadLimits()
     for index, item in enumerate(items):
-        job_type, payload, kwargs = _item_kwargs(item, common)
-        dedup_key = kwargs.pop("dedup_key", None)
         try:
-            try:
-                cache_key: Any = (job_type, tuple(sorted(kwargs.items())))
-                hash(cache_key)
-            except TypeError:
-                cache_key = None
+            job_type, payload, kwargs = _item_kwargs(item, common)
+            dedup_key = kwargs.pop("dedup_key", None)
+            cache_key = _options_key(job_type, kwargs)
             options = cache.get(cache_key) if cache_key is not None else None
             if options is None:
                 options = _resolve_options(job_type, **kwargs)
@@ -435,20 +536,60 @@ def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> l
         key = (job.job_type, job.dedup_key)
         if job.dedup is Dedup.REPLACE or key not in chosen:
             chosen[key] = job
+    # Keyed rows go in in one global order, (job_type, dedup_key): two batches sharing keys then
+    # meet on the unique index in the same order and wait for each other instead of deadlocking.
+    # Ids (and so FIFO order) were assigned in item order already.
     to_insert = [
-        p for p in prepared
-        if p.dedup_key is None or p.dedup is Dedup.ENQUEUE
-        or chosen[(p.job_type, p.dedup_key)] is p
-    ]
+        p for p in prepared if p.dedup_key is None or p.dedup is Dedup.ENQUEUE
+    ] + sorted(chosen.values(), key=lambda p: (p.job_type, p.dedup_key or ""))
     replace_keys: dict[str, list[str]] = {}
     for (job_type, dedup_key), job in chosen.items():
         if job.dedup is Dedup.REPLACE:
             replace_keys.setdefault(job_type, []).append(dedup_key)
-    for job_type, keys in replace_keys.items():
-        _cancel_waiting_duplicates(cursor, job_type, keys)
-    inserted = _bulk_insert_deduplicated(cursor, to_insert)
-    results: list[PersistentJob] = []
+    locked = False
+    while True:
+        try:
+            # A savepoint, as in ``_round``: if a Replace key lost its race (or PostgreSQL broke
+            # a deadlock with another batch), the cancellations are undone, the batch's Replace
+            # keys take their turns, and the batch goes in again holding them.
+            with transaction.atomic(using=alias):
+                for job_type, keys in replace_keys.items():
+                    _cancel_waiting_duplicates(cursor, job_type, keys)
+                inserted = _bulk_insert_deduplicated(cursor, to_insert)
+                lost = [key for key, job in chosen.items()
+                        if job.dedup is Dedup.REPLACE and job.id not in inserted]
+                if lost:
+                    raise _Contended(lost)
+            break
+        except _Contended:
+            pass
+        except OperationalError as exc:
+            if not _is_deadlock(exc):
+                raise
+        if not locked:
+            # All of the batch's Replace keys at once, in the one global order: taking only the
+            # lost ones, round after round, could take them in another order than a concurrent
+            # batch does, and deadlock with it.
+            lock_dedup_keys(cursor, [k for k, job in chosen.items() if job.dedup is Dedup.REPLACE])
+            locked = True
+    # Skip keys whose winner was not inserted: an active job holds the key (the common case, no
+    # turn needed), or the insert lost a race to a concurrent enqueue. The contended keys take
+    # their turns together, in the one global order, and are settled one by one.
     existing_cache: dict[tuple[str, str], PersistentJob] = {}
+    contended: list[tuple[str, str]] = []
+    for key, winner in chosen.items():
+        if winner.id in inserted:
+            continue
+        if winner.dedup is Dedup.SKIP:
+            row = _select_active(cursor, *key)
+            if row is not None:
+                existing_cache[key] = job_from_row(row, alias)
+                continue
+        contended.append(key)
+    lock_dedup_keys(cursor, contended)
+    for key in contended:
+        existing_cache[key] = _settle(cursor, chosen[key], alias)[0]
+    results: list[PersistentJob] = []
     for job in prepared:
         if job.id in inserted:
             results.append(_instance(job, alias))
@@ -460,14 +601,6 @@ def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> l
         if winner.id in inserted:
             results.append(_instance(winner, alias))
             continue
-        if key not in existing_cache:
-            row = _select_active(cursor, job.job_type, job.dedup_key)
-            if row is None:
-                # The holder finished between our insert and this lookup: insert it singly.
-                result, _ = _enqueue_prepared(winner, alias)
-                existing_cache[key] = result
-            else:
-                existing_cache[key] = job_from_row(row, alias)
         results.append(existing_cache[key])
     return results
 

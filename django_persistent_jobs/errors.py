@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from . import bounds
 from .conf import ConfigurationError
 
 __all__ = [
     "ConfigurationError",
     "DuplicateHandlerError",
     "EnqueueError",
+    "InvalidJobIdError",
     "InvalidJobStateError",
     "JobCancelledError",
     "JobError",
@@ -26,9 +28,8 @@ __all__ = [
 ]
 
 
-#: The longest ``retry_after`` accepted (about 1,000 years): far beyond any real retry, and well
-#: inside what PostgreSQL's ``now() + seconds * interval '1 second'`` can compute.
-MAX_RETRY_AFTER = 1000 * 365 * 86400.0
+#: The longest ``retry_after`` accepted (about 10 years): ``bounds`` owns it.
+MAX_RETRY_AFTER = bounds.MAX_SECONDS
 
 
 class JobError(Exception):
@@ -62,7 +63,7 @@ class TransientJobError(JobError):
             # NaN, infinity or millennia would make the retry's next_run_at overflow in SQL
             # when the runner records the failure.
             raise ValueError(
-                "retry_after must be seconds (or a timedelta) between 0 and 1000 years, "
+                "retry_after must be seconds (or a timedelta) between 0 and 10 years, "
                 f"got {retry_after!r}"
             )
         self.retry_after: float | None = retry_after
@@ -83,7 +84,9 @@ class JobCancelledError(JobError):
 
 
 class EnqueueError(ValueError):
-    """``enqueue()`` refused its input; nothing was written."""
+    """``enqueue()`` (or a schedule or operator function) refused its input before any SQL ran:
+    nothing was written, and the caller's transaction is still usable. ``code`` says which rule
+    refused it."""
 
     code = "ENQUEUE_INVALID"
 
@@ -115,3 +118,10 @@ class JobNotFoundError(LookupError):
 
 class InvalidJobStateError(Exception):
     """An operator action does not apply to the job's current status."""
+
+
+class InvalidJobIdError(EnqueueError, JobNotFoundError):
+    """An operator function was given something that is not a job id (a UUID): refused before
+    any query. Also a ``JobNotFoundError``, since no job can have that id."""
+
+    code = "INVALID_JOB_ID"

@@ -9,14 +9,12 @@ them with ids; the runner refuses to start while any remain.
 from __future__ import annotations
 
 import inspect
-import math
 import threading
-import zoneinfo
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from . import bounds, conf
 from .errors import ConfigurationError, DuplicateHandlerError
@@ -28,6 +26,12 @@ if TYPE_CHECKING:
 BackoffFn = Callable[[int], float]
 Validator = Callable[[Any], Any]
 _UNSET: Any = object()
+T = TypeVar("T")  # no PEP 695 generics: Python 3.11 (Django 5.2) is supported
+
+#: The kinds of handler problem; ``checks.py`` reports each under its own id.
+OPTION_INVALID = "OPTION_INVALID"
+SCHEDULE_INVALID = "SCHEDULE_INVALID"
+BODY_NEVER_RUNS = "BODY_NEVER_RUNS"
 
 
 class JobHandler:
@@ -66,27 +70,42 @@ class HandlerSpec:
     timezone: str | None = None
     #: The tenant given to every run of the handler's schedule (recurring handlers only).
     tenant: str | None = None
-    errors: list[str] = field(default_factory=list)
+    #: ``(kind, message)`` for every problem with the options (kinds above); a handler with any
+    #: cannot be enqueued, and no runner starts while one is registered.
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    #: True for an ``async def`` handler (or ``execute``): ``func`` is then a coroutine function
+    #: taking ``(payload, ctx)``, and the runner must await it.
+    is_async: bool = False
     #: ``file:line`` of the handler's code; tells a harmless re-registration of the same code
     #: from a second handler that happens to share the origin (two lambdas, a factory).
     location: str | None = None
+    #: The handler returns its result as JSON text, stored in the job's ``result`` column
+    #: (the django.tasks adapter); other handlers' return values are ignored.
+    returns_json: bool = False
 
     @property
     def is_recurring(self) -> bool:
         return self.cron is not None or self.interval is not None
 
+    @property
+    def errors(self) -> list[str]:
+        """The problems' messages."""
+        return [message for _, message in self.problems]
+
     # Merged configuration: the handler's value over settings.PERSISTENT_JOBS over the default.
     def effective_max_retries(self) -> int:
-        return self.max_retries if self.max_retries is not None else int(conf.get("MAX_RETRIES"))
+        return self.max_retries if self.max_retries is not None else conf.settings.MAX_RETRIES
 
     def effective_timeout(self) -> float:
-        return self.timeout if self.timeout is not None else conf.seconds(conf.get("TIMEOUT"))
+        if self.timeout is None:
+            return conf.settings.TIMEOUT
+        return conf.seconds(self.timeout)
 
     def effective_dedup(self) -> Dedup:
-        return Dedup(self.dedup if self.dedup is not None else conf.get("DEDUP"))
+        return Dedup(self.dedup if self.dedup is not None else conf.settings.DEDUP)
 
     def effective_queue(self) -> str:
-        return self.queue if self.queue is not None else str(conf.get("DEFAULT_QUEUE"))
+        return self.queue if self.queue is not None else conf.settings.DEFAULT_QUEUE
 
     def effective_backoff(self) -> BackoffFn:
         if self.backoff is not None:
@@ -97,10 +116,8 @@ class HandlerSpec:
 def global_backoff() -> BackoffFn:
     from .backoff import default_backoff
 
-    configured = conf.get("BACKOFF")
-    if configured is None:
-        return default_backoff
-    return conf.resolve_callable(configured, "BACKOFF")
+    configured = conf.settings.BACKOFF
+    return default_backoff if configured is None else configured
 
 
 class Registry:
@@ -156,7 +173,7 @@ class Registry:
         """
         spec = self.get(job_type)
         if spec is None:
-            if conf.get("ALLOW_UNREGISTERED"):
+            if conf.settings.ALLOW_UNREGISTERED:
                 return None
             known = ", ".join(self.job_types()) or "none registered"
             raise missing(
@@ -196,66 +213,81 @@ def _positional_arity(func: Callable[..., Any]) -> int:
     return len(params)
 
 
-def _check_options(spec: HandlerSpec) -> list[str]:
-    """Human-readable problems with a handler's options (reported by the system check)."""
-    problems: list[str] = []
-    name = f"handler {spec.job_type!r} ({spec.origin})"
-    if not spec.job_type or not isinstance(spec.job_type, str) or len(spec.job_type) > 200:
-        problems.append(f"{name}: job_type must be a non-empty string of at most 200 characters.")
-    if spec.max_retries is not None and (
-        isinstance(spec.max_retries, bool) or not isinstance(spec.max_retries, int)
-        or not 0 <= spec.max_retries <= conf.MAX_RETRIES_LIMIT
-    ):
-        problems.append(f"{name}: max_retries must be an integer >= 0 (at most "
-                        f"{conf.MAX_RETRIES_LIMIT}), got {spec.max_retries!r}.")
-    if spec.timeout is not None and (
-        isinstance(spec.timeout, bool) or not isinstance(spec.timeout, int | float)
-        or not math.isfinite(spec.timeout) or spec.timeout <= 0
-    ):
-        problems.append(f"{name}: timeout must be a number of seconds > 0, got {spec.timeout!r}.")
-    if spec.dedup is not None and spec.dedup not in conf.DEDUP_CHOICES:
-        problems.append(f"{name}: dedup must be one of {conf.DEDUP_CHOICES}, got {spec.dedup!r}.")
+def _check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[str, str]]:
+    """``(kind, message)`` for every problem with a handler's options (the system check reports
+    them). The bounds are those ``enqueue`` applies, from ``bounds``: a handler that passes the
+    check can be enqueued with its own options."""
+    problems: list[tuple[str, str]] = []
+    name = subject or f"handler {bounds.show(spec.job_type, 80)} ({spec.origin})"
+
+    def option(problem: str | None) -> None:
+        if problem is not None:
+            problems.append((OPTION_INVALID, f"{name}: {problem}"))
+
+    def schedule(problem: str | None) -> None:
+        if problem is not None:
+            problems.append((SCHEDULE_INVALID, f"{name}: {problem}"))
+
+    option(bounds.job_type_problem(spec.job_type))
+    if spec.max_retries is not None:
+        option(bounds.max_retries_problem(spec.max_retries))
+    if spec.timeout is not None:
+        option(bounds.timeout_problem(spec.timeout))
+    if spec.dedup is not None:
+        option(bounds.dedup_problem(spec.dedup))
     if spec.backoff is not None and not callable(spec.backoff):
-        problems.append(f"{name}: backoff must be a callable attempt -> seconds.")
+        option("backoff must be a callable attempt -> seconds.")
     if spec.validator is not None and not callable(spec.validator):
-        problems.append(f"{name}: validator must be callable.")
-    if spec.queue is not None and (not isinstance(spec.queue, str) or not spec.queue):
-        problems.append(f"{name}: queue must be a non-empty string, got {spec.queue!r}.")
-    if isinstance(spec.priority, bool) or not isinstance(spec.priority, int) or not (
-        -32768 <= spec.priority <= 32767
-    ):
-        problems.append(f"{name}: priority must be an integer in -32768..32767.")
+        option("validator must be callable.")
+    if spec.queue is not None:
+        option(bounds.queue_problem(spec.queue))
+    option(bounds.priority_problem(spec.priority))
     if spec.cron is not None and spec.interval is not None:
-        problems.append(f"{name}: give either cron or interval, not both.")
+        schedule("give either cron or interval, not both.")
     if spec.cron is not None:
         from .schedules import cron_problem
 
-        problem = cron_problem(spec.cron)
-        if problem:
-            problems.append(f"{name}: {problem}")
-    if spec.interval is not None and (
-        not isinstance(spec.interval, timedelta) or spec.interval <= timedelta(0)
-    ):
-        problems.append(f"{name}: interval must be a positive timedelta, got {spec.interval!r}.")
+        schedule(cron_problem(spec.cron))
+    if spec.interval is not None:
+        from .schedules import interval_problem
+
+        schedule(interval_problem(spec.interval))
     if spec.timezone is not None:
-        try:
-            zoneinfo.ZoneInfo(spec.timezone)
-        except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError):
-            problems.append(f"{name}: unknown time zone {spec.timezone!r}.")
+        from .schedules import timezone_problem
+
+        schedule(timezone_problem(spec.timezone))
     if spec.tenant is not None:
-        problem = bounds.tenant_problem(spec.tenant)
-        if problem:
-            problems.append(f"{name}: {problem}")
-        elif not spec.is_recurring:
-            problems.append(f"{name}: tenant is the tenant of the scheduled runs; give cron or "
-                            "interval, or pass tenant= to enqueue().")
+        schedule(bounds.tenant_problem(spec.tenant))
+        if not spec.is_recurring:
+            schedule("tenant is the tenant of the scheduled runs; give cron or interval, or "
+                     "pass tenant= to enqueue().")
     return problems
 
 
+def _body_problem(code: Any, origin: str) -> str | None:
+    """Why calling ``code`` would not run its body (a generator only builds an iterator)."""
+    if inspect.isasyncgenfunction(code):
+        return (f"Handler {origin} is an async generator function: calling it runs nothing, "
+                "so the job would complete without doing its work.")
+    if inspect.isgeneratorfunction(code):
+        return (f"Handler {origin} is a generator function: calling it runs nothing, so the "
+                "job would complete without doing its work.")
+    return None
+
+
+def _is_coroutine_function(code: Any) -> bool:
+    """``async def`` functions and methods, also behind ``functools.partial`` or as the
+    ``__call__`` of a callable object."""
+    if inspect.iscoroutinefunction(code):
+        return True
+    call = inspect.getattr_static(type(code), "__call__", None)
+    return not inspect.isroutine(code) and inspect.iscoroutinefunction(call)
+
+
 @overload
-def job_handler[T](job_type: type[T], /) -> type[T]: ...
+def job_handler(job_type: type[T], /) -> type[T]: ...
 @overload
-def job_handler[T](
+def job_handler(
     job_type: str | None = None, *, max_retries: int | None = None,
     timeout: float | None = None, dedup: Dedup | str | None = None,
     backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,
@@ -312,14 +344,30 @@ def job_handler(
                 options["validator"] = instance.validate
             func: Callable[[Any, JobContext], Any] = instance.execute
             origin = f"{target.__module__}.{target.__qualname__}"
+            is_async = _is_coroutine_function(instance.execute)
+            body_problem = _body_problem(instance.execute, origin)
         elif callable(target):
             origin = f"{target.__module__}.{getattr(target, '__qualname__', repr(target))}"
+            is_async = _is_coroutine_function(target)
+            body_problem = _body_problem(target, origin)
             arity = _positional_arity(target)
-            if arity == 1:
+            if arity == 1 and is_async:
+                one_async: Callable[[Any], Any] = target
+
+                async def func(payload: Any, ctx: JobContext,
+                               _f: Callable[[Any], Any] = one_async) -> Any:
+                    return await _f(payload)
+            elif arity == 1:
                 one_arg: Callable[[Any], Any] = target
 
                 def func(payload: Any, ctx: JobContext, _f: Callable[[Any], Any] = one_arg) -> Any:
                     return _f(payload)
+            elif arity == 2 and is_async and not inspect.iscoroutinefunction(target):
+                two_async: Callable[[Any, JobContext], Any] = target  # an async __call__
+
+                async def func(payload: Any, ctx: JobContext,
+                               _f: Callable[[Any, JobContext], Any] = two_async) -> Any:
+                    return await _f(payload, ctx)
             elif arity == 2:
                 func = target
             else:
@@ -338,9 +386,12 @@ def job_handler(
             job_type=resolved_type, func=func, origin=origin,
             dedup=str(resolved_dedup) if isinstance(resolved_dedup, Dedup) else resolved_dedup,
             priority=0 if resolved_priority is None else resolved_priority,
-            schedule_payload=resolved_payload, location=_code_location(target), **options,
+            schedule_payload=resolved_payload, location=_code_location(target),
+            is_async=is_async, **options,
         )
-        spec.errors = _check_options(spec)
+        spec.problems = _check_options(spec)
+        if body_problem is not None:
+            spec.problems.append((BODY_NEVER_RUNS, body_problem))
         registry.register(spec)
         target.job_type = resolved_type
         return target

@@ -12,7 +12,7 @@ import math
 from decimal import Decimal
 from typing import Any
 
-from . import conf
+from . import bounds, conf
 from .errors import PayloadError
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -27,16 +27,10 @@ def _path(parts: list[str]) -> str:
     return "payload" + "".join(parts)
 
 
-def _text_problem(text: str) -> str | None:
-    """Why jsonb cannot store ``text`` (NUL; lone surrogates are not UTF-8), or None."""
-    if "\x00" in text:
-        return "a NUL character, which PostgreSQL cannot store in jsonb"
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return "a lone surrogate, which is not valid UTF-8"
-    return None
+_text_problem = bounds.text_problem
+#: The smallest magnitude with more than ``PAYLOAD_INT_MAX_DIGITS`` decimal digits (compared,
+#: not counted: converting a huge int to text to count its digits is itself refused).
+_INT_TOO_LARGE = 10**bounds.PAYLOAD_INT_MAX_DIGITS
 
 
 def _walk(
@@ -52,18 +46,20 @@ def _walk(
         for key, item in value.items():
             if not isinstance(key, str):
                 raise PayloadError(
-                    f"{_path(parts)} has a {type(key).__name__} key {key!r}; JSON object keys "
+                    f"{_path(parts)} has a {type(key).__name__} key {bounds.show(key)}; JSON "
+                    "object keys "
                     "must be strings (it would come back as a different key)."
                 )
             problem = _text_problem(key)
             if problem:
-                raise PayloadError(f"{_path(parts)} has a key {key!r} containing {problem}.")
+                raise PayloadError(
+                    f"{_path(parts)} has a key {bounds.show(key)} containing {problem}.")
             counter[0] += 1
             if counter[0] > max_keys:
                 raise PayloadError(
                     f"payload has more than {max_keys} keys (PERSISTENT_JOBS['PAYLOAD_MAX_KEYS'])."
                 )
-            _walk(item, [*parts, f"[{key!r}]"], depth + 1, limits, counter)
+            _walk(item, [*parts, f"[{bounds.show(key)}]"], depth + 1, limits, counter)
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _walk(item, [*parts, f"[{index}]"], depth + 1, limits, counter)
@@ -71,6 +67,12 @@ def _walk(
         problem = _text_problem(value)
         if problem:
             raise PayloadError(f"{_path(parts)} contains {problem}.")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not -_INT_TOO_LARGE < value < _INT_TOO_LARGE:
+            raise PayloadError(
+                f"{_path(parts)} is an integer of more than {bounds.PAYLOAD_INT_MAX_DIGITS} "
+                "digits, which could not be read back; store it as a string."
+            )
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise PayloadError(f"{_path(parts)} is {value!r}; JSON has no NaN or Infinity.")
@@ -123,11 +125,10 @@ class PayloadLimits:
     __slots__ = ("encoder", "max_bytes", "max_depth", "max_keys")
 
     def __init__(self) -> None:
-        self.max_bytes = int(conf.get("PAYLOAD_MAX_BYTES"))
-        self.max_depth = int(conf.get("PAYLOAD_MAX_DEPTH"))
-        self.max_keys = int(conf.get("PAYLOAD_MAX_KEYS"))
-        setting = conf.get("JSON_ENCODER")
-        self.encoder = conf.resolve_encoder(setting) if setting is not None else None
+        self.max_bytes = conf.settings.PAYLOAD_MAX_BYTES
+        self.max_depth = conf.settings.PAYLOAD_MAX_DEPTH
+        self.max_keys = conf.settings.PAYLOAD_MAX_KEYS
+        self.encoder = conf.settings.JSON_ENCODER
 
 
 def prepare_payload(payload: Any, limits: PayloadLimits | None = None) -> tuple[Any, str]:
@@ -145,11 +146,19 @@ def prepare_payload(payload: Any, limits: PayloadLimits | None = None) -> tuple[
         except (TypeError, ValueError, RecursionError) as exc:
             raise PayloadError(f"payload cannot be encoded by {encoder.__name__}: {exc}") from exc
     state = [0, 0]  # keys seen, floats needing plain notation
-    _walk(payload, [], 0, (limits.max_depth, limits.max_keys), state)
-    if state[1]:
-        text = _dumps_plain_floats(payload)
-    else:
-        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        _walk(payload, [], 0, (limits.max_depth, limits.max_keys), state)
+        if state[1]:
+            text = _dumps_plain_floats(payload)
+        else:
+            text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
+    except RecursionError:
+        # Only reachable with a PAYLOAD_MAX_DEPTH beyond Python's recursion limit.
+        raise PayloadError(
+            "payload is nested too deeply to serialize; lower PERSISTENT_JOBS"
+            "['PAYLOAD_MAX_DEPTH'] or flatten it."
+        ) from None
     size = len(text.encode())
     if size > max_bytes:
         raise PayloadError(

@@ -65,7 +65,7 @@ class ScheduleNotFoundError(LookupError):
 
 
 def _alias() -> str:
-    return str(conf.get("DATABASE"))
+    return conf.settings.DATABASE
 
 
 def db_now() -> datetime:
@@ -98,9 +98,11 @@ class Definition:
 
 def _interval_seconds(interval: Any) -> float:
     if isinstance(interval, int | float) and not isinstance(interval, bool):
-        if not math.isfinite(interval):
-            raise ScheduleError(f"interval must be finite, got {interval!r}.")
-        interval = timedelta(seconds=interval)
+        seconds = bounds.seconds_of(interval)
+        if seconds is None or not math.isfinite(seconds) or abs(seconds) > bounds.MAX_SECONDS:
+            raise ScheduleError(f"interval must be finite seconds, at most "
+                                f"{bounds.MAX_SECONDS:.0f}, got {bounds.show(interval)}.")
+        interval = timedelta(seconds=seconds)
     problem = interval_problem(interval)
     if problem:
         raise ScheduleError(problem)
@@ -108,9 +110,13 @@ def _interval_seconds(interval: Any) -> float:
     return interval.total_seconds()
 
 
+def _require(problem: str | None) -> None:
+    if problem is not None:
+        raise ScheduleError(problem)
+
+
 def _handler_for(job_type: Any) -> HandlerSpec | None:
-    if not isinstance(job_type, str) or not job_type or len(job_type) > 200:
-        raise ScheduleError(f"job_type must be a string of 1..200 characters, got {job_type!r}.")
+    _require(bounds.job_type_problem(job_type))
     return registry.resolve(
         job_type, missing=ScheduleError, invalid=ScheduleError,
         hint="; a schedule for it would only produce dead letters. Register it with "
@@ -145,16 +151,11 @@ def validate_definition(
     problem = timezone_problem(zone)
     if problem:
         raise ScheduleError(problem)
-    if queue is not None and (not isinstance(queue, str) or not 0 < len(queue) <= 100):
-        raise ScheduleError(f"queue must be a string of 1..100 characters, got {queue!r}.")
-    if priority is not None and (
-        isinstance(priority, bool) or not isinstance(priority, int)
-        or not -32768 <= priority <= 32767
-    ):
-        raise ScheduleError(f"priority must be an integer in -32768..32767, got {priority!r}.")
-    problem = bounds.tenant_problem(tenant)
-    if problem:
-        raise ScheduleError(problem)
+    if queue is not None:
+        _require(bounds.queue_problem(queue))
+    if priority is not None:
+        _require(bounds.priority_problem(priority))
+    _require(bounds.tenant_problem(tenant))
     try:
         stored, _ = prepare_payload({} if payload is None else payload)
     except EnqueueError as exc:
@@ -170,14 +171,42 @@ def validate_definition(
                       tenant)
 
 
+def _check_changes(changes: dict[str, Any]) -> None:
+    """Check each changed field on its own before the row is read; the whole definition is
+    checked again once merged with the stored one."""
+    if "job_type" in changes:
+        _handler_for(changes["job_type"])
+    if changes.get("cron") is not None:
+        _require(cron_problem(changes["cron"]))
+    if changes.get("interval") is not None:
+        _interval_seconds(changes["interval"])
+    if changes.get("timezone") not in (None, ""):
+        _require(timezone_problem(changes["timezone"]))
+    if changes.get("queue") is not None:
+        _require(bounds.queue_problem(changes["queue"]))
+    if changes.get("priority") is not None:
+        _require(bounds.priority_problem(changes["priority"]))
+    _require(bounds.tenant_problem(changes.get("tenant")))
+    if "payload" in changes:
+        try:
+            prepare_payload({} if changes["payload"] is None else changes["payload"])
+        except EnqueueError as exc:
+            raise ScheduleError(str(exc)) from exc
+
+
 def _check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name.strip() or len(name) > 200:
-        raise ScheduleError(f"name must be a non-blank string of at most 200 characters, "
-                            f"got {name!r}.")
+    limit = bounds.SCHEDULE_NAME_MAX_LENGTH
+    if not isinstance(name, str) or not name.strip() or len(name) > limit:
+        raise ScheduleError(f"name must be a non-blank string of at most {limit} characters, "
+                            f"got {bounds.show(name)}.")
+    problem = bounds.text_problem(name)
+    if problem:
+        raise ScheduleError(f"name {bounds.show(name)} contains {problem}.")
     return name
 
 
 def _get(name: str, *, lock: bool = False) -> JobSchedule:
+    _check_name(name)
     queryset = JobSchedule.objects.using(_alias())
     if lock:
         queryset = queryset.select_for_update()
@@ -209,6 +238,8 @@ def add_schedule(
     the handler's dedup strategy decides what a tick does while the previous run is active.
     """
     _check_name(name)
+    if not isinstance(paused, bool):
+        raise ScheduleError(f"paused must be True or False, got {bounds.show(paused)}.")
     definition = validate_definition(
         job_type, cron=cron, interval=interval, payload=payload, timezone=timezone, queue=queue,
         priority=priority, tenant=tenant,
@@ -235,12 +266,14 @@ def add_schedule(
 
 def update_schedule(name: str, **changes: Any) -> JobSchedule:
     """Change a runtime schedule: any of job_type, cron, interval, payload, timezone, queue,
-    priority, tenant. Giving ``cron`` switches an interval schedule to cron and vice versa. A timing
-    change moves ``next_run_at`` to the new definition's next tick after now."""
+    priority, tenant. Giving ``cron`` switches an interval schedule to cron and vice versa. A
+    timing change moves ``next_run_at`` to the new definition's next tick after now."""
     unknown = set(changes) - set(_UPDATABLE)
     if unknown:
         raise ScheduleError(f"update_schedule got unknown fields {sorted(unknown)}; "
                             f"changeable: {list(_UPDATABLE)}.")
+    _check_name(name)
+    _check_changes(changes)
     alias = _alias()
     with transaction.atomic(using=alias):
         schedule = _get(name, lock=True)
@@ -278,6 +311,7 @@ def update_schedule(name: str, **changes: Any) -> JobSchedule:
 
 def remove_schedule(name: str) -> None:
     """Delete a runtime schedule. Its past runs stay (they carry the name in ``schedule``)."""
+    _check_name(name)
     with transaction.atomic(using=_alias()):
         schedule = _get(name, lock=True)
         _refuse_code(schedule, "remove")
@@ -288,6 +322,7 @@ def remove_schedule(name: str) -> None:
 
 def pause_schedule(name: str) -> JobSchedule:
     """Stop firing until resumed. A run already enqueued or running is not touched."""
+    _check_name(name)
     updated = JobSchedule.objects.using(_alias()).filter(name=name).update(
         paused=True, updated_at=Now())
     if not updated:
@@ -299,6 +334,7 @@ def pause_schedule(name: str) -> JobSchedule:
 def resume_schedule(name: str) -> JobSchedule:
     """Fire again from the next tick after now: ticks that passed while paused are skipped
     (pausing was deliberate), unlike ticks missed while no runner was up, which coalesce."""
+    _check_name(name)
     alias = _alias()
     with transaction.atomic(using=alias):
         schedule = _get(name, lock=True)
@@ -320,6 +356,7 @@ def run_schedule_now(name: str) -> PersistentJob:
     run is returned and nothing is inserted (the schedule's last result says ``skipped``).
     Works on a paused schedule; ``next_run_at`` is not changed.
     """
+    _check_name(name)
     alias = _alias()
     with transaction.atomic(using=alias):
         schedule = _get(name, lock=True)
@@ -415,7 +452,7 @@ def sync_code_schedules() -> SyncReport:
     report = SyncReport()
     alias = _alias()
     known = set(registry.job_types())
-    allow_unknown = bool(conf.get("ALLOW_UNREGISTERED"))
+    allow_unknown = conf.settings.ALLOW_UNREGISTERED
     declared = {spec.job_type: spec for spec in registry if spec.is_recurring}
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:

@@ -29,6 +29,9 @@ from typing import Any, Protocol
 
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
+from . import bounds
+from .errors import EnqueueError
+
 #: croniter candidates examined in one computation before we call the expression unusable.
 MAX_SCAN = 100_000
 #: Where ``count_ticks`` stops counting coalesced ticks (an operator only needs "many").
@@ -37,8 +40,14 @@ _ONE_SECOND = timedelta(seconds=1)
 _MICROSECOND = timedelta(microseconds=1)
 
 
-class ScheduleError(ValueError):
-    """A schedule definition is unusable (bad cron, bad interval, unknown zone, ...)."""
+class ScheduleError(EnqueueError):
+    """A schedule definition is unusable (bad cron, bad interval, unknown zone, ...).
+
+    An ``EnqueueError`` (and so a ``ValueError``): a schedule is a recipe for enqueues, and its
+    arguments are refused under the same rules, before anything is written.
+    """
+
+    code = "SCHEDULE_INVALID"
 
 
 def cron_problem(expression: object) -> str | None:
@@ -49,7 +58,13 @@ def cron_problem(expression: object) -> str | None:
     the schedules table looking healthy while nothing ever runs.
     """
     if not isinstance(expression, str) or not expression.strip():
-        return f"cron must be a non-empty string, got {expression!r}."
+        return f"cron must be a non-empty string, got {bounds.show(expression)}."
+    if len(expression) > bounds.CRON_MAX_LENGTH:
+        return (f"cron must be at most {bounds.CRON_MAX_LENGTH} characters, "
+                f"got {bounds.show(expression)}.")
+    problem = bounds.text_problem(expression)
+    if problem:
+        return f"cron {bounds.show(expression)} contains {problem}."
     fields = expression.split()
     if len(fields) not in (5, 6):
         return (f"cron {expression!r} has {len(fields)} fields; use 5 (minute hour day month "
@@ -66,19 +81,24 @@ def cron_problem(expression: object) -> str | None:
 def interval_problem(interval: object) -> str | None:
     """Return why ``interval`` is not a usable interval, or ``None`` if it is."""
     if not isinstance(interval, timedelta) or interval <= timedelta(0):
-        return f"interval must be a positive timedelta, got {interval!r}."
+        return f"interval must be a positive timedelta, got {bounds.show(interval)}."
     if interval < _MICROSECOND * 1000:
         return f"interval must be at least 1 ms, got {interval!r}."
+    if interval.total_seconds() > bounds.MAX_SECONDS:
+        return (f"interval must be at most {bounds.MAX_SECONDS:.0f} seconds, "
+                f"got {bounds.show(interval)}.")
     return None
 
 
 def timezone_problem(name: object) -> str | None:
     if not isinstance(name, str) or not name:
-        return f"time zone must be a non-empty string, got {name!r}."
+        return f"time zone must be a non-empty string, got {bounds.show(name)}."
+    if len(name) > bounds.TIMEZONE_MAX_LENGTH or bounds.text_problem(name):
+        return f"unknown time zone {bounds.show(name)}."
     try:
         zoneinfo.ZoneInfo(name)
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError):
-        return f"unknown time zone {name!r}."
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError, OSError):
+        return f"unknown time zone {bounds.show(name)}."
     return None
 
 

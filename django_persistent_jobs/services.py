@@ -7,14 +7,19 @@ same moment: whichever commits first wins, and the loser sees the state it lost 
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from typing import Any, Literal
 
 from django.db import IntegrityError, connections, transaction
 
-from . import conf
-from .errors import MAX_RETRY_AFTER, ConfigurationError, InvalidJobStateError, JobNotFoundError
+from . import bounds, conf
+from .errors import (
+    ConfigurationError,
+    EnqueueError,
+    InvalidJobIdError,
+    InvalidJobStateError,
+    JobNotFoundError,
+)
 from .handlers import global_backoff, registry
 from .models import JOB_COLUMNS_SQL, JobStatus, PersistentJob, job_from_row
 
@@ -33,7 +38,7 @@ def _load(job_id: Any) -> PersistentJob:
     try:
         key = job_id if isinstance(job_id, uuid.UUID) else uuid.UUID(str(job_id))
     except (ValueError, AttributeError, TypeError):
-        raise JobNotFoundError(f"{job_id!r} is not a job id (a UUID).") from None
+        raise InvalidJobIdError(f"{bounds.show(job_id)} is not a job id (a UUID).") from None
     try:
         return PersistentJob.objects.using(_alias()).get(pk=key)
     except PersistentJob.DoesNotExist:
@@ -43,15 +48,15 @@ def _load(job_id: Any) -> PersistentJob:
 def _backoff_seconds(job: PersistentJob) -> float:
     spec = registry.get(job.job_type)
     fn = spec.effective_backoff() if spec else global_backoff()
-    seconds = float(fn(max(job.attempts, 1)))
-    if not math.isfinite(seconds) or seconds > MAX_RETRY_AFTER:
+    value = fn(max(job.attempts, 1))
+    if bounds.backoff_problem(value) is not None:
         # Checked here so the operator gets a message instead of an SQL overflow.
         raise ConfigurationError(
-            f"The backoff for {job.job_type!r} returned {seconds!r} seconds for attempt "
-            f"{max(job.attempts, 1)}; it must return a finite number of seconds. Use "
-            "retry mode 'now' or fix the backoff."
+            f"The backoff for {job.job_type!r} returned {bounds.show(value)} seconds for attempt "
+            f"{max(job.attempts, 1)}; it must return a finite number of seconds (at most "
+            f"{bounds.MAX_SECONDS:.0f}). Use retry mode 'now' or fix the backoff."
         )
-    return max(0.0, seconds)
+    return bounds.backoff_seconds(value)
 
 
 def retry_job(job_id: Any, mode: RetryMode = "now") -> PersistentJob:
@@ -62,8 +67,9 @@ def retry_job(job_id: Any, mode: RetryMode = "now") -> PersistentJob:
     the retries used up, the job is granted one more attempt (``max_retries`` is raised by one),
     because an operator asking for a retry means it.
     """
-    if mode not in RETRY_MODES:
-        raise ValueError(f"mode must be one of {RETRY_MODES}, got {mode!r}.")
+    if not isinstance(mode, str) or mode not in RETRY_MODES:
+        raise EnqueueError(f"mode must be one of {RETRY_MODES}, got {bounds.show(mode)}.",
+                           code="INVALID_RETRY_MODE")
     job = _load(job_id)
     allowed = (JobStatus.FAILED, JobStatus.DEAD_LETTERED, JobStatus.CANCELLED, JobStatus.PENDING)
     if job.status not in allowed:

@@ -9,6 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 from urllib.parse import unquote
 
+import django
 import environ
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -70,6 +71,12 @@ PERSISTENT_JOBS = {
                   "dead_lettered": None},
 }
 
+# django.tasks: Django's @task API on the durable backend, run by `manage.py runjobs`. On
+# Django 5.2 the task API comes from the django-tasks backport, installed as an app.
+TASKS = {"default": {"BACKEND": "django_persistent_jobs.backends.PersistentJobsBackend"}}
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -78,5 +85,8 @@ LOGGING = {
     "loggers": {
         "django_persistent_jobs": {"handlers": ["console"], "level": "INFO", "propagate": False},
         "example_project": {"handlers": ["console"], "level": "INFO", "propagate": False},
+        # Django's task signals log each task's start and finish (django_tasks on 5.2).
+        "django.tasks": {"handlers": ["console"], "level": "INFO", "propagate": False},
+        "django_tasks": {"handlers": ["console"], "level": "INFO", "propagate": False},
     },
 }

@@ -1,32 +1,50 @@
-# Sourced by the other scripts: find Python 3.12+, create .venv, install the project once.
+# Sourced by the other scripts: create the virtualenv of one Django series and install the
+# project into it once (again whenever pyproject.toml changes).
+#   DJANGO_SERIES=6.1 (default): .venv, Python 3.12+, Django 6.1, dev tools (ruff, mypy).
+#   DJANGO_SERIES=5.2:           .venv-dj52, Python 3.11 (3.10-3.13), Django 5.2 LTS and the
+#                                django-tasks backport, test dependencies only.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+DJANGO_SERIES="${DJANGO_SERIES:-6.1}"
+case "$DJANGO_SERIES" in
+    6.1) MIN_MINOR=12; MAX_MINOR=99; DJANGO_SPEC="Django>=6.1,<6.2"; EXTRAS="dev"
+         DEFAULT_VENV="$ROOT/.venv"
+         CANDIDATES="python3.13 python3.12" ;;
+    5.2) MIN_MINOR=10; MAX_MINOR=13; DJANGO_SPEC="Django>=5.2,<5.3"; EXTRAS="test,tasks"
+         DEFAULT_VENV="$ROOT/.venv-dj52"
+         CANDIDATES="python3.11 python3.12 python3.13 python3.10" ;;
+    *) echo "DJANGO_SERIES must be 6.1 or 5.2, got '$DJANGO_SERIES'" >&2; exit 2 ;;
+esac
+
 find_python() {
-    for candidate in "${PYTHON:-}" python3.13 python3.12 \
-        "$(command -v pyenv >/dev/null 2>&1 && ls -d "$(pyenv root)"/versions/3.1[23].*/bin/python3 2>/dev/null | tail -1)" \
-        python3; do
+    local pyenv_pythons=""
+    if command -v pyenv >/dev/null 2>&1; then
+        pyenv_pythons="$(ls -d "$(pyenv root)"/versions/3.1[0-3].*/bin/python3 2>/dev/null | sort -r -V || true)"
+    fi
+    # shellcheck disable=SC2086
+    for candidate in "${PYTHON:-}" $CANDIDATES python3 $pyenv_pythons; do
         [ -n "$candidate" ] || continue
-        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import sys; sys.exit(not ((3, $MIN_MINOR) <= sys.version_info[:2] <= (3, $MAX_MINOR)))" 2>/dev/null; then
             command -v "$candidate"; return 0
         fi
     done
-    echo "Python 3.12 or newer is required (Django 6.1 needs it); set PYTHON=/path/to/python3.12" >&2
+    echo "Django $DJANGO_SERIES needs Python 3.$MIN_MINOR or newer (up to 3.$MAX_MINOR); set PYTHON=/path/to/python3" >&2
     return 1
 }
 
-VENV="${VENV:-$ROOT/.venv}"
+if [ "$DJANGO_SERIES" = "6.1" ]; then VENV="${VENV:-$DEFAULT_VENV}"; else VENV="$DEFAULT_VENV"; fi
 if [ ! -x "$VENV/bin/python" ]; then
     PY="$(find_python)"
-    echo "==> creating $VENV with $PY"
+    echo "==> creating $VENV with $PY (Django $DJANGO_SERIES)"
     "$PY" -m venv "$VENV"
 fi
-STAMP="$VENV/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)"
+STAMP="$VENV/.installed-$( (cat pyproject.toml; echo "$DJANGO_SPEC $EXTRAS") | sha1sum | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
-    echo "==> installing django-persistent-jobs and its dev dependencies"
+    echo "==> installing django-persistent-jobs[$EXTRAS] with $DJANGO_SPEC into $VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e ".[dev]"
+    "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]" "$DJANGO_SPEC"
     touch "$STAMP"
 fi
 PYBIN="$VENV/bin/python"

@@ -7,6 +7,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+import django
 from django.core.exceptions import ImproperlyConfigured
 
 from tests.database import database_url
@@ -59,6 +60,27 @@ def _databases() -> dict:
 
 
 DATABASES = _databases()
+
+# django.tasks: the durable backend (run by runjobs) and the in-process one. On Django 5.2 the
+# task API comes from the django-tasks backport, whose app registers its checks and signals.
+TASKS = {
+    "default": {
+        "BACKEND": "django_persistent_jobs.backends.PersistentJobsBackend",
+        "QUEUES": ["default", "tasks-other"],
+    },
+    "inprocess": {
+        "BACKEND": "django_persistent_jobs.backends.InProcessBackend",
+        "QUEUES": [],
+        "OPTIONS": {"WORKERS": 2},
+    },
+    "serial": {  # one thread: start order is exactly dispatch order
+        "BACKEND": "django_persistent_jobs.backends.InProcessBackend",
+        "QUEUES": [],
+        "OPTIONS": {"WORKERS": 1},
+    },
+}
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")
 
 # Short timings so runner tests finish quickly; individual tests override what they need.
 PERSISTENT_JOBS = {

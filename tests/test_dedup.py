@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from django.db import connection, connections, transaction
@@ -219,7 +219,10 @@ def test_enqueue_many_against_a_running_duplicate() -> None:
 
 # ------------------------------------------------------------------ concurrency
 
-def _run[R](fn: Callable[[], R]) -> Callable[[], R]:
+R = TypeVar("R")
+
+
+def _run(fn: Callable[[], R]) -> Callable[[], R]:
     """Wrap a thread body so the thread's own Django connection is closed afterwards."""
 
     def body() -> R:
@@ -312,3 +315,149 @@ def test_replace_in_autocommit_is_all_or_nothing() -> None:
             cursor.execute("DROP TRIGGER core_refuse_boom ON persistent_jobs; "
                            "DROP FUNCTION core_refuse_boom();")
     assert statuses() == [(old.id, "pending", {"v": 1})]
+
+
+def _hammer(enqueue_one: Callable[[int, int], Any], threads: int,
+            rounds: int) -> list[BaseException]:
+    """Run ``enqueue_one(thread, round)`` from ``threads`` threads at once, ``rounds`` times
+    each, every call in its own transaction that goes on to use the connection after enqueue
+    (a doomed transaction would fail there); return what was raised."""
+    start = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def worker(thread: int) -> None:
+        try:
+            start.wait(30)
+            for i in range(rounds):
+                with transaction.atomic():
+                    enqueue_one(thread, i)
+                    with connection.cursor() as cursor:
+                        cursor.execute("SELECT 1")
+        except BaseException as exc:
+            errors.append(exc)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda t: _run(lambda: worker(t))(), range(threads)))
+    return errors
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_contended_replace_enqueues_always_settle() -> None:
+    """Twelve threads Replace one key fifteen times each: every enqueue succeeds (waiting its
+    turn, never giving up), the callers' transactions stay usable, and exactly one job is left
+    waiting: the others were replaced."""
+    errors = _hammer(lambda t, i: enqueue("core.dedup.replace", {"t": t, "i": i},
+                                          dedup_key="hot"), threads=12, rounds=15)
+    assert errors == []
+    assert PersistentJob.objects.count() == 12 * 15
+    assert PersistentJob.objects.filter(status="pending").count() == 1
+    assert PersistentJob.objects.filter(status="cancelled",
+                                        last_error_code="REPLACED").count() == 12 * 15 - 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_contended_skip_and_replace_settle_while_jobs_finish() -> None:
+    """Skip and Replace enqueues of one key race while another session keeps claiming and
+    completing whatever holds the key, so holders come and go between every statement: every
+    enqueue still settles, and never two jobs wait with the key."""
+    stop = threading.Event()
+    finished: list[int] = []
+
+    def churn() -> None:
+        done = 0
+        while not stop.is_set():
+            with transaction.atomic(), connection.cursor() as cursor:
+                for job in store.claim(cursor, "core-churn", 5, None):
+                    assert store.complete(cursor, job)
+                    done += 1
+        finished.append(done)
+
+    with ThreadPoolExecutor(1) as pool:
+        churner = pool.submit(_run(churn))
+        try:
+            errors = _hammer(
+                lambda t, i: enqueue("test.noop", {"t": t, "i": i}, dedup_key="hot",
+                                     dedup="replace" if t % 2 else "skip"),
+                threads=8, rounds=15)
+        finally:
+            stop.set()
+            churner.result(60)
+    assert errors == []
+    assert finished and finished[0] > 0  # the holders really did come and go
+    assert PersistentJob.objects.filter(status__in=["pending", "failed"]).count() <= 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_uncontended_keyed_enqueues_take_no_locks() -> None:
+    """Only a key that met a concurrent enqueue waits for its turn: a transaction that enqueues
+    thousands of distinct keys must not fill PostgreSQL's shared lock table with advisory
+    locks (it would break other sessions too)."""
+
+    def advisory_locks() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                           "AND pid = pg_backend_pid()")
+            return int(cursor.fetchone()[0])
+
+    with transaction.atomic():
+        for i in range(300):
+            enqueue("test.noop", {"i": i}, dedup_key=f"skip-{i}")
+            enqueue("core.dedup.replace", {"i": i}, dedup_key=f"replace-{i}")
+        enqueue_many([("test.noop", {"i": i}) for i in range(300)],
+                     dedup_key=None)  # keyless, COPY
+        enqueue_many([{"job_type": "test.noop", "dedup_key": f"skip-{i}"} for i in range(600)])
+        enqueue_many([{"job_type": "core.dedup.replace", "dedup_key": f"many-{i}"}
+                      for i in range(300)])
+        assert advisory_locks() == 0
+    assert PersistentJob.objects.filter(status="pending").count() == 300 + 300 + 300 + 300 + 300
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_contended_enqueue_many_batches_settle() -> None:
+    """Batches sharing Replace and Skip keys, each naming them in its own order, race each
+    other and single enqueues: every call settles, and each key ends with one waiting job."""
+    keys = [f"k{i}" for i in range(4)]
+
+    def batch(thread: int, i: int) -> None:
+        order = keys[thread % 4:] + keys[:thread % 4]
+        if thread % 3 == 0:
+            enqueue("core.dedup.replace", {"t": thread}, dedup_key=order[0])
+            return
+        enqueue_many([{"job_type": "core.dedup.replace", "payload": {"t": thread, "i": i},
+                       "dedup_key": key} for key in order]
+                     + [{"job_type": "test.noop", "dedup_key": key} for key in reversed(order)])
+
+    errors = _hammer(batch, threads=8, rounds=10)
+    assert errors == []
+    for key in keys:
+        assert PersistentJob.objects.filter(job_type="core.dedup.replace", dedup_key=key,
+                                            status="pending").count() == 1
+        assert PersistentJob.objects.filter(job_type="test.noop", dedup_key=key,
+                                            status="pending").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_contended_replace_in_autocommit_settles() -> None:
+    """The same race without the callers' transactions: each Replace enqueue is then its own
+    transaction, and still settles."""
+    start = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def worker(thread: int) -> None:
+        try:
+            start.wait(30)
+            for i in range(15):
+                assert connection.get_autocommit()
+                enqueue("core.dedup.replace", {"t": thread, "i": i}, dedup_key="auto")
+        except BaseException as exc:
+            errors.append(exc)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda t: _run(lambda: worker(t))(), range(8)))
+    assert errors == []
+    assert PersistentJob.objects.filter(status="pending").count() == 1
+    assert PersistentJob.objects.filter(last_error_code="REPLACED").count() == 8 * 15 - 1

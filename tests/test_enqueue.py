@@ -211,7 +211,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(
 @pytest.mark.django_db
 @pytest.mark.parametrize("job_type", ["", None, 5])
 def test_job_type_must_be_a_non_empty_string(job_type: Any) -> None:
-    with pytest.raises(EnqueueError, match="job_type must be a non-empty string"):
+    with pytest.raises(EnqueueError, match=r"job_type must be a string of 1\.\.200 characters"):
         enqueue(job_type)
 
 
@@ -238,7 +238,7 @@ def test_unknown_job_type_is_refused_unless_allowed() -> None:
 def test_handler_with_invalid_options_cannot_be_enqueued() -> None:
     with registry.isolated():
         job_handler("core.enq.broken", max_retries=-2)(lambda payload: None)
-        with pytest.raises(ConfigurationError, match="max_retries must be an integer >= 0"):
+        with pytest.raises(ConfigurationError, match="max_retries must be an integer in 0"):
             enqueue("core.enq.broken")
     assert PersistentJob.objects.count() == 0
 

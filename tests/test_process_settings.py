@@ -19,13 +19,13 @@ from tests.core_support import pj_settings
 from tests.test_runner_support import OutputReader
 
 BAD = [
-    ({"PROCESSES": -1}, "persistent_jobs.E003", "PROCESSES'] must be an integer >= 0"),
-    ({"PROCESSES": "2"}, "persistent_jobs.E003", "PROCESSES'] must be an integer"),
-    ({"PROCESSES": True}, "persistent_jobs.E003", "PROCESSES'] must be an integer"),
-    ({"MAX_JOBS_PER_WORKER": 0}, "persistent_jobs.E003", "MAX_JOBS_PER_WORKER'] must be"),
-    ({"MAX_MEMORY_PER_WORKER": -5}, "persistent_jobs.E003", "MAX_MEMORY_PER_WORKER'] must be"),
-    ({"TIMEOUT_GRACE": 0}, "persistent_jobs.E004", "TIMEOUT_GRACE'] must be a finite number"),
-    ({"TIMEOUT_GRACE": None}, "persistent_jobs.E004", "TIMEOUT_GRACE'] must be a number"),
+    ({"PROCESSES": -1}, "persistent_jobs.E031", "PROCESSES'] must be an integer >= 0"),
+    ({"PROCESSES": "2"}, "persistent_jobs.E031", "PROCESSES'] must be an integer"),
+    ({"PROCESSES": True}, "persistent_jobs.E031", "PROCESSES'] must be an integer"),
+    ({"MAX_JOBS_PER_WORKER": 0}, "persistent_jobs.E032", "MAX_JOBS_PER_WORKER'] must be"),
+    ({"MAX_MEMORY_PER_WORKER": -5}, "persistent_jobs.E033", "MAX_MEMORY_PER_WORKER'] must be"),
+    ({"TIMEOUT_GRACE": 0}, "persistent_jobs.E034", "TIMEOUT_GRACE'] must be a finite number"),
+    ({"TIMEOUT_GRACE": None}, "persistent_jobs.E034", "TIMEOUT_GRACE'] must be a number"),
 ]
 
 

@@ -249,3 +249,91 @@ def test_transient_error_accepts_seconds_or_a_timedelta() -> None:
         0, "RATE_LIMITED", "x", True)
     assert TransientJobError("x").code == "HANDLER_ERROR"
     assert PermanentJobError("y").code == "PERMANENT_ERROR" and not PermanentJobError.transient
+
+
+# ------------------------------------------------------------------ handlers whose body never runs
+
+def test_generator_handlers_are_refused_with_their_own_check_id() -> None:
+    """Calling a generator function only builds an iterator: the job would be marked completed
+    although its body never ran. Such handlers are check errors (E103), cannot be enqueued, and
+    no runner starts while one is registered."""
+    from django_persistent_jobs.checks import check_handlers
+
+    with registry.isolated():
+        @job_handler("core.reg.gen")
+        def gen(payload: Any) -> Any:
+            yield payload
+
+        @job_handler("core.reg.agen")
+        async def agen(payload: Any, ctx: JobContext) -> Any:
+            yield payload
+
+        @job_handler
+        class GenClass(JobHandler):
+            job_type = "core.reg.gen_class"
+
+            def execute(self, payload: Any, ctx: JobContext) -> Any:  # type: ignore[override]
+                yield payload
+
+        errors = {m.obj: m for m in check_handlers()}
+        for job_type, kind in (("core.reg.gen", "a generator function"),
+                               ("core.reg.agen", "an async generator function"),
+                               ("core.reg.gen_class", "a generator function")):
+            spec = registry.get(job_type)
+            assert spec is not None
+            error = errors[spec.origin]
+            assert error.id == "persistent_jobs.E103"
+            assert f"is {kind}: calling it runs nothing" in error.msg
+            assert error.hint and "generator" in error.hint
+            with pytest.raises(ConfigurationError, match="calling it runs nothing"):
+                enqueue(job_type)
+        with pytest.raises(ConfigurationError, match="Invalid job handlers: "):
+            Runner()
+
+
+def test_async_handlers_are_accepted_and_marked() -> None:
+    """``async def`` is accepted; ``spec.is_async`` tells the runner to await ``spec.func``,
+    which is then always a coroutine function taking ``(payload, ctx)``."""
+    import inspect
+
+    with registry.isolated():
+        @job_handler("core.reg.async_two")
+        async def async_two(payload: Any, ctx: JobContext) -> str:
+            return f"two {payload} {ctx.job_type}"
+
+        @job_handler("core.reg.async_one")
+        async def async_one(payload: Any) -> str:
+            return f"one {payload}"
+
+        @job_handler
+        class AsyncClass(JobHandler):
+            job_type = "core.reg.async_class"
+
+            async def execute(self, payload: Any, ctx: JobContext) -> None:  # type: ignore[override]
+                return None
+
+        class Awaitable:
+            async def __call__(self, payload: Any) -> str:
+                return "callable"
+
+        class AwaitableTwo:
+            async def __call__(self, payload: Any, ctx: JobContext) -> str:
+                return "callable two"
+
+        job_handler("core.reg.async_callable")(Awaitable())
+        job_handler("core.reg.async_callable_two")(AwaitableTwo())
+        sync = registry.get("core.reg.one")
+        assert sync is not None and not sync.is_async
+        for job_type in ("core.reg.async_two", "core.reg.async_one", "core.reg.async_class",
+                         "core.reg.async_callable", "core.reg.async_callable_two"):
+            spec = registry.get(job_type)
+            assert spec is not None and spec.errors == [], job_type
+            assert spec.is_async and inspect.iscoroutinefunction(spec.func), job_type
+        ctx = JobContext(job_id=uuid.uuid4(), job_type="core.reg.async_two", attempt=1,
+                         max_retries=0, runner_id="r")
+        import asyncio
+
+        one, two = registry.get("core.reg.async_one"), registry.get("core.reg.async_two")
+        assert one is not None and two is not None
+        assert asyncio.run(one.func({"a": 1}, ctx)) == "one {'a': 1}"
+        assert asyncio.run(two.func(5, ctx)) == "two 5 core.reg.async_two"

@@ -33,38 +33,45 @@ def test_the_suites_settings_pass_every_check() -> None:
 BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"RETRIES": 3}, "persistent_jobs.E002", "Unknown key PERSISTENT_JOBS['RETRIES']."),
     ({"MAX_RETRIES": -1}, "persistent_jobs.E003",
-     "PERSISTENT_JOBS['MAX_RETRIES'] must be an integer >= 0, got -1."),
+     "PERSISTENT_JOBS['MAX_RETRIES'] must be an integer in 0..1000000, got -1."),
     ({"MAX_RETRIES": "3"}, "persistent_jobs.E003",
-     "PERSISTENT_JOBS['MAX_RETRIES'] must be an integer, got '3'."),
+     "PERSISTENT_JOBS['MAX_RETRIES'] must be an integer in 0..1000000, got '3'."),
     ({"MAX_RETRIES": 10**7}, "persistent_jobs.E003",
-     "PERSISTENT_JOBS['MAX_RETRIES'] must be at most 1000000, got 10000000."),
-    ({"CONCURRENCY": 0}, "persistent_jobs.E003",
+     "PERSISTENT_JOBS['MAX_RETRIES'] must be an integer in 0..1000000, got 10000000."),
+    ({"CONCURRENCY": 0}, "persistent_jobs.E015",
      "PERSISTENT_JOBS['CONCURRENCY'] must be an integer > 0, got 0."),
-    ({"CONCURRENCY": True}, "persistent_jobs.E003", "must be an integer, got True"),
-    ({"PAYLOAD_MAX_BYTES": 1.5}, "persistent_jobs.E003", "PAYLOAD_MAX_BYTES'] must be an integer"),
-    ({"PAYLOAD_MAX_DEPTH": 0}, "persistent_jobs.E003",
+    ({"CONCURRENCY": True}, "persistent_jobs.E015", "must be an integer, got True"),
+    ({"PAYLOAD_MAX_BYTES": 1.5}, "persistent_jobs.E023", "PAYLOAD_MAX_BYTES'] must be an integer"),
+    ({"PAYLOAD_MAX_BYTES": 2**28}, "persistent_jobs.E023",
+     "PAYLOAD_MAX_BYTES'] must be at most 268435455 (what jsonb can hold)"),
+    ({"PAYLOAD_MAX_DEPTH": 0}, "persistent_jobs.E024",
      "PAYLOAD_MAX_DEPTH'] must be an integer > 0"),
-    ({"PAYLOAD_MAX_KEYS": None}, "persistent_jobs.E003", "PAYLOAD_MAX_KEYS'] must be an integer"),
-    ({"BATCH_SIZE": 0}, "persistent_jobs.E003", "BATCH_SIZE'] must be an integer > 0"),
+    ({"PAYLOAD_MAX_KEYS": None}, "persistent_jobs.E025", "PAYLOAD_MAX_KEYS'] must be an integer"),
+    ({"BATCH_SIZE": 0}, "persistent_jobs.E021", "BATCH_SIZE'] must be an integer > 0"),
+    ({"PREFETCH": -1}, "persistent_jobs.E022", "PREFETCH'] must be an integer >= 0"),
     ({"TIMEOUT": 0}, "persistent_jobs.E004",
-     "PERSISTENT_JOBS['TIMEOUT'] must be a finite number > 0, got 0."),
-    ({"TIMEOUT": timedelta(0)}, "persistent_jobs.E004", "TIMEOUT'] must be a finite number > 0"),
-    ({"POLL_INTERVAL": "1s"}, "persistent_jobs.E004",
+     "PERSISTENT_JOBS['TIMEOUT'] must be a number of seconds > 0 (at most 315360000), got 0."),
+    ({"TIMEOUT": timedelta(0)}, "persistent_jobs.E004",
+     "TIMEOUT'] must be a number of seconds > 0"),
+    ({"TIMEOUT": 1e300}, "persistent_jobs.E004", "TIMEOUT'] must be a number of seconds > 0"),
+    ({"POLL_INTERVAL": "1s"}, "persistent_jobs.E016",
      "PERSISTENT_JOBS['POLL_INTERVAL'] must be a number, got '1s'."),
-    ({"POLL_INTERVAL": float("nan")}, "persistent_jobs.E004",
+    ({"POLL_INTERVAL": float("nan")}, "persistent_jobs.E016",
      "POLL_INTERVAL'] must be a finite number > 0, got nan."),
-    ({"STALE_LOCK_TIMEOUT": float("inf")}, "persistent_jobs.E004",
+    ({"POLL_INTERVAL": 1e300}, "persistent_jobs.E016",
+     "POLL_INTERVAL'] must be at most 315360000 seconds, got 1e+300."),
+    ({"STALE_LOCK_TIMEOUT": float("inf")}, "persistent_jobs.E017",
      "STALE_LOCK_TIMEOUT'] must be a finite number > 0, got inf."),
-    ({"SHUTDOWN_GRACE": -1}, "persistent_jobs.E004",
+    ({"SHUTDOWN_GRACE": -1}, "persistent_jobs.E020",
      "SHUTDOWN_GRACE'] must be a finite number >= 0"),
-    ({"CLEANUP_INTERVAL": 0}, "persistent_jobs.E004", "CLEANUP_INTERVAL'] must be"),
-    ({"SCHEDULER_INTERVAL": -2}, "persistent_jobs.E004", "SCHEDULER_INTERVAL'] must be"),
-    ({"HEARTBEAT_INTERVAL": 0}, "persistent_jobs.E004", "HEARTBEAT_INTERVAL'] must be"),
+    ({"CLEANUP_INTERVAL": 0}, "persistent_jobs.E019", "CLEANUP_INTERVAL'] must be"),
+    ({"SCHEDULER_INTERVAL": -2}, "persistent_jobs.E026", "SCHEDULER_INTERVAL'] must be"),
+    ({"HEARTBEAT_INTERVAL": 0}, "persistent_jobs.E018", "HEARTBEAT_INTERVAL'] must be"),
     ({"HEARTBEAT_INTERVAL": 2, "STALE_LOCK_TIMEOUT": 3}, "persistent_jobs.E005",
      "PERSISTENT_JOBS['HEARTBEAT_INTERVAL'] (2s) must be at most half of STALE_LOCK_TIMEOUT "
      "(3s), or a live runner could be taken for dead."),
     ({"DEDUP": "SKIP"}, "persistent_jobs.E006",
-     "PERSISTENT_JOBS['DEDUP'] must be one of ('skip', 'enqueue', 'replace'), got 'SKIP'."),
+     "PERSISTENT_JOBS['DEDUP'] must be one of ['skip', 'enqueue', 'replace'], got 'SKIP'."),
     ({"BACKOFF": "no.such.module.backoff"}, "persistent_jobs.E007",
      "PERSISTENT_JOBS['BACKOFF'] = 'no.such.module.backoff' cannot be imported"),
     ({"BACKOFF": 5}, "persistent_jobs.E007", "PERSISTENT_JOBS['BACKOFF'] must be callable, got 5."),
@@ -83,15 +90,23 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"RETENTION": {"done": 60}}, "persistent_jobs.E009",
      "PERSISTENT_JOBS['RETENTION'] has unknown statuses ['done']"),
     ({"QUEUES": []}, "persistent_jobs.E010",
-     "PERSISTENT_JOBS['QUEUES'] must be a non-empty list of queue names or None, got []."),
+     "PERSISTENT_JOBS['QUEUES'] must be a non-empty list of queue names (strings of 1..100 "
+     "characters) or None, got []."),
     ({"QUEUES": "default"}, "persistent_jobs.E010", "got 'default'"),
     ({"QUEUES": ["a", ""]}, "persistent_jobs.E010", "must be a non-empty list of queue names"),
-    ({"DEFAULT_QUEUE": 5}, "persistent_jobs.E011", "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be a "
-                                                   "non-empty string."),
+    ({"QUEUES": ["q" * 101]}, "persistent_jobs.E010", "must be a non-empty list of queue names"),
+    ({"DEFAULT_QUEUE": 5}, "persistent_jobs.E011",
+     "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be a string of 1..100 characters, got 5."),
     ({"DEFAULT_QUEUE": "q" * 101}, "persistent_jobs.E011",
-     "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be at most 100 characters"),
+     "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be a string of 1..100 characters"),
+    ({"DEFAULT_QUEUE": "q\x00"}, "persistent_jobs.E011", "contains a NUL character"),
     ({"DATABASE": "replica"}, "persistent_jobs.E012",
      "PERSISTENT_JOBS['DATABASE'] names 'replica', which is not in settings.DATABASES."),
+    ({"DATABASE": ""}, "persistent_jobs.E012",
+     "PERSISTENT_JOBS['DATABASE'] must be a non-empty string, got ''."),
+    ({"HANDBACK_LIMIT": -1}, "persistent_jobs.E027",
+     "PERSISTENT_JOBS['HANDBACK_LIMIT'] must be an integer >= 0, got -1."),
+    ({"HANDBACK_LIMIT": None}, "persistent_jobs.E027", "HANDBACK_LIMIT'] must be an integer"),
     ({"ALLOW_UNREGISTERED": "no"}, "persistent_jobs.E014",
      "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got 'no'."),
 ]
@@ -142,10 +157,10 @@ def test_a_non_postgresql_database_is_refused() -> None:
 def test_several_problems_are_all_reported() -> None:
     with pj_settings(CONCURRENCY=0, DEDUP="x", QUEUES=[]):
         assert sorted(i for i, _ in pj_errors()) == [
-            "persistent_jobs.E003", "persistent_jobs.E006", "persistent_jobs.E010"]
+            "persistent_jobs.E006", "persistent_jobs.E010", "persistent_jobs.E015"]
     with pj_settings(CONCURRENCY=0), pytest.raises(SystemCheckError) as info:
         call_command("check")
-    assert "persistent_jobs.E003" in str(info.value)
+    assert "persistent_jobs.E015" in str(info.value)
 
 
 def test_valid_alternatives_are_accepted() -> None:
@@ -196,19 +211,19 @@ def test_bad_handler_options_are_reported_per_handler() -> None:
     assert all(i == "persistent_jobs.E101" for i, obj, _ in errors if obj == origin)
     prefix = f"handler 'core.chk.bad' ({origin}): "
     assert {m.removeprefix(prefix).split(",")[0].split(" got")[0] for m in bad_msgs} >= {
-        "max_retries must be an integer >= 0 (at most 1000000)",
-        "timeout must be a number of seconds > 0",
-        "dedup must be one of ('skip'",
+        "max_retries must be an integer in 0..1000000",
+        "timeout must be a number of seconds > 0 (at most 315360000)",
+        "dedup must be one of ['skip'",
         "backoff must be a callable attempt -> seconds.",
         "validator must be callable.",
-        "queue must be a non-empty string",
-        "priority must be an integer in -32768..32767.",
+        "queue must be a string of 1..100 characters",
+        "priority must be an integer in -32768..32767",
     }
     # A job type that merely contains "cron" is still an option problem (E101), not E102.
     assert [(i, m) for i, obj, m in errors if obj == origins["cron_sync"]] == [(
         "persistent_jobs.E101",
         f"handler 'core.chk.cron_sync' ({origins['cron_sync']}): max_retries must be an integer "
-        ">= 0 (at most 1000000), got 'many'.",
+        "in 0..1000000, got 'many'.",
     )]
     schedule_ids = {i for i, obj, _ in errors if obj in (origins["sched"], origins["both"])}
     assert schedule_ids == {"persistent_jobs.E102"}
@@ -238,3 +253,43 @@ def test_runjobs_refuses_bad_settings_and_handlers_as_command_errors() -> None:
         job_handler("core.chk.runjobs", timeout=-1)(lambda payload: None)
         with pytest.raises(CommandError, match="timeout must be a number of seconds > 0"):
             call_command("runjobs", burst=True)
+
+
+# ------------------------------------------------------------------ one id per condition
+
+def test_every_check_id_is_one_condition_with_a_hint_and_a_test() -> None:
+    """``checks.py`` owns the ids: one per condition (each setting key, each cross-key rule,
+    each kind of handler problem), every one with a hint, and every one exercised above."""
+    from django_persistent_jobs.checks import HANDLER_CHECKS, SETTING_CHECKS, setting_check
+
+    ids = [i for i, _ in SETTING_CHECKS.values()] + [i for i, _ in HANDLER_CHECKS.values()]
+    assert len(ids) == len(set(ids))  # no id covers two conditions
+    assert set(pj_conf.DEFAULTS) <= set(SETTING_CHECKS)  # every key has its own id
+    assert all(setting_check(condition)[1] for condition in SETTING_CHECKS)
+    assert all(hint for _, hint in HANDLER_CHECKS.values())
+    tested = {check_id for _, check_id, _ in BAD_SETTINGS} | {
+        "persistent_jobs.E001",  # test_persistent_jobs_must_be_a_dict
+        "persistent_jobs.E013",  # test_a_non_postgresql_database_is_refused
+        "persistent_jobs.E101", "persistent_jobs.E102",  # test_bad_handler_options_...
+        "persistent_jobs.E103",  # test_registry: generator handlers
+    }
+    assert set(ids) == tested
+
+
+@pytest.mark.parametrize(("overrides", "check_id", "message"), BAD_SETTINGS,
+                         ids=[f"{i}-{next(iter(o))}" for i, (o, _, _) in enumerate(BAD_SETTINGS)])
+def test_reading_a_bad_setting_raises_the_checks_message(
+    overrides: dict[str, Any], check_id: str, message: str,
+) -> None:
+    """A process that never ran the checks (a shell, a WSGI worker) gets the same message, as
+    ImproperlyConfigured, from the typed setting it reads."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    key = next(iter(overrides))
+    if key not in pj_conf.DEFAULTS or check_id == "persistent_jobs.E005":
+        return  # an unknown key, or a rule between two keys: nothing reads it alone
+    with pj_settings(**overrides):
+        (reported,) = [m.msg for m in check_settings() if m.id == check_id]
+        with pytest.raises(ImproperlyConfigured) as info:
+            getattr(pj_conf.settings, key)
+    assert str(info.value) == reported

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
@@ -93,7 +93,10 @@ class Backoff:
         self.current = self.first
 
 
-def run_with_retry[T](
+T = TypeVar("T")  # no PEP 695 generics: Python 3.11 (Django 5.2) is supported
+
+
+def run_with_retry(
     alias: str, fn: Callable[[Any], T], *, what: str, interrupt: threading.Event | None = None,
     backoff: Backoff | None = None,
 ) -> T | None:

@@ -68,6 +68,8 @@ class Outcome:
     message: str
     traceback: str = ""
     delay: float = 0.0
+    #: Dotted path of the exception class that ended the attempt ("" when no exception did).
+    error_class: str = ""
 
 
 def _backoff_for(spec: HandlerSpec | None, attempt: int) -> float:
@@ -89,6 +91,12 @@ def _describe(exc: BaseException) -> str:
 
 def classify(exc: BaseException, spec: HandlerSpec | None, attempt: int) -> Outcome:
     """Map what a handler raised to the job's next state."""
+    outcome = _classify(exc, spec, attempt)
+    outcome.error_class = f"{type(exc).__module__}.{type(exc).__qualname__}"[:255]
+    return outcome
+
+
+def _classify(exc: BaseException, spec: HandlerSpec | None, attempt: int) -> Outcome:
     trace = "".join(tb_module.format_exception(exc))
     message = _describe(exc)
     if isinstance(exc, JobCancelledError):
@@ -167,6 +175,7 @@ def _settle(
             cursor, job.id, job.token, kind=outcome.kind, code=outcome.code,
             message=outcome.message, traceback=outcome.traceback, delay=outcome.delay,
             outcome=attempt_outcome, charge_delay=charge_delay,
+            error_class=outcome.error_class,
         )
 
     error: Exception | None = None
@@ -344,6 +353,8 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
                     "ran; a handler must be a plain function or an async def coroutine function",
                     code="HANDLER_INVALID",
                 )
+            # Handlers that keep a result (django.tasks) return it as validated JSON text.
+            result = returned if spec.returns_json else None
             # psycopg sends BEGIN lazily, so an idle connection here means the handler ran no
             # SQL on it: there is nothing to commit atomically with the completion, which then
             # runs as one autocommit statement instead of BEGIN + UPDATE + COMMIT. (Pending
@@ -353,11 +364,11 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
                     and raw.info.transaction_status == TransactionStatus.IDLE)
             if not solo:
                 with connection.cursor() as cursor:
-                    if not store.complete(cursor, job):
+                    if not store.complete(cursor, job, result):
                         raise ClaimLost(job.id)
         if solo:
             with connection.cursor() as cursor:
-                if not store.complete(cursor, job):
+                if not store.complete(cursor, job, result):
                     raise ClaimLost(job.id)
     except ClaimLost:
         logger.warning(

@@ -172,7 +172,8 @@ def _decode_payload(raw: Any) -> tuple[Any, str | None]:
 _COMPLETE = """
 WITH done AS (
     UPDATE persistent_jobs SET status = 'completed', locked_by = NULL, locked_at = NULL,
-        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp()
+        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+        result = %s::jsonb
     WHERE id = %s AND lock_token = %s
     RETURNING id
 )
@@ -183,10 +184,13 @@ RETURNING a.id
 """
 
 
-def complete(cursor: Any, job: ClaimedJob) -> bool:
-    """Mark the job completed inside the handler's transaction; False if the claim was lost."""
+def complete(cursor: Any, job: ClaimedJob, result: str | None = None) -> bool:
+    """Mark the job completed inside the handler's transaction; False if the claim was lost.
+
+    ``result`` is the handler's return value as JSON text (django.tasks results), or None.
+    """
     with prepared(cursor) as fast:
-        fast.execute(_COMPLETE, [job.id, job.token, job.token], prepare=True)
+        fast.execute(_COMPLETE, [result, job.id, job.token, job.token], prepare=True)
         return fast.fetchone() is not None
 
 
@@ -290,7 +294,8 @@ UPDATE persistent_jobs_attempts a SET finished_at = now(), duration = now() - a.
         ELSE COALESCE(%(outcome)s, CASE moved.status
             WHEN 'failed' THEN 'failed' WHEN 'dead_lettered' THEN 'dead_lettered'
             WHEN 'cancelled' THEN 'cancelled' ELSE 'interrupted' END) END,
-    error_code = moved.code, error_message = moved.message, traceback = %(traceback)s
+    error_code = moved.code, error_message = moved.message, traceback = %(traceback)s,
+    error_class = %(error_class)s
 FROM moved WHERE a.id = %(token)s
 RETURNING moved.status
 """
@@ -300,6 +305,7 @@ def transition(
     cursor: Any, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
     handback_limit: int | None = None, charge_delay: float = 0.0,
+    error_class: str = "",
 ) -> str | None:
     """Move a running job out of ``running``; return its new status, or None if not ours.
 
@@ -324,7 +330,7 @@ def transition(
         "message": storable_text(message, MESSAGE_MAX_LENGTH),
         "traceback": storable_text(traceback, TRACEBACK_MAX_LENGTH),
         "delay": storable_delay(delay), "charge_delay": storable_delay(charge_delay),
-        "outcome": outcome,
+        "outcome": outcome, "error_class": storable_text(error_class, 255),
         "handback_limit": configured_handback_limit() if handback_limit is None
         else int(handback_limit),
     }

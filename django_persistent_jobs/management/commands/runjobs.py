@@ -40,11 +40,6 @@ class Command(BaseCommand):
         if options["processes"] is not None and options["processes"] < 0:
             raise CommandError("--processes must be 0 or more.")
         processes = options["processes"]
-        if processes is None:
-            configured = conf.get("PROCESSES")
-            processes = (conf.RUNJOBS_DEFAULT_PROCESSES if configured is None
-                         or isinstance(configured, bool) or not isinstance(configured, int)
-                         else configured)
         if options["poll_interval"] is not None and options["poll_interval"] <= 0:
             raise CommandError("--poll-interval must be greater than 0.")
         queues = None
@@ -64,6 +59,9 @@ class Command(BaseCommand):
                 "%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
             package_logger.addHandler(handler)
         try:
+            if processes is None:
+                configured = conf.settings.PROCESSES  # checked: ConfigurationError if invalid
+                processes = conf.RUNJOBS_DEFAULT_PROCESSES if configured is None else configured
             runner = Runner(
                 concurrency=options["concurrency"], queues=queues,
                 poll_interval=options["poll_interval"], burst=options["burst"],

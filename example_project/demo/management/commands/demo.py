@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from django.utils import timezone
 from django_persistent_jobs import enqueue, run_schedule_now
 from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
 from django_persistent_jobs.schedule_models import JobSchedule
+from example_project.demo.tasks import order_total
 
 MANAGE = Path(__file__).resolve().parents[4] / "manage.py"
 
@@ -34,13 +36,16 @@ class Command(BaseCommand):
                             help="Give up if the jobs have not settled after this many seconds.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        with transaction.atomic():  # enqueue joins the transaction: all three or none
+        with transaction.atomic():  # enqueue joins the transaction: all or none
             jobs = [
                 enqueue("demo.health_check", {"source": "demo"}),
                 enqueue("demo.flaky", {"order_id": 42}),
                 enqueue("demo.always_fails", {"customer_id": 7}),
             ]
-        ids = [job.id for job in jobs]
+            # A django.tasks task, through the durable backend: the same transaction, table
+            # and runner as the jobs above.
+            total = order_total.enqueue(42, [{"qty": 2, "price": 9.5}, {"qty": 1, "price": 3.0}])
+        ids = [job.id for job in jobs] + [uuid.UUID(total.id)]
         self.stdout.write(f"Enqueued {len(ids)} jobs; starting `manage.py runjobs`...\n")
         runner = subprocess.Popen(
             [sys.executable, str(MANAGE), "runjobs", "--concurrency", "4"], env=os.environ.copy()
@@ -64,6 +69,12 @@ class Command(BaseCommand):
                 except subprocess.TimeoutExpired:
                     runner.kill()
         self._report(ids)
+        total.refresh()
+        self.stdout.write(
+            f"\ndjango.tasks: order_total.enqueue(42, ...) -> {total.status}, return value "
+            f"{total.return_value if total.status == 'SUCCESSFUL' else '-'} "
+            f"(get_result({total.id[:8]}...), {total.attempts} attempt(s))"
+        )
         if not settled:
             raise CommandError(f"jobs did not settle within {options['timeout']}s")
         self.stdout.write(self.style.SUCCESS(
@@ -107,7 +118,11 @@ class Command(BaseCommand):
                 f"{a.attempt}:{a.outcome}" for a in JobAttempt.objects.filter(job=job)
             )
             kind = "scheduled" if job.schedule else "one-shot"
+            name = job.job_type
+            if name == "demo.health_check":
+                name = f"{name} ({kind})"
+            elif name.startswith("example_project."):
+                name = f"task {name.rsplit('.', 1)[-1]}"  # a django.tasks task (module path)
             self.stdout.write("{:<31} {:<14} {:<9} {:<12} {}".format(
-                f"{job.job_type} ({kind})" if job.job_type == "demo.health_check" else
-                job.job_type, job.status, f"{job.attempts}/{job.max_retries + 1}",
+                name, job.status, f"{job.attempts}/{job.max_retries + 1}",
                 job.last_error_code or "-", outcomes))

@@ -1,0 +1,45 @@
+"""Import the modules that define tasks, so a runner knows every task before it claims one.
+
+A runner claims only job types it has handlers for, and a task's handler is registered when the
+task is defined. When ``settings.TASKS`` uses ``PersistentJobsBackend``, the app config therefore
+imports every installed app's ``tasks`` module, plus the backend's ``OPTIONS["MODULES"]``.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from django.conf import settings
+from django.utils.module_loading import autodiscover_modules, import_string
+
+
+def _durable_backends() -> list[dict[str, Any]]:
+    configured = getattr(settings, "TASKS", None)
+    if not isinstance(configured, dict):
+        return []
+    found = []
+    for params in configured.values():
+        path = params.get("BACKEND") if isinstance(params, dict) else None
+        if not isinstance(path, str):
+            continue
+        try:
+            backend_class = import_string(path)
+        except ImportError:
+            continue  # Django's own check reports a backend that does not import
+        from .persistent import PersistentJobsBackend
+
+        if isinstance(backend_class, type) and issubclass(backend_class, PersistentJobsBackend):
+            found.append(params)
+    return found
+
+
+def discover_tasks() -> None:
+    backends = _durable_backends()
+    if not backends:
+        return
+    autodiscover_modules("tasks")
+    for params in backends:
+        modules = (params.get("OPTIONS") or {}).get("MODULES") or []
+        for module in modules if isinstance(modules, list | tuple) else []:
+            import_module(module)

@@ -1,0 +1,361 @@
+"""``PersistentJobsBackend`` through Django's public task API, run by real ``runjobs`` processes.
+
+The tasks live in ``tests/testapp/tasks.py``; runner subprocesses know them because the app
+config imports every installed app's ``tasks`` module when TASKS uses our backend.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.db import transaction
+from django.utils import timezone
+
+from django_persistent_jobs import enqueue
+from django_persistent_jobs.backends.compat import (
+    InvalidTask,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    task_backends,
+    task_enqueued,
+    task_finished,
+    task_started,
+)
+from django_persistent_jobs.errors import PayloadError
+from django_persistent_jobs.runner import Runner
+from tests.conftest import wait_for
+from tests.testapp import tasks
+from tests.testapp.models import LedgerEntry, SideEffect
+from tests.testapp.tasks_compat import task
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+Spawn = Callable[..., "subprocess.Popen[bytes]"]
+StartRunner = Callable[..., Runner]
+
+
+def finished(result: Any, timeout: float = 30.0) -> Any:
+    """Refresh ``result`` until it is finished (SUCCESSFUL or FAILED)."""
+
+    def check() -> bool:
+        result.refresh()
+        return bool(result.is_finished)
+
+    wait_for(check, timeout=timeout, interval=0.05, message=f"task {result.id} to finish")
+    return result
+
+
+def status_is(result: Any, status: Any, timeout: float = 30.0) -> Any:
+    def check() -> bool:
+        result.refresh()
+        return bool(result.status == status)
+
+    wait_for(check, timeout=timeout, interval=0.05, message=f"task {result.id} to be {status}")
+    return result
+
+
+def burst(spawn_runner: Spawn, *args: str) -> None:
+    proc = spawn_runner("--burst", *args)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output.decode()
+
+
+@pytest.fixture
+def signals_seen() -> Iterator[list[tuple[str, str, str]]]:
+    """(signal, task result id, status) for every task signal this process sends."""
+    seen: list[tuple[str, str, str]] = []
+
+    def receiver(name: str) -> Callable[..., None]:
+        def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+            seen.append((name, task_result.id, str(task_result.status)))
+        return receive
+
+    receivers = {name: receiver(name) for name in ("enqueued", "started", "finished")}
+    task_enqueued.connect(receivers["enqueued"])
+    task_started.connect(receivers["started"])
+    task_finished.connect(receivers["finished"])
+    yield seen
+    task_enqueued.disconnect(receivers["enqueued"])
+    task_started.disconnect(receivers["started"])
+    task_finished.disconnect(receivers["finished"])
+
+
+def test_backend_capabilities() -> None:
+    backend = task_backends["default"]
+    assert type(backend).__name__ == "PersistentJobsBackend"
+    assert backend.supports_defer and backend.supports_async_task
+    assert backend.supports_get_result and backend.supports_priority
+    assert list(backend.check()) == []
+
+
+def test_runjobs_runs_tasks_with_results_errors_and_attempts(spawn_runner: Spawn) -> None:
+    added = tasks.add.enqueue(2, 3)
+    echoed = tasks.echo.enqueue(1, (2, 3), name="x", nested={"k": [1.5, None]})
+    flaky = tasks.flaky.enqueue(fail_until=2, note="second time lucky")
+    failing = tasks.always_fails.enqueue()
+    bad_result = tasks.returns_datetime.enqueue()
+    async_result = tasks.async_sleep_add.enqueue(20, 22)
+    assert added.status == TaskResultStatus.READY and added.enqueued_at is not None
+    assert echoed.args == [1, [2, 3]]  # Django's JSON normalisation, before the task runs
+
+    runner = spawn_runner("--concurrency", "4")
+    try:
+        for result in (added, echoed, flaky, failing, bad_result, async_result):
+            finished(result)
+    finally:
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(30)
+
+    assert added.status == TaskResultStatus.SUCCESSFUL and added.return_value == 5
+    assert added.errors == [] and added.attempts == 1 and len(added.worker_ids) == 1
+    assert added.enqueued_at <= added.started_at <= added.last_attempted_at <= added.finished_at
+    assert echoed.return_value == {"args": [1, [2, 3]], "kwargs": {"name": "x",
+                                                                   "nested": {"k": [1.5, None]}}}
+    assert async_result.return_value == 42
+    assert LedgerEntry.objects.filter(note="async 20+22").count() == 1
+
+    # A failed attempt is retried; its writes rolled back with it, its error is kept.
+    assert flaky.status == TaskResultStatus.SUCCESSFUL
+    assert flaky.return_value == {"attempt": 2, "note": "second time lucky"}
+    assert flaky.attempts == 2 and len(flaky.errors) == 1
+    assert flaky.errors[0].exception_class is ValueError
+    assert "planned failure on attempt 1" in flaky.errors[0].traceback
+    assert flaky.started_at < flaky.last_attempted_at
+    assert list(SideEffect.objects.filter(job_id=flaky.id).values_list("attempt", flat=True)) == [2]
+
+    # Retries used up: FAILED with every attempt's exception class and traceback.
+    assert failing.status == TaskResultStatus.FAILED and failing.attempts == 2
+    assert [e.exception_class_path for e in failing.errors] == ["builtins.KeyError"] * 2
+    assert "nope 2" in failing.errors[1].traceback and "Traceback" in failing.errors[1].traceback
+    assert not SideEffect.objects.filter(job_id=failing.id).exists()
+    with pytest.raises(ValueError, match="failed"):
+        failing.return_value  # noqa: B018
+
+    # A return value that would not round-trip fails the task with a clear error, at once.
+    assert bad_result.status == TaskResultStatus.FAILED and bad_result.attempts == 1
+    [error] = bad_result.errors
+    assert error.exception_class_path == "django_persistent_jobs.backends.tasks.ResultError"
+    assert "cannot be stored as JSON" in error.traceback
+
+
+def test_timeout_fails_the_attempt_and_the_task_after_retries(spawn_runner: Spawn) -> None:
+    slow = tasks.too_slow.enqueue(30)  # timeout=1, max_retries=1
+    runner = spawn_runner("--concurrency", "2")
+    try:
+        finished(slow, timeout=60)
+    finally:
+        runner.kill()
+        runner.wait(10)
+    assert slow.status == TaskResultStatus.FAILED and slow.attempts == 2
+    assert [e.exception_class for e in slow.errors] == [TimeoutError, TimeoutError]
+    assert all("TIMEOUT" in e.traceback for e in slow.errors)
+
+
+def test_priority_run_after_and_queues(spawn_runner: Spawn) -> None:
+    low = tasks.record.using(priority=-50).enqueue("low")
+    high = tasks.record.using(priority=100).enqueue("high")
+    mid = tasks.record.enqueue("mid")
+    later = tasks.record.using(run_after=timezone.now() + timedelta(hours=1)).enqueue("later")
+    elsewhere = tasks.record.using(queue_name="tasks-other").enqueue("elsewhere")
+    assert later.task.run_after is not None
+
+    burst(spawn_runner, "--concurrency", "1", "--queues", "default")
+    notes = list(LedgerEntry.objects.order_by("id").values_list("note", flat=True))
+    assert notes == ["high", "mid", "low"]
+    for result in (low, high, mid):
+        result.refresh()
+        assert result.status == TaskResultStatus.SUCCESSFUL
+    high.refresh()
+    assert high.task.priority == 100
+    later.refresh()
+    elsewhere.refresh()
+    assert later.status == elsewhere.status == TaskResultStatus.READY
+
+    burst(spawn_runner, "--queues", "tasks-other")
+    elsewhere.refresh()
+    assert elsewhere.status == TaskResultStatus.SUCCESSFUL
+    assert elsewhere.task.queue_name == "tasks-other"
+    later.refresh()
+    assert later.status == TaskResultStatus.READY
+
+
+def test_enqueue_joins_the_callers_transaction(signals_seen: list[Any]) -> None:
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), transaction.atomic():
+        doomed = tasks.add.enqueue(1, 1)
+        assert tasks.add.get_result(doomed.id).status == TaskResultStatus.READY  # same txn
+        raise Boom
+    with pytest.raises(TaskResultDoesNotExist):
+        tasks.add.get_result(doomed.id)
+    assert signals_seen == []  # no task, no task_enqueued
+
+    with transaction.atomic():
+        kept = tasks.add.enqueue(1, 2)
+        assert signals_seen == []  # not before the commit
+    assert signals_seen == [("enqueued", kept.id, "READY")]
+    assert tasks.add.get_result(kept.id).args == [1, 2]
+
+
+def test_get_result_of_unknown_or_foreign_ids() -> None:
+    for bad in (str(uuid.uuid4()), "not-a-uuid", ""):
+        with pytest.raises(TaskResultDoesNotExist):
+            task_backends["default"].get_result(bad)
+    plain_job = enqueue("test.noop", {})
+    with pytest.raises(TaskResultDoesNotExist):
+        task_backends["default"].get_result(str(plain_job.id))
+    result = tasks.add.enqueue(1, 2)
+    from django_persistent_jobs.backends.compat import TASKS_PACKAGE
+
+    mismatch = __import__(f"{TASKS_PACKAGE}.exceptions", fromlist=["x"]).TaskResultMismatch
+    with pytest.raises(mismatch):
+        tasks.echo.get_result(result.id)
+
+
+def test_aenqueue_and_aget_result() -> None:
+    result = async_to_sync(tasks.add.aenqueue)(20, 1)
+    fetched = async_to_sync(tasks.add.aget_result)(result.id)
+    assert fetched.id == result.id and fetched.status == TaskResultStatus.READY
+    assert fetched.args == [20, 1]
+    async_to_sync(fetched.arefresh)()
+    assert fetched.status == TaskResultStatus.READY
+
+
+def test_signals_context_and_atomic_completion_in_a_runner(
+    start_runner: StartRunner, signals_seen: list[Any],
+) -> None:
+    """The runner sends task_started per attempt and task_finished once, after the outcome."""
+    flaky = tasks.flaky.enqueue(fail_until=3, note="third")
+    failing = tasks.always_fails.enqueue()
+    start_runner(concurrency=2)
+    finished(flaky)
+    finished(failing)
+    wait_for(lambda: sum(1 for s in signals_seen if s[0] == "finished") == 2, timeout=10,
+             message="both task_finished signals")
+    of_flaky = [(name, status) for name, rid, status in signals_seen if rid == flaky.id]
+    assert of_flaky == [("enqueued", "READY"), ("started", "RUNNING"), ("started", "RUNNING"),
+                        ("started", "RUNNING"), ("finished", "SUCCESSFUL")]
+    of_failing = [(name, status) for name, rid, status in signals_seen if rid == failing.id]
+    assert of_failing == [("enqueued", "READY"), ("started", "RUNNING"), ("started", "RUNNING"),
+                          ("finished", "FAILED")]
+    assert flaky.return_value == {"attempt": 3, "note": "third"}
+    assert LedgerEntry.objects.filter(job_id=flaky.id).count() == 1
+
+
+def test_rescue_after_sigkill_finishes_successful(spawn_runner: Spawn) -> None:
+    result = tasks.hang_first.enqueue(60)
+    doomed = spawn_runner("--concurrency", "1")
+    status_is(result, TaskResultStatus.RUNNING, timeout=30)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(10)
+    survivor = spawn_runner("--concurrency", "1")
+    try:
+        finished(result, timeout=60)
+    finally:
+        survivor.send_signal(signal.SIGTERM)
+        survivor.wait(30)
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == "done on attempt 2"
+    assert result.attempts == 2 and len(set(result.worker_ids)) == 2
+    [lost] = result.errors
+    assert "RUNNER_LOST" in lost.traceback
+
+
+def test_dedup_option_returns_the_waiting_task() -> None:
+    first = tasks.refresh_user.enqueue(7)
+    again = tasks.refresh_user.enqueue(7)
+    other = tasks.refresh_user.enqueue(8)
+    assert first.id == again.id != other.id
+
+
+def _plain() -> None: ...
+
+
+def _needs_args(x: int) -> None: ...
+
+
+def _gen() -> Any:
+    yield 1
+
+
+def test_bad_definitions_and_arguments_fail_early() -> None:
+    with pytest.raises(TypeError, match=r"Unknown @task option.*'max_retry'.*max_retries"):
+        task(max_retry=3)(_plain)
+    with pytest.raises(InvalidTask, match="max_retries must be an integer"):
+        task(max_retries=-1)(_plain)
+    with pytest.raises(InvalidTask, match="unknown time zone"):
+        task(cron="0 * * * *", timezone="Mars/Olympus")(_plain)
+    with pytest.raises(InvalidTask, match="takes required arguments"):
+        task(cron="*/5 * * * *")(_needs_args)
+    with pytest.raises(InvalidTask, match="generator"):
+        task()(_gen)
+    with pytest.raises(InvalidTask, match="Queue 'nope'"):
+        tasks.add.using(queue_name="nope")
+
+    with pytest.raises(PayloadError, match="args"):
+        tasks.echo.enqueue(timezone.now())
+    with pytest.raises(PayloadError, match="NaN"):
+        tasks.echo.enqueue(float("nan"))
+
+
+def test_a_recurring_task_is_a_schedule_run_by_the_runner(start_runner: StartRunner) -> None:
+    from django_persistent_jobs import run_schedule_now
+    from django_persistent_jobs.handlers import registry
+    from django_persistent_jobs.models import JobSchedule
+    from django_persistent_jobs.schedule_services import sync_code_schedules
+
+    with registry.isolated():
+        from tests.testapp import recurring_tasks
+
+        name = recurring_tasks.nightly.module_path
+        sync_code_schedules()
+        schedule = JobSchedule.objects.get(name=name)
+        assert (schedule.cron, schedule.timezone) == ("0 3 * * *", "Europe/Paris")
+        job = run_schedule_now(name)
+        result = recurring_tasks.nightly.get_result(str(job.id))
+        assert result.args == [] and result.kwargs == {}
+        runner = start_runner(concurrency=1)
+        finished(result)
+        assert result.return_value == "tick"
+        runner.request_stop()
+        runner.finished.wait(30)
+
+
+def test_a_cancelled_task_is_failed() -> None:
+    from django_persistent_jobs import cancel_job
+
+    result = tasks.add.enqueue(1, 1)
+    cancel_job(result.id)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED and result.errors == []
+    with pytest.raises(ValueError, match="failed"):
+        result.return_value  # noqa: B018
+
+
+def test_check_reports_bad_backend_options() -> None:
+    from django_persistent_jobs.backends import InProcessBackend, PersistentJobsBackend
+
+    durable = PersistentJobsBackend("bad", {"OPTIONS": {"BOGUS": 1, "MODULES": "myapp.tasks"}})
+    assert sorted(m.id for m in durable.check()) == ["persistent_jobs.E203",
+                                                     "persistent_jobs.E204"]
+    local = InProcessBackend("bad", {"OPTIONS": {"WORKERS": 0}})
+    assert [m.id for m in local.check()] == ["persistent_jobs.E205"]
+
+
+def test_the_task_api_comes_from_django_or_the_backport() -> None:
+    """Django 6+: django.tasks; Django 5.2: the django-tasks backport (same backend classes)."""
+    import django
+
+    from django_persistent_jobs.backends.compat import TASKS_PACKAGE
+
+    expected = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
+    assert expected == TASKS_PACKAGE
+    assert type(tasks.add).__mro__[1].__module__ == f"{expected}.base"
