@@ -107,6 +107,10 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"HANDBACK_LIMIT": -1}, "persistent_jobs.E027",
      "PERSISTENT_JOBS['HANDBACK_LIMIT'] must be an integer >= 0, got -1."),
     ({"HANDBACK_LIMIT": None}, "persistent_jobs.E027", "HANDBACK_LIMIT'] must be an integer"),
+    ({"PROCESSES": -1}, "persistent_jobs.E031", "PROCESSES'] must be an integer >= 0"),
+    ({"MAX_JOBS_PER_WORKER": 0}, "persistent_jobs.E032", "MAX_JOBS_PER_WORKER'] must be"),
+    ({"MAX_MEMORY_PER_WORKER": "1G"}, "persistent_jobs.E033", "MAX_MEMORY_PER_WORKER'] must be"),
+    ({"TIMEOUT_GRACE": 0}, "persistent_jobs.E034", "TIMEOUT_GRACE'] must be a finite number"),
     ({"ALLOW_UNREGISTERED": "no"}, "persistent_jobs.E014",
      "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got 'no'."),
 ]

@@ -233,7 +233,9 @@ class Runner:
 
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:
-            if self.stopping.is_set():
+            # ``_stop_requested_at`` is set first thing by the first signal's handler, which a
+            # second signal can interrupt before ``stopping`` is set.
+            if self.stopping.is_set() or self._stop_requested_at is not None:
                 logger.warning("second signal: stopping now; handing running jobs back",
                                extra={"event": "force_stop"})
                 self.force_stop()
