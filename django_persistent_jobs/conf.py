@@ -161,6 +161,12 @@ def _database(key: str, value: Any) -> str | None:
     return None
 
 
+def _redact_keys(key: str, value: Any) -> str | None:
+    if not isinstance(value, list | tuple) or not all(isinstance(k, str) and k for k in value):
+        return f"{_name(key)} must be a list of non-empty strings, got {bounds.show(value)}."
+    return None
+
+
 def _boolean(key: str, value: Any) -> str | None:
     if not isinstance(value, bool):
         return f"{_name(key)} must be True or False, got {bounds.show(value)}."
@@ -409,6 +415,11 @@ class Settings:
     MAX_MEMORY_PER_WORKER = Setting[float | None](None, _optional_number, _same)
     #: Seconds a timed-out handler's thread gets to return before its worker is recycled.
     TIMEOUT_GRACE = Setting[float](5.0, _seconds_problem(), seconds)
+    #: Payload and result keys the admin shows as "***" (case-insensitive substrings of the
+    #: key, at any depth).
+    REDACT_KEYS = Setting[tuple[str, ...]](
+        ("password", "passwd", "secret", "token", "api_key", "apikey", "authorization",
+         "credential", "private_key", "cookie", "session"), _redact_keys, tuple)
 
     @classmethod
     def declared(cls) -> dict[str, Setting[Any]]:

@@ -111,6 +111,10 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"MAX_JOBS_PER_WORKER": 0}, "persistent_jobs.E032", "MAX_JOBS_PER_WORKER'] must be"),
     ({"MAX_MEMORY_PER_WORKER": "1G"}, "persistent_jobs.E033", "MAX_MEMORY_PER_WORKER'] must be"),
     ({"TIMEOUT_GRACE": 0}, "persistent_jobs.E034", "TIMEOUT_GRACE'] must be a finite number"),
+    ({"REDACT_KEYS": "password"}, "persistent_jobs.E030",
+     "REDACT_KEYS'] must be a list of non-empty strings"),
+    ({"REDACT_KEYS": ["password", ""]}, "persistent_jobs.E030",
+     "REDACT_KEYS'] must be a list of non-empty strings"),
     ({"ALLOW_UNREGISTERED": "no"}, "persistent_jobs.E014",
      "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got 'no'."),
 ]

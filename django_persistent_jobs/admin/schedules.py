@@ -21,11 +21,11 @@ from django.urls import reverse
 from django.utils import timezone as dj_timezone
 from django.utils.html import format_html
 
-from . import conf
-from .handlers import registry
-from .models import PersistentJob
-from .schedule_models import JobSchedule, TickResult
-from .schedule_services import (
+from .. import conf
+from ..handlers import registry
+from ..models import PersistentJob
+from ..schedule_models import JobSchedule, TickResult
+from ..schedule_services import (
     ScheduleError,
     ScheduleNotFoundError,
     add_schedule,
@@ -36,7 +36,7 @@ from .schedule_services import (
     update_schedule,
     validate_definition,
 )
-from .schedules import default_timezone
+from ..schedules import default_timezone
 
 if TYPE_CHECKING:
     _ScheduleAdminBase = admin.ModelAdmin[JobSchedule]
