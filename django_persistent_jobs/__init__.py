@@ -34,7 +34,6 @@ _EXPORTS = {
     "retry_job": ".services",
     "cancel_job": ".services",
     "Runner": ".runner",
-    # recurring schedules (issue 3)
     "add_schedule": ".schedule_services",
     "update_schedule": ".schedule_services",
     "remove_schedule": ".schedule_services",

@@ -8,7 +8,7 @@ back anyway.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import urlencode
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -56,7 +56,8 @@ def _in_zone(value: Any, zone: str | None) -> str:
         tz = ZoneInfo(zone) if zone else dj_timezone.get_current_timezone()
     except (ZoneInfoNotFoundError, ValueError):
         tz = dj_timezone.get_current_timezone()
-    return value.astimezone(tz).strftime("%Y-%m-%d %H:%M:%S %Z")
+    shown: str = value.astimezone(tz).strftime("%Y-%m-%d %H:%M:%S %Z")
+    return shown
 
 
 def runs_url(name: str) -> str:
@@ -79,7 +80,13 @@ def schedule_link(job: PersistentJob) -> str:
     return format_html('<a href="{}">{}</a> (tick {})', url, name, when)
 
 
-class JobScheduleForm(forms.ModelForm):
+if TYPE_CHECKING:
+    _ScheduleFormBase: TypeAlias = forms.ModelForm[JobSchedule]
+else:  # ModelForm is not subscriptable at run time
+    _ScheduleFormBase = forms.ModelForm
+
+
+class JobScheduleForm(_ScheduleFormBase):
     """Validates with the same function the Python API uses, so the messages match."""
 
     class Meta:

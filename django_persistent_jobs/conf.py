@@ -199,7 +199,8 @@ def resolve_callable(value: Any, key: str) -> Callable[..., Any]:
             ) from exc
     if not callable(value):
         raise ConfigurationError(f"{_name(key)} must be callable, got {bounds.show(value)}.")
-    return value
+    resolved: Callable[..., Any] = value
+    return resolved
 
 
 def resolve_encoder(value: Any) -> type[json.JSONEncoder]:
@@ -317,7 +318,8 @@ class Setting(Generic[T]):
         if instance is None:
             return self
         try:
-            return instance._cache[self.key]
+            cached: T = instance._cache[self.key]
+            return cached
         except KeyError:
             pass
         value = self.raw()

@@ -1,7 +1,7 @@
 """The schedules table: one row per recurring schedule, declared in code or added at runtime.
 
-A schedule never *is* a job: each tick inserts a new ``persistent_jobs`` row (the PRD keeps run
-history that way), and ``next_run_at`` here says when the next one is due. Exactly one run per
+A schedule never *is* a job: each tick inserts a new ``persistent_jobs`` row (so each run keeps
+its own history), and ``next_run_at`` here says when the next one is due. Exactly one run per
 tick is enforced by the database: the scheduler locks a due row with ``FOR UPDATE SKIP LOCKED``
 and advances ``next_run_at`` in the same transaction as the insert, and a unique index on the
 runs' ``(schedule->>'name', schedule->>'tick')`` (migration 0003) refuses a second run for a tick

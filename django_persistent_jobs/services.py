@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from django.db import IntegrityError, connections, transaction
 
@@ -34,7 +34,7 @@ def _alias() -> str:
     return str(conf.get("DATABASE"))
 
 
-def _load(job_id: Any) -> PersistentJob:
+def _load(job_id: uuid.UUID | str) -> PersistentJob:
     try:
         key = job_id if isinstance(job_id, uuid.UUID) else uuid.UUID(str(job_id))
     except (ValueError, AttributeError, TypeError):
@@ -59,7 +59,7 @@ def _backoff_seconds(job: PersistentJob) -> float:
     return bounds.backoff_seconds(value)
 
 
-def retry_job(job_id: Any, mode: RetryMode = "now") -> PersistentJob:
+def retry_job(job_id: uuid.UUID | str, mode: RetryMode = "now") -> PersistentJob:
     """Put a failed, dead-lettered or cancelled job back in play and return it.
 
     ``now``: due immediately, attempt count kept; ``later``: due after the backoff for its
@@ -117,7 +117,7 @@ def retry_job(job_id: Any, mode: RetryMode = "now") -> PersistentJob:
     return result
 
 
-def cancel_job(job_id: Any) -> PersistentJob:
+def cancel_job(job_id: uuid.UUID | str) -> PersistentJob:
     """Cancel a waiting job, or ask a running job's handler to stop; return the job.
 
     A pending or failed job becomes ``cancelled`` at once. A running job keeps running but its

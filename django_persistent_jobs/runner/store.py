@@ -218,15 +218,14 @@ def storable_text(text: Any, limit: int) -> str:
     decoded with surrogateescape, bytes quoted in a message). Both are written as backslash
     escapes (``\\x00``, ``\\udcff``) so the stored text still says what the error said.
     """
-    if not isinstance(text, str):
-        text = str(text)
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
+    value: str = text if isinstance(text, str) else str(text)
+    if "\x00" in value:
+        value = value.replace("\x00", "\\x00")
     try:
-        text.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError:
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text[:limit]
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value[:limit]
 
 
 def storable_delay(delay: Any) -> float:

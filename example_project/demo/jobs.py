@@ -23,7 +23,7 @@ logger = logging.getLogger("example_project.demo")
 
 
 # One-shot (the demo command enqueues it) and recurring: every runner syncs this schedule into
-# the schedules table at start, and exactly one of them enqueues a run each minute (issue 3).
+# the schedules table at start, and exactly one of them enqueues a run each minute.
 @job_handler("demo.health_check", max_retries=1, timeout=10, cron="* * * * *",
              payload={"source": "schedule"})
 class HealthCheckJob(JobHandler):

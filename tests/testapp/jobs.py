@@ -57,6 +57,6 @@ def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
 # every runner subprocess (autodiscovery imports each installed app's ``jobs`` module).
 from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
 
-# Handlers for the recurring-schedule tests (issue 3), and for the settling tests that run real
+# Handlers for the recurring-schedule tests, and for the settling tests that run real
 # runjobs processes.
 from tests.testapp import recurring_jobs, settle_jobs  # noqa: E402,F401
