@@ -43,7 +43,7 @@ from django_persistent_jobs.schedule_models import (
     TickResult,
 )
 from django_persistent_jobs.schedule_services import db_now, insert_run, sync_code_schedules
-from tests.conftest import wait_for
+from tests.core_support import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

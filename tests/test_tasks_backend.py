@@ -30,7 +30,7 @@ from django_persistent_jobs.backends.compat import (
 )
 from django_persistent_jobs.errors import PayloadError
 from django_persistent_jobs.runner import Runner
-from tests.conftest import wait_for
+from tests.core_support import wait_for
 from tests.testapp import tasks
 from tests.testapp.models import LedgerEntry, SideEffect
 from tests.testapp.tasks_compat import task
