@@ -34,15 +34,15 @@ _EXPORTS = {
     "retry_job": ".services",
     "cancel_job": ".services",
     "Runner": ".runner",
-    "add_schedule": ".schedule_services",
-    "update_schedule": ".schedule_services",
-    "remove_schedule": ".schedule_services",
-    "pause_schedule": ".schedule_services",
-    "resume_schedule": ".schedule_services",
-    "run_schedule_now": ".schedule_services",
-    "ScheduleNotFoundError": ".schedule_services",
-    "ScheduleError": ".schedules",
-    "next_tick": ".schedules",
+    "add_schedule": ".schedules.services",
+    "update_schedule": ".schedules.services",
+    "remove_schedule": ".schedules.services",
+    "pause_schedule": ".schedules.services",
+    "resume_schedule": ".schedules.services",
+    "run_schedule_now": ".schedules.services",
+    "ScheduleNotFoundError": ".schedules.services",
+    "ScheduleError": ".schedules.timing",
+    "next_tick": ".schedules.timing",
 }
 
 __all__ = [
@@ -94,7 +94,7 @@ if TYPE_CHECKING:
     )
     from .handlers import JobHandler, job_handler, registry
     from .runner import Runner
-    from .schedule_services import (
+    from .schedules.services import (
         ScheduleNotFoundError,
         add_schedule,
         pause_schedule,
@@ -103,7 +103,7 @@ if TYPE_CHECKING:
         run_schedule_now,
         update_schedule,
     )
-    from .schedules import ScheduleError, next_tick
+    from .schedules.timing import ScheduleError, next_tick
     from .services import cancel_job, retry_job
     from .types import Dedup
 

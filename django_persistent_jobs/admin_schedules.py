@@ -1,6 +1,6 @@
 """Django admin for recurring schedules: see when each fires and how it last went; steer it.
 
-Every write goes through ``schedule_services`` (the same validation and behaviour as the Python
+Every write goes through ``schedules.services`` (the same validation and behaviour as the Python
 API). Schedules declared in code are read-only here except for pause, resume and "run now":
 changing them belongs in the ``@job_handler`` decorator, where the next deploy would put them
 back anyway.
@@ -25,7 +25,8 @@ from . import conf
 from .handlers import registry
 from .models import PersistentJob
 from .schedule_models import JobSchedule, TickResult
-from .schedule_services import (
+from .schedules.definition import validate_definition
+from .schedules.services import (
     ScheduleError,
     ScheduleNotFoundError,
     add_schedule,
@@ -34,9 +35,8 @@ from .schedule_services import (
     resume_schedule,
     run_schedule_now,
     update_schedule,
-    validate_definition,
 )
-from .schedules import default_timezone
+from .schedules.timing import default_timezone
 
 if TYPE_CHECKING:
     _ScheduleAdminBase = admin.ModelAdmin[JobSchedule]

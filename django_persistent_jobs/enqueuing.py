@@ -384,8 +384,8 @@ def enqueue_scheduled_run(
 
     Like ``enqueue`` (same validation, handler dedup strategy, NOTIFY), plus the run's
     ``schedule`` JSON, and it reports whether a row was inserted: ``False`` means Skip dedup
-    returned the schedule's still-active previous run. Internal: schedule_services and
-    runner/scheduler call it; users call ``run_schedule_now``.
+    returned the schedule's still-active previous run. Internal: ``schedules.firing``
+    calls it (for the scheduler and ``run_schedule_now``); users call ``run_schedule_now``.
     """
     job = _prepare(job_type, payload, dedup_key=dedup_key, queue=queue, priority=priority,
                    tenant=tenant, schedule=schedule)

@@ -123,6 +123,6 @@ class JobSchedule(models.Model):
 
     def describe(self) -> str:
         """``cron 0 2 * * * (Europe/Berlin)`` or ``every 30s``."""
-        from .schedules import Timing
+        from .schedules.timing import Timing
 
         return Timing.of(self).describe()

@@ -42,7 +42,8 @@ from django_persistent_jobs.schedule_models import (
     ScheduleSource,
     TickResult,
 )
-from django_persistent_jobs.schedule_services import db_now, insert_run, sync_code_schedules
+from django_persistent_jobs.schedules.definition import db_now
+from django_persistent_jobs.schedules.firing import insert_run, sync_code_schedules
 from tests.core_support import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)

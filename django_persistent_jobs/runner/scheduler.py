@@ -99,8 +99,8 @@ def fire_due(runner_id: str | None = None, limit: int = BATCH) -> PassReport:
 
 def _fire_one(schedule: JobSchedule, now: datetime, runner_id: str | None,
               report: PassReport) -> None:
-    from ..schedule_services import deactivate_invalid, insert_run, record_result
-    from ..schedules import ScheduleError, Timing
+    from ..schedules.firing import deactivate_invalid, insert_run, record_result
+    from ..schedules.timing import ScheduleError, Timing
 
     tick = schedule.next_run_at
     assert tick is not None  # the due query only returns rows with a next_run_at
@@ -149,7 +149,7 @@ def scheduler_loop(runner: Runner) -> None:
     It sleeps until the earliest next tick, at most ``SCHEDULER_INTERVAL`` (a schedule added or
     resumed meanwhile is noticed within that). In burst mode it fires what is due once and ends.
     """
-    from ..schedule_services import sync_code_schedules
+    from ..schedules.firing import sync_code_schedules
 
     alias = runner.alias
     interval = runner.settings.scheduler_interval
