@@ -95,7 +95,7 @@ class JobScheduleForm(_ScheduleFormBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if "job_type" in self.fields and not conf.get("ALLOW_UNREGISTERED"):
+        if "job_type" in self.fields and not conf.settings.ALLOW_UNREGISTERED:
             choices = [(t, t) for t in registry.job_types()]
             self.fields["job_type"] = forms.ChoiceField(choices=choices, label="Job type")
         if "timezone" in self.fields:

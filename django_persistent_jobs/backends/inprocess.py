@@ -173,7 +173,7 @@ class InProcessBackend(BaseTaskBackend):
 
     # --- enqueue and results --------------------------------------------------------------
     def _alias(self) -> str:
-        return str(self.options.get("DATABASE") or conf.get("DATABASE"))
+        return str(self.options.get("DATABASE") or conf.settings.DATABASE)
 
     def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> AnyTaskResult:
         self.validate_task(task)

@@ -82,7 +82,7 @@ _tasks: dict[str, AnyTask] = {}
 
 
 def _alias() -> str:
-    return str(conf.get("DATABASE"))
+    return conf.settings.DATABASE
 
 
 def job_type_of(task: AnyTask) -> str:

@@ -70,7 +70,7 @@ class PassReport:
 def _type_filter() -> tuple[str, list[Any]]:
     """Only fire schedules this process has a handler for (unless ALLOW_UNREGISTERED): during a
     rolling deploy an old runner leaves a new schedule to the runners that can run it."""
-    if conf.get("ALLOW_UNREGISTERED"):
+    if conf.settings.ALLOW_UNREGISTERED:
         return "", []
     return "AND job_type = ANY(%s)", [registry.job_types()]
 
@@ -79,7 +79,7 @@ def fire_due(runner_id: str | None = None, limit: int = BATCH) -> PassReport:
     """Fire every due schedule this process may fire (up to ``limit``) in one transaction."""
     from ..schedule_models import JobSchedule
 
-    alias = str(conf.get("DATABASE"))
+    alias = conf.settings.DATABASE
     report = PassReport()
     types_sql, types_params = _type_filter()
     with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
