@@ -151,7 +151,8 @@ class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
 
 @admin.register(JobRunnerRecord)
 class JobRunnerAdmin(ReadOnlyAdminMixin, _RunnerAdminBase):
-    list_display = ("id", "hostname", "pid", "concurrency", "queues", "started_at", "heartbeat_at")
+    list_display = ("id", "name", "hostname", "pid", "concurrency", "queues", "started_at",
+                    "heartbeat_at")
     readonly_fields = [f.name for f in JobRunnerRecord._meta.fields]
 
 

@@ -198,7 +198,11 @@ class JobAttempt(models.Model):
 class JobRunnerRecord(models.Model):
     """A live runner process and its heartbeat. Rescue trusts this table, not elapsed time."""
 
+    #: The fencing identity (``locked_by`` of its jobs): unique per process lifetime.
     id = models.CharField(max_length=200, primary_key=True)
+    #: What the operator called it (``runjobs --name``), or ``host:pid``; several runners may
+    #: share a name, never an id.
+    name = models.CharField(max_length=180, blank=True, default="", db_default="")
     hostname = models.CharField(max_length=255)
     pid = models.PositiveIntegerField()
     started_at = models.DateTimeField(db_default=Now())

@@ -10,12 +10,23 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import psycopg
-from django.db import DatabaseError, InterfaceError, OperationalError, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 #: While an operation keeps failing, its warning is repeated at most this often.
 LOG_EVERY_SECONDS = 5.0
+
+#: The longest a supervisor duty (recording a timeout, rescuing a job) waits for a job's row
+#: lock before it leaves that job for its next round: the lock may belong to user code or to a
+#: frozen runner, and waiting on it would stall every other duty of the thread.
+ROW_LOCK_TIMEOUT_SECONDS = 0.2
+#: SQLSTATE of "lock not available" (a ``lock_timeout`` expired, or ``NOWAIT``).
+LOCK_NOT_AVAILABLE = "55P03"
+
+
+class DatabaseUnreachable(Exception):
+    """The runner gave up waiting for its database (``--database-wait``)."""
 
 #: Errors that mean "the connection or server is unhealthy", as opposed to a bug in our SQL.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -137,3 +148,50 @@ def run_with_retry(
                     extra={"event": "db_retry", "operation": what, "failures": failures},
                 )
             (interrupt or threading.Event()).wait(delay)
+
+
+_last_bounded_warning = 0.0
+
+
+class NotNow(Exception):
+    """A bounded attempt did not happen this time (a row was locked, the database was away);
+    the caller keeps the work and tries again on its next round."""
+
+    def __init__(self, what: str, *, locked: bool) -> None:
+        super().__init__(what)
+        self.locked = locked  # a lock was not granted (rather than: the database was away)
+
+
+def run_bounded(
+    alias: str, fn: Callable[[Any], T], *, what: str,
+    lock_timeout: float = ROW_LOCK_TIMEOUT_SECONDS,
+) -> T:
+    """Run ``fn(cursor)`` once, in a transaction that waits at most ``lock_timeout`` for a lock.
+
+    Raises ``NotNow`` if a lock was not granted in time or the database reported a transient
+    condition (the connection is reset if it was lost); any other error is raised as is. It
+    never waits on the database for longer than the lock timeout plus the statement itself, so
+    a thread with several duties can run them all in turn.
+    """
+    try:
+        with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+            cursor.execute("SELECT set_config('lock_timeout', %s, true)",
+                           [f"{max(1, int(lock_timeout * 1000))}ms"])
+            return fn(cursor)
+    except Exception as exc:
+        if sqlstate(exc) == LOCK_NOT_AVAILABLE:
+            logger.debug("%s: row locked by another session; trying again later", what,
+                         extra={"event": "row_locked", "operation": what})
+            raise NotNow(what, locked=True) from exc
+        if not is_transient_error(exc):
+            raise
+        if is_connection_error(exc):
+            reset_connection(alias)
+        global _last_bounded_warning
+        now = time.monotonic()
+        if now - _last_bounded_warning >= LOG_EVERY_SECONDS:  # an outage must not flood the log
+            _last_bounded_warning = now
+            logger.warning("database unavailable during %s (%s); trying again later", what,
+                           str(exc).strip().splitlines()[0] if str(exc).strip() else
+                           type(exc).__name__, extra={"event": "db_retry", "operation": what})
+        raise NotNow(what, locked=False) from exc

@@ -26,7 +26,14 @@ from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
 from ..handlers import HandlerSpec, global_backoff, registry
 from . import store
-from .db import is_connection_error, is_transient_error, reset_connection, run_with_retry
+from .db import (
+    NotNow,
+    is_connection_error,
+    is_transient_error,
+    reset_connection,
+    run_bounded,
+    run_with_retry,
+)
 
 if TYPE_CHECKING:
     from .store import ClaimedJob, TransitionKind
@@ -164,9 +171,10 @@ class SettleFailed(Exception):
 
 def _settle(
     alias: str, job: ClaimedJob, outcome: Outcome, interrupt: threading.Event | None,
-    attempt_outcome: str | None,
+    attempt_outcome: str | None, bounded: bool = False,
 ) -> tuple[str | None, Exception | None]:
-    """Apply one transition, retrying a failed statement a few times; ``(status, error)``."""
+    """Apply one transition, retrying a failed statement a few times; ``(status, error)``.
+    ``bounded``: see ``record_outcome``."""
     charge_delay = (_backoff_for(registry.get(job.job_type), job.attempt)
                     if outcome.kind == "handback" else 0.0)
 
@@ -179,10 +187,14 @@ def _settle(
         )
 
     error: Exception | None = None
+    what = f"recording the outcome of job {job.id}"
     for round_ in range(SETTLE_ROUNDS):
         try:
-            return run_with_retry(alias, apply, what=f"recording the outcome of job {job.id}",
-                                  interrupt=interrupt), None
+            if bounded:
+                return run_bounded(alias, apply, what=what), None
+            return run_with_retry(alias, apply, what=what, interrupt=interrupt), None
+        except NotNow:
+            raise
         except Exception as exc:
             error = exc
             logger.warning(
@@ -200,6 +212,7 @@ def _settle(
 def record_outcome(
     alias: str, job: ClaimedJob, outcome: Outcome, runner_id: str,
     interrupt: threading.Event | None, attempt_outcome: str | None = None,
+    bounded: bool = False,
 ) -> str | None:
     """Apply a fenced transition, retrying through connection loss; returns the new status.
 
@@ -209,8 +222,12 @@ def record_outcome(
     never be recorded still ends dead-lettered), and the runner goes on. Only if the hand-back
     fails as well does this raise ``SettleFailed``: the caller must then stop the runner, so
     that another one rescues the job rather than it staying claimed by a live runner.
+
+    ``bounded`` (the supervisor): wait at most ``ROW_LOCK_TIMEOUT_SECONDS`` for the job's row
+    lock and do not wait for an unreachable database; raise ``NotNow`` instead, and the caller
+    tries again later.
     """
-    status, error = _settle(alias, job, outcome, interrupt, attempt_outcome)
+    status, error = _settle(alias, job, outcome, interrupt, attempt_outcome, bounded)
     if error is not None:
         fallback = Outcome(
             "release" if outcome.kind == "release" else "handback", "SETTLE_FAILED",
@@ -220,7 +237,7 @@ def record_outcome(
         logger.error("job %s: handing it back, its outcome could not be recorded", job.id,
                      extra={"event": "settle_failed", "job_id": str(job.id),
                             "runner_id": runner_id, "error_code": outcome.code})
-        status, second = _settle(alias, job, fallback, interrupt, "interrupted")
+        status, second = _settle(alias, job, fallback, interrupt, "interrupted", bounded)
         if second is not None:
             raise SettleFailed(f"job {job.id}: could not record its outcome nor hand it back: "
                                f"{second}") from second
@@ -232,10 +249,12 @@ def record_outcome(
     if status is None:
         # Not ours any more: rescued, taken over, or (after a connection failure at COMMIT)
         # completed by this very attempt. Say which, for the operator reading the log.
-        settled_as = run_with_retry(
-            alias, lambda cursor: store.attempt_outcome(cursor, job.token),
-            what=f"reading the outcome of job {job.id}", interrupt=interrupt,
-        )
+        def read(cursor: Any) -> str | None:
+            return store.attempt_outcome(cursor, job.token)
+
+        what = f"reading the outcome of job {job.id}"
+        settled_as = (run_bounded(alias, read, what=what) if bounded
+                      else run_with_retry(alias, read, what=what, interrupt=interrupt))
     log_transition(job, status, outcome, runner_id, settled_as)
     return status
 

@@ -1,4 +1,9 @@
-"""Heartbeat loop: proves this runner is alive, relays cancel requests, rescues dead runners' jobs.
+"""Liveness: the heartbeat loop proves this runner is alive; the rescue loop reaps dead runners,
+rescues their jobs and relays cancel requests. Two threads with their own connections, so that
+no rescue (which may find a job's row locked) and no slow query delays a heartbeat; and a rescue
+never waits on a row lock for long (``run_bounded``): a locked job is tried again next round.
+A handler that holds the GIL starves both threads; the liveness sidecar (``sidecar.py``) then
+keeps the heartbeat fresh from outside the process.
 
 Rescue follows liveness, not elapsed time: a job is put back in play only when the runner that
 holds it has stopped heartbeating for ``STALE_LOCK_TIMEOUT`` by the database clock (its row is
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..handlers import registry
 from . import store
-from .db import Backoff, run_with_retry
+from .db import Backoff, NotNow, run_bounded, run_with_retry
 from .execute import Outcome, _backoff_for, log_transition
 
 if TYPE_CHECKING:
@@ -39,14 +44,25 @@ RETRY_CAP_SECONDS = 0.25
 
 
 def heartbeat_loop(runner: Runner) -> None:
+    """Beat, and nothing else: no other duty (rescue, cancel relay, cleanup) shares this thread
+    or its connection, so none of them can delay the proof that this runner is alive."""
     settings = runner.settings
-    next_beat = 0.0
+    while not runner.halt.is_set():
+        beat(runner)
+        runner.halt.wait(settings.heartbeat_interval)
+
+
+def rescue_loop(runner: Runner) -> None:
+    """Reap dead runners and rescue their jobs every heartbeat interval; relay cancellation
+    requests to running handlers meanwhile. Its own thread, apart from the heartbeat: a rescue
+    may have to wait for the database, and this runner must go on proving it is alive."""
+    settings = runner.settings
+    next_round = 0.0
     while not runner.halt.is_set():
         now = time.monotonic()
-        if now >= next_beat:
-            beat(runner)
+        if now >= next_round:
             rescue(runner)
-            next_beat = now + settings.heartbeat_interval
+            next_round = now + settings.heartbeat_interval
         if runner.pool.busy:
             relay_cancel_requests(runner)
         runner.halt.wait(min(CANCEL_POLL_SECONDS, settings.heartbeat_interval))
@@ -129,36 +145,12 @@ def rescue(runner: Runner) -> int:
                              interrupt=runner.halt) or []
     rescued = 0
     for job_id, token, job_type, attempts, locked_by in orphans:
+        if runner.halt.is_set():
+            break
         if _rescue_job(runner, job_id, token, job_type, attempts, locked_by,
                        f"runner {locked_by} stopped heartbeating while running attempt "
                        f"{attempts}; rescued by {runner.runner_id}"):
             rescued += 1
-        if (runner.last_beat is not None
-                and time.monotonic() - runner.last_beat >= runner.settings.heartbeat_interval):
-            beat(runner)  # a long rescue must not make this runner look dead in turn
-    return rescued
-
-
-def rescue_predecessor(runner: Runner) -> int:
-    """At start-up, release jobs still running under this runner's own id.
-
-    Runner ids are unique per process unless one is given explicitly (``Runner(runner_id=...)``)
-    and reused by a restarted process. The new process has not claimed anything yet, so such
-    jobs belong to its dead predecessor; and since the predecessor's row is the new process's
-    row, which is heartbeating, the ordinary rescue would never see them.
-    """
-    rows = run_with_retry(runner.alias, lambda c: store.running_jobs_of(c, runner.runner_id),
-                          what="finding a predecessor's jobs", interrupt=runner.stopping) or []
-    rescued = 0
-    for job_id, token, job_type, attempts, locked_by in rows:
-        if _rescue_job(runner, job_id, token, job_type, attempts, locked_by,
-                       f"runner {locked_by} was restarted while running attempt {attempts}; "
-                       "rescued by its successor"):
-            rescued += 1
-    if rescued:
-        logger.warning("runner %s: rescued %d job(s) its predecessor with the same id left "
-                       "running", runner.runner_id, rescued,
-                       extra={"event": "predecessor_rescued", "runner_id": runner.runner_id})
     return rescued
 
 
@@ -173,8 +165,13 @@ def _rescue_job(runner: Runner, job_id: Any, token: int, job_type: str, attempts
             message=outcome.message, delay=outcome.delay, outcome="rescued",
         )
 
-    status = run_with_retry(runner.alias, apply, what=f"rescuing job {job_id}",
-                            interrupt=runner.halt)
+    try:
+        # Bounded: the row may be locked by the dead runner's still-open transaction (a frozen
+        # process between its completion UPDATE and COMMIT) or by user code. Waiting for it
+        # would stall this loop; the job is tried again next round.
+        status = run_bounded(runner.alias, apply, what=f"rescuing job {job_id}")
+    except NotNow:
+        return False
     if status is None:
         return False
     logger.warning(
@@ -185,4 +182,4 @@ def _rescue_job(runner: Runner, job_id: Any, token: int, job_type: str, attempts
     return True
 
 
-__all__ = ["heartbeat_loop", "log_transition", "rescue"]
+__all__ = ["heartbeat_loop", "log_transition", "rescue", "rescue_loop"]

@@ -365,15 +365,27 @@ def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
 
 def register_runner(
     cursor: Any, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
-    concurrency: int, version: str,
+    concurrency: int, version: str, name: str = "",
 ) -> None:
     cursor.execute(
-        "INSERT INTO persistent_jobs_runners (id, hostname, pid, queues, concurrency, version) "
-        "VALUES (%s, %s, %s, %s::jsonb, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+        "INSERT INTO persistent_jobs_runners (id, name, hostname, pid, queues, concurrency, "
+        "version) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s) ON CONFLICT (id) DO UPDATE SET "
         "heartbeat_at = now()",
-        [runner_id, hostname, pid, json.dumps(list(queues) if queues else None), concurrency,
-         version],
+        [runner_id, name, hostname, pid, json.dumps(list(queues) if queues else None),
+         concurrency, version],
     )
+
+
+def live_namesakes(
+    cursor: Any, runner_id: str, name: str, stale_seconds: float,
+) -> list[tuple[str, str, int]]:
+    """Other runners registered under ``name`` whose heartbeat is fresh: ``(id, host, pid)``."""
+    cursor.execute(
+        "SELECT id, hostname, pid FROM persistent_jobs_runners WHERE name = %s AND id <> %s "
+        "AND heartbeat_at >= now() - %s * interval '1 second' ORDER BY id",
+        [name, runner_id, stale_seconds],
+    )
+    return [(row[0], row[1], row[2]) for row in cursor.fetchall()]
 
 
 def heartbeat(cursor: Any, runner_id: str) -> bool:

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -28,9 +29,26 @@ from ..handlers import registry
 from . import store
 from .claimer import claim_loop
 from .cleanup import cleanup_loop
-from .db import Backoff, is_connection_error, reset_connection, run_with_retry
-from .execute import InFlight, JobInterrupted, Outcome, _backoff_for, execute, record_outcome
-from .heartbeat import heartbeat_loop
+from .db import (
+    LOCK_NOT_AVAILABLE,
+    Backoff,
+    DatabaseUnreachable,
+    NotNow,
+    is_connection_error,
+    reset_connection,
+    run_bounded,
+    run_with_retry,
+    sqlstate,
+)
+from .execute import (
+    InFlight,
+    JobInterrupted,
+    Outcome,
+    _backoff_for,
+    execute,
+    record_outcome,
+)
+from .heartbeat import heartbeat_loop, rescue_loop
 from .listener import listen_loop
 from .loop import Loop
 from .pool import WorkerPool
@@ -39,16 +57,53 @@ logger = logging.getLogger("django_persistent_jobs.runner")
 
 VERSION = "0.1.0"
 SUPERVISOR_TICK = 0.05
+#: How often the supervisor tells the liveness sidecar that this process still runs Python code
+#: and enforces its deadlines (see ``sidecar.py``); the sidecar steps in only when that stops.
+VOUCH_SECONDS = 0.25
 
 EXIT_OK = 0
 EXIT_FORCED = 1
 EXIT_LOOP_DIED = 2
+#: Stopped (a signal, ``stop()``) before the database was ever reached: nothing was run.
+EXIT_NEVER_CONNECTED = 3
+
+#: How long a ``--burst`` run waits for an unreachable database before it gives up.
+BURST_DATABASE_WAIT = 30.0
+#: A job without a timeout lets the liveness sidecar vouch for an unresponsive runner for this
+#: many stale-lock timeouts (one with a timeout: until its deadline).
+NO_TIMEOUT_VOUCH_FACTOR = 10
+#: At shutdown, how long the supervisor keeps trying to record outcomes whose row stays locked
+#: before it leaves those jobs to be rescued once this runner's row is gone (while the database
+#: is unreachable it keeps trying until it is back or a second signal forces the stop).
+SETTLE_AT_EXIT_SECONDS = 5.0
+#: While the database is unreachable, how often the supervisor retries recording an outcome.
+UNSETTLED_RETRY_SECONDS = 0.5
+#: The longest runner name: the id adds a separator and 8 hex digits within 200 characters.
+MAX_NAME_LENGTH = 180
 
 
-def make_runner_id() -> str:
-    """Host, pid and a random suffix: a restarted runner that reuses a pid is still a new runner,
-    so its predecessor's jobs are rescued rather than mistaken for its own."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+def default_runner_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def make_runner_id(name: str | None = None) -> str:
+    """The runner's fencing identity: its name (``host:pid`` unless the operator gave one) and a
+    random suffix, so it is unique per process lifetime. Two runners given the same name, or a
+    restarted runner that reuses its predecessor's host name and pid, are still distinct
+    runners: each one's jobs are its own, and a dead one's jobs are rescued."""
+    return f"{name or default_runner_name()}:{secrets.token_hex(4)}"
+
+
+@dataclass
+class _Unsettled:
+    """A job the supervisor took from its worker whose outcome is not recorded yet."""
+
+    item: InFlight
+    outcome: Outcome
+    attempt_outcome: str
+    terminated: bool = False
+    locked: bool = False  # the last try found the job's row locked (not the database away)
+    retry_at: float = 0.0  # while the database is away, not before this (monotonic)
 
 
 class Runner:
@@ -58,7 +113,8 @@ class Runner:
         self, *, concurrency: int | None = None, queues: list[str] | tuple[str, ...] | None = None,
         poll_interval: float | None = None, burst: bool = False,
         shutdown_grace: float | None = None, runner_id: str | None = None,
-        scheduler: bool = True, cleanup: bool = True,
+        scheduler: bool = True, cleanup: bool = True, name: str | None = None,
+        database_wait: float | None = None, liveness_sidecar: bool = True,
     ) -> None:
         problems = [msg for spec in registry for msg in spec.errors]
         if problems:
@@ -67,13 +123,36 @@ class Runner:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency!r}.")
         if poll_interval is not None and poll_interval <= 0:
             raise ConfigurationError(f"poll_interval must be > 0, got {poll_interval!r}.")
+        if database_wait is not None and not database_wait >= 0:
+            raise ConfigurationError(f"database_wait must be >= 0, got {database_wait!r}.")
+        # ``runner_id`` is the older spelling of ``name``: an operator-chosen label, never the
+        # fencing identity itself (see ``make_runner_id``).
+        configured = name if name is not None else runner_id
+        if configured is not None and not (
+            isinstance(configured, str) and configured.strip()
+            and len(configured) <= MAX_NAME_LENGTH and configured.isprintable()
+        ):
+            raise ConfigurationError(
+                f"A runner name must be 1 to {MAX_NAME_LENGTH} printable characters, "
+                f"got {configured!r}."
+            )
         self.settings = conf.RunnerSettings.load(
             concurrency=concurrency, queues=tuple(queues) if queues else None,
             poll_interval=poll_interval, shutdown_grace=shutdown_grace,
         )
         self.alias = self.settings.database
-        self.runner_id = runner_id or make_runner_id()
+        self.name = configured or default_runner_name()
+        self.runner_id = make_runner_id(self.name)
         self.burst = burst
+        self.database_wait = (BURST_DATABASE_WAIT if database_wait is None and burst
+                              else database_wait)
+        self.use_sidecar = liveness_sidecar
+        self.sidecar: Any = None
+        self._connected_once = False
+        self._unsettled: list[_Unsettled] = []
+        self._vouched_at = 0.0
+        self._vouched_until = 0.0  # monotonic time the sidecar's current horizon runs out
+        self._vouch_lock = threading.Lock()
         self.enable_scheduler = scheduler
         self.enable_cleanup = cleanup
         self.stopping = threading.Event()  # stop claiming
@@ -109,12 +188,16 @@ class Runner:
             self._install_signal_handlers()
         try:
             self._boot()
+            if not self.started.is_set() and not self._connected_once:
+                self._never_connected()
+                return self.exit_code
             self._supervise()
         except BaseException as exc:
             self.failure = exc
             if self.exit_code == EXIT_OK:
                 self.exit_code = EXIT_LOOP_DIED
             if not self.started.is_set():
+                self._stop_sidecar()
                 connections.close_all()  # _shutdown, which would close it, never runs
             raise
         finally:
@@ -206,13 +289,15 @@ class Runner:
                 "The persistent_jobs tables are missing; run `python manage.py migrate` first "
                 f"({exc})."
             ) from exc
-        from .heartbeat import note_beat, rescue_predecessor
+        from .heartbeat import note_beat
 
         note_beat(self)
-        rescue_predecessor(self)
+        self._warn_about_namesakes()
+        self._start_sidecar()
         self.pool.start()
         bodies: list[tuple[str, Callable[[Runner], None]]] = [
             ("listener", listen_loop), ("claimer", claim_loop), ("heartbeat", heartbeat_loop),
+            ("rescue", rescue_loop),
         ]
         if self.enable_cleanup and not self.burst:
             bodies.append(("cleanup", cleanup_loop))
@@ -232,8 +317,8 @@ class Runner:
             loop.start()
         self.started.set()
         logger.info(
-            "runner %s started: concurrency=%d queues=%s poll=%.2fs handlers=%d%s",
-            self.runner_id, self.settings.concurrency,
+            "runner %s started: name=%s concurrency=%d queues=%s poll=%.2fs handlers=%d%s",
+            self.runner_id, self.name, self.settings.concurrency,
             ",".join(self.settings.queues) if self.settings.queues else "*",
             self.settings.poll_interval, len(registry), " (burst)" if self.burst else "",
             extra={"event": "runner_started", "runner_id": self.runner_id},
@@ -242,15 +327,137 @@ class Runner:
     def register(self, cursor: Any) -> None:
         store.register_runner(
             cursor, self.runner_id, socket.gethostname(), os.getpid(), self.settings.queues,
-            self.settings.concurrency, VERSION,
+            self.settings.concurrency, VERSION, self.name,
         )
 
-    def _wait_for_database(self) -> None:
-        backoff = Backoff(first=0.5, cap=5.0)
-        while not self.stopping.is_set():
+    def _warn_about_namesakes(self) -> None:
+        """Say so when another live runner carries this runner's name: legitimate for replicas
+        started from one configuration, a mistake if the name was meant to single one out.
+        Either way each has its own identity, so neither can take the other's jobs."""
+        twins = run_with_retry(
+            self.alias, lambda c: store.live_namesakes(c, self.runner_id, self.name,
+                                                       self.settings.stale_lock_timeout),
+            what="looking for runners with the same name", interrupt=self.stopping,
+        ) or []
+        for twin_id, host, pid in twins:
+            logger.warning(
+                "runner %s: another live runner named %r (%s, host %s pid %s) is running; "
+                "both run jobs, each under its own identity", self.runner_id, self.name,
+                twin_id, host, pid,
+                extra={"event": "runner_namesake", "runner_id": self.runner_id,
+                       "other_runner_id": twin_id},
+            )
+
+    def _start_sidecar(self) -> None:
+        from . import sidecar
+
+        if not self.use_sidecar or not sidecar.supported():
+            return
+        try:
+            self.sidecar = sidecar.LivenessSidecar.for_alias(
+                self.alias, self.runner_id, self.settings.heartbeat_interval)
+            self.sidecar.start()
+        except Exception as exc:  # the runner works without it, minus GIL-holder protection
+            logger.warning("could not start the liveness sidecar (%s); a handler that holds "
+                           "the GIL for longer than the stale-lock timeout will get this runner "
+                           "declared dead", exc, extra={"event": "sidecar_failed"})
+            self.sidecar = None
+
+    def _stop_sidecar(self) -> None:
+        self.use_sidecar = False  # a heartbeat thread still running must not start a new one
+        side, self.sidecar = self.sidecar, None
+        if side is not None:
+            side.stop()
+
+    def vouch(self) -> None:
+        """Tell the liveness sidecar this process runs Python code, and for how long from now
+        it may legitimately be too busy to say so (restarting the sidecar if it died). Sent by
+        the supervisor: while it ticks, the runner enforces its deadlines."""
+        with self._vouch_lock:
+            side = self.sidecar
+            if side is None:
+                return
+            if not side.alive and self.use_sidecar:
+                logger.warning("liveness sidecar of runner %s exited; starting a new one",
+                               self.runner_id, extra={"event": "sidecar_restart"})
+                side.stop()
+                self._start_sidecar()
+                side = self.sidecar
+                if side is None:
+                    return
+            horizon = self.vouch_horizon()
+            if side.vouch(horizon):
+                self._vouched_until = time.monotonic() + horizon
+
+    def vouch_horizon(self) -> float:
+        """The stale-lock timeout plus the time left until the last in-flight job's deadline:
+        past that, a runner too busy to beat could not enforce its jobs' timeouts either."""
+        stale = self.settings.stale_lock_timeout
+        now = time.monotonic()
+        left = 0.0
+        for item in self.pool.snapshot():
+            if item.deadline is None:
+                left = max(left, NO_TIMEOUT_VOUCH_FACTOR * stale)
+            else:
+                left = max(left, item.deadline - now)
+        return stale + left
+
+    def _never_connected(self) -> None:
+        self.exit_code = EXIT_NEVER_CONNECTED
+        logger.error("runner %s stopped before it could reach database %r; nothing was run",
+                     self.runner_id, self.alias,
+                     extra={"event": "never_connected", "runner_id": self.runner_id})
+        connections.close_all()
+
+    def _connect(self, remaining: float | None) -> None:
+        """Open this thread's connection; with a time limit, give up after ``remaining``
+        seconds even if connecting hangs (a host that drops packets)."""
+        if remaining is None:
+            connections[self.alias].ensure_connection()
+            return
+        failure: list[BaseException] = []
+
+        def probe() -> None:
             try:
                 connections[self.alias].ensure_connection()
+            except BaseException as exc:
+                failure.append(exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    connections[self.alias].close()
+
+        thread = threading.Thread(target=probe, name="pj-db-probe", daemon=True)
+        thread.start()
+        thread.join(max(0.0, remaining))
+        if thread.is_alive():
+            raise TimeoutError("connecting timed out")
+        if failure:
+            raise failure[0]
+        connections[self.alias].ensure_connection()
+
+    def _wait_for_database(self) -> None:
+        limit = self.database_wait
+        deadline = None if limit is None else time.monotonic() + limit
+        backoff = Backoff(first=0.5, cap=5.0)
+        last_error = ""
+        while True:  # one attempt even if a stop came first: "stopped" then means "connected"
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise DatabaseUnreachable(
+                    f"could not reach database {self.alias!r} within {limit:g}s"
+                    f"{f' ({last_error})' if last_error else ''}; giving up. Check that "
+                    "PostgreSQL is running and reachable with settings.DATABASES (or "
+                    "DATABASE_URL), or allow longer with --database-wait."
+                )
+            try:
+                self._connect(remaining)
+                self._connected_once = True
                 return
+            except TimeoutError as exc:
+                last_error = str(exc)
+                if self.stopping.is_set():
+                    return
+                continue
             except Exception as exc:
                 if not is_connection_error(exc):
                     raise
@@ -263,10 +470,14 @@ class Runner:
                         f"{text.strip().splitlines()[-1] if text.strip() else exc}. "
                         "Check settings.DATABASES (or DATABASE_URL)."
                     ) from exc
+                if self.stopping.is_set():
+                    return
                 delay = backoff.next()
-                logger.warning("database not reachable (%s); retrying in %.1fs",
-                               str(exc).strip().splitlines()[0] if str(exc) else exc, delay,
-                               extra={"event": "db_wait"})
+                last_error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                if deadline is not None:
+                    delay = max(0.0, min(delay, deadline - time.monotonic()))
+                logger.warning("database not reachable (%s); retrying in %.1fs", last_error,
+                               delay, extra={"event": "db_wait"})
                 self.stopping.wait(delay)
 
     def dispatch(self, job: store.ClaimedJob) -> bool:
@@ -310,6 +521,14 @@ class Runner:
         item.ctx.started_monotonic = time.monotonic()
         if item.deadline is not None and item.job.timeout:
             item.deadline = item.ctx.started_monotonic + item.job.timeout
+        if self.sidecar is not None:
+            # A handler may hold the GIL from its first line: the sidecar must already know
+            # this job's deadline, not learn it at the supervisor's next tick.
+            stale = self.settings.stale_lock_timeout
+            end = stale + (item.deadline if item.deadline is not None
+                           else item.ctx.started_monotonic + NO_TIMEOUT_VOUCH_FACTOR * stale)
+            if end > self._vouched_until + VOUCH_SECONDS:
+                self.vouch()
         execute(self.alias, item, self.runner_id, self.forced)
 
     def _report_progress(self, ctx: JobContext, progress: Any) -> None:
@@ -322,10 +541,17 @@ class Runner:
                     if self._side is None:
                         self._side = connections.create_connection(self.alias)
                         self._side.inc_thread_sharing()
+                        with self._side.cursor() as cursor:
+                            # Progress is advisory: a job row locked by someone else's
+                            # transaction (even the reporting handler's own) must not hold up
+                            # every handler that reports progress.
+                            cursor.execute("SET lock_timeout = '1s'")
                     with self._side.cursor() as cursor:
                         store.report_progress(cursor, ctx.job_id, item.job.token, progress)
                     return
                 except Exception as exc:
+                    if sqlstate(exc) == LOCK_NOT_AVAILABLE:
+                        break
                     if not is_connection_error(exc):
                         raise
                     self._close_side()
@@ -354,6 +580,9 @@ class Runner:
 
     def _enforce_timeouts(self) -> None:
         now = time.monotonic()
+        if now - self._vouched_at >= VOUCH_SECONDS:
+            self._vouched_at = now
+            self.vouch()
         for item in self.pool.snapshot():
             if item.deadline is not None and now >= item.deadline:
                 self._take_over(item, Outcome(
@@ -361,21 +590,56 @@ class Runner:
                     f"attempt {item.job.attempt} exceeded its timeout of {item.job.timeout:g}s",
                     delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
                 ), "timed_out")
+        self._settle_taken_over()
 
     def _take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str) -> None:
-        """Settle a job its worker still holds: kill its connection, record, interrupt."""
+        """Take a job from its worker, then settle it: kill the handler's connection (so it can
+        commit nothing), interrupt its thread, record the outcome (fenced).
+
+        Nothing here waits on a row lock for long: the job's row may be locked by user code (a
+        handler that touched another running job in its own transaction) or by another runner,
+        and waiting would hold up every other timeout and the shutdown. A job whose row is
+        locked stays in ``_unsettled`` and is tried again every tick; meanwhile its handler is
+        already cut off, so it cannot complete late.
+        """
         if not self.pool.take_over(item):
             return  # it finished on its own
-        pid, started = item.backend_pid, item.backend_start
-        if pid:
-            run_with_retry(self.alias, lambda c: store.terminate_backend(c, pid, started),
-                           what="terminating a timed-out handler's connection",
-                           interrupt=self.forced)
-        status = record_outcome(self.alias, item.job, outcome, self.runner_id, self.forced,
-                                attempt_outcome=attempt_outcome)
-        self.pool.interrupt(item, JobInterrupted)
+        self._unsettled.append(_Unsettled(item, outcome, attempt_outcome))
+        self._settle_taken_over()
+
+    def _settle_taken_over(self) -> None:
+        now = time.monotonic()
+        for entry in list(self._unsettled):
+            if entry.retry_at > now:
+                continue
+            if self._settle(entry):
+                self._unsettled.remove(entry)
+            elif not entry.locked:
+                entry.retry_at = now + UNSETTLED_RETRY_SECONDS
+
+    def _settle(self, entry: _Unsettled) -> bool:
+        item = entry.item
+        if not entry.terminated:
+            pid, started = item.backend_pid, item.backend_start
+            if pid:
+                try:
+                    run_bounded(self.alias, lambda c: store.terminate_backend(c, pid, started),
+                                what="terminating a timed-out handler's connection")
+                except NotNow as exc:
+                    entry.locked = exc.locked
+                    return False
+            entry.terminated = True
+            self.pool.interrupt(item, JobInterrupted)
+        try:
+            status = record_outcome(self.alias, item.job, entry.outcome, self.runner_id,
+                                    self.forced, attempt_outcome=entry.attempt_outcome,
+                                    bounded=True)
+        except NotNow as exc:
+            entry.locked = exc.locked
+            return False
         if status is None:
             logger.info("job %s finished just as it was taken over", item.job.id)
+        return True
 
     def _shutdown(self) -> None:
         grace = self.settings.shutdown_grace
@@ -404,6 +668,19 @@ class Runner:
                 f"runner {self.runner_id} stopped before attempt {item.job.attempt} finished "
                 f"(grace period {grace:g}s); handed back for retry",
             ), "interrupted")
+        # Ride out a database outage as long as it lasts (a second signal cuts it short), but
+        # give up on rows that stay locked after a while: their holder may never let go.
+        settle_until = time.monotonic() + SETTLE_AT_EXIT_SECONDS
+        while self._unsettled and not self.forced.is_set() and not (
+            time.monotonic() >= settle_until and all(e.locked for e in self._unsettled)
+        ):
+            self.forced.wait(SUPERVISOR_TICK)
+            self._settle_taken_over()
+        for entry in self._unsettled:
+            logger.error(
+                "job %s: could not record its outcome (%s) before exiting; it will be rescued "
+                "once this runner's row is gone", entry.item.job.id, entry.outcome.code,
+                extra={"event": "unsettled_at_exit", "job_id": str(entry.item.job.id)})
         self.halt.set()
         self.pool.close()
         for loop in self.loops:
@@ -413,6 +690,7 @@ class Runner:
             run_with_retry(self.alias, lambda c: store.unregister_runner(c, self.runner_id),
                            what="unregistering the runner", interrupt=self._unregister_interrupt())
         self._close_side()
+        self._stop_sidecar()
         connections.close_all()
         if self.forced.is_set() and self.exit_code == EXIT_OK:
             self.exit_code = EXIT_FORCED

@@ -5,7 +5,7 @@ Scenario 2: a runner frozen with SIGSTOP mid-job past the stale-lock timeout is 
 is rescued and completed elsewhere, and when it wakes (SIGCONT) its completion and business
 writes are rejected. Scenario 3: a job three times longer than the stale-lock timeout on a
 healthy runner is never rescued. Scenario 10: a restarted runner that reuses its predecessor's
-host name and pid (or is given the same fixed id) still gets the predecessor's jobs rescued.
+host name and pid (or is given the same name) still gets the predecessor's jobs rescued.
 """
 
 from __future__ import annotations
@@ -148,16 +148,19 @@ EMBEDDED = (
 def test_restarted_runner_with_the_same_fixed_id_gets_predecessors_jobs_rescued(
     fleet: Fleet,
 ) -> None:
-    # An embedded runner given a fixed id (the ``runner_id`` argument) is killed mid-job and
-    # restarted at once under the same id: its row never goes stale, yet the job it held must
-    # come back into play rather than stay "running" forever.
+    # An embedded runner given a fixed id (the ``runner_id`` argument, a name) is killed mid-job
+    # and restarted at once under the same name: the name is not its identity, so the dead
+    # predecessor's row goes stale and the job it held comes back into play rather than stay
+    # "running" forever.
     first = fleet.spawn("fixed1", command=["shell", "-c", EMBEDDED])
     job = enqueue_one({"sleep": 60, "upto": 1})
-    assert wait_status(job, "running")["locked_by"] == "fixed-id-runner"
+    assert wait_status(job, "running")["locked_by"] == first.runner_id
+    assert first.runner_id and first.runner_id.startswith("fixed-id-runner:")
     first.kill()
     second = fleet.spawn("fixed2", command=["shell", "-c", EMBEDDED])
-    assert second.runner_id == "fixed-id-runner"
-    wait_status(job, "completed", timeout=STALE + 20)
+    assert second.runner_id and second.runner_id.startswith("fixed-id-runner:")
+    assert second.runner_id != first.runner_id
+    wait_status(job, "completed", timeout=2 * STALE + 20)
     assert [(o, c) for _, _, o, c in _outcomes(job)] == [("rescued", "RUNNER_LOST"),
                                                          ("completed", "")]
     verify([job])

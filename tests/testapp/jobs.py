@@ -56,6 +56,7 @@ def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
 # The fault-injection suite's handler lives with the suite; importing it here registers it in
 # every runner subprocess (autodiscovery imports each installed app's ``jobs`` module).
 from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
+from tests.faults import liveness_handlers as _liveness_handlers  # noqa: E402, F401
 
 # Handlers for the recurring-schedule tests, and for the settling tests that run real
 # runjobs processes.

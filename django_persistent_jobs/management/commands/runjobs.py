@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_persistent_jobs.errors import ConfigurationError
 from django_persistent_jobs.runner import Runner
+from django_persistent_jobs.runner.db import DatabaseUnreachable
 
 
 class Command(BaseCommand):
@@ -26,12 +27,21 @@ class Command(BaseCommand):
         parser.add_argument("--grace", type=float, help="Shutdown grace period in seconds.")
         parser.add_argument("--no-scheduler", action="store_true",
                             help="Do not run the recurring-job scheduler in this process.")
+        parser.add_argument("--name",
+                            help="A name for this runner, shown in the runners table and the "
+                                 "logs (default: host:pid). The runner's identity is the name "
+                                 "plus a random suffix, so several runners may share a name.")
+        parser.add_argument("--database-wait", type=float, metavar="SECONDS",
+                            help="Give up (exit 1) if the database stays unreachable this long "
+                                 "at start-up (default: 30 with --burst, forever otherwise).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["concurrency"] is not None and options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
         if options["poll_interval"] is not None and options["poll_interval"] <= 0:
             raise CommandError("--poll-interval must be greater than 0.")
+        if options["database_wait"] is not None and not options["database_wait"] >= 0:
+            raise CommandError("--database-wait must be a number of seconds, 0 or more.")
         queues = None
         if options["queues"]:
             queues = [q.strip() for q in options["queues"].split(",") if q.strip()]
@@ -53,9 +63,10 @@ class Command(BaseCommand):
                 concurrency=options["concurrency"], queues=queues,
                 poll_interval=options["poll_interval"], burst=options["burst"],
                 shutdown_grace=options["grace"], scheduler=not options["no_scheduler"],
+                name=options["name"], database_wait=options["database_wait"],
             )
             code = runner.run(install_signal_handlers=True)
-        except ConfigurationError as exc:
+        except (ConfigurationError, DatabaseUnreachable) as exc:
             raise CommandError(str(exc)) from exc
         if code:
             sys.exit(code)
