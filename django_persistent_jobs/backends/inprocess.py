@@ -22,7 +22,7 @@ import time
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 from django.core import checks
 from django.db import close_old_connections, connections, transaction
@@ -35,7 +35,6 @@ from ..ids import uuid7
 from .compat import (
     BaseTaskBackend,
     InvalidTask,
-    Task,
     TaskContext,
     TaskError,
     TaskResult,
@@ -50,10 +49,7 @@ from .tasks import PersistentTask, encode_arguments, encode_result, refuse_gener
 logger = logging.getLogger("django_persistent_jobs.tasks")
 
 if TYPE_CHECKING:
-    # Tasks of any signature: the backends treat every task alike. Annotations only: the
-    # classes are not subscriptable at run time.
-    AnyTask: TypeAlias = Task[Any, Any]
-    AnyTaskResult: TypeAlias = TaskResult[Any, Any]
+    from .compat import AnyTask, AnyTaskResult
 
 
 @dataclass(order=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 from django.core import checks
 from django.db import connections, transaction
@@ -53,10 +53,7 @@ from .tasks import (
 logger = logging.getLogger("django_persistent_jobs.tasks")
 
 if TYPE_CHECKING:
-    # Tasks of any signature: the backends treat every task alike. Annotations only: the
-    # classes are not subscriptable at run time.
-    AnyTask: TypeAlias = Task[Any, Any]
-    AnyTaskResult: TypeAlias = TaskResult[Any, Any]
+    from .compat import AnyTask, AnyTaskResult
 
 #: Job status -> TaskResult status. A failed attempt awaiting its retry is READY again.
 STATUS_MAP: dict[str, Any] = {

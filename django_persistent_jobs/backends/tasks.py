@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PayloadError, PermanentJobError
 from ..payload import PayloadLimits, prepare_payload
@@ -33,7 +33,8 @@ class ResultError(PermanentJobError):
 
 
 if TYPE_CHECKING:
-    _TaskBase: TypeAlias = Task[Any, Any]
+    from .compat import AnyTask
+    from .compat import AnyTask as _TaskBase
 else:  # not subscriptable at run time
     _TaskBase = Task
 
@@ -76,14 +77,14 @@ class PersistentTask(_TaskBase):
         return {name: getattr(self, name) for name in OPTION_NAMES}
 
 
-def task_options(task: Task[Any, Any]) -> dict[str, Any]:
+def task_options(task: AnyTask) -> dict[str, Any]:
     """Our options of any Task (a plain ``Task`` has none set)."""
     if isinstance(task, PersistentTask):
         return task.options()
     return dict.fromkeys(OPTION_NAMES)
 
 
-def required_parameters(task: Task[Any, Any]) -> list[str]:
+def required_parameters(task: AnyTask) -> list[str]:
     """Parameters a caller must pass (the ``context`` of a context-taking task excluded)."""
     params = list(inspect.signature(task.func).parameters.values())
     if task.takes_context and params:
@@ -94,7 +95,7 @@ def required_parameters(task: Task[Any, Any]) -> list[str]:
     ]
 
 
-def refuse_generators(task: Task[Any, Any]) -> None:
+def refuse_generators(task: AnyTask) -> None:
     if inspect.isgeneratorfunction(task.func) or inspect.isasyncgenfunction(task.func):
         raise InvalidTask(
             f"Task {task.module_path} is a generator function: its body would not run. "
@@ -102,7 +103,7 @@ def refuse_generators(task: Task[Any, Any]) -> None:
         )
 
 
-def encode_arguments(task: Task[Any, Any], args: Any, kwargs: Any) -> dict[str, Any]:
+def encode_arguments(task: AnyTask, args: Any, kwargs: Any) -> dict[str, Any]:
     """The job payload for a call: Django's JSON normalisation, then our payload checks.
 
     Django normalises arguments (a tuple becomes a list) before a task sees them; values JSON
@@ -123,7 +124,7 @@ def encode_arguments(task: Task[Any, Any], args: Any, kwargs: Any) -> dict[str, 
 
 
 def encode_result(
-    task: Task[Any, Any], value: Any, limits: PayloadLimits | None = None
+    task: AnyTask, value: Any, limits: PayloadLimits | None = None
 ) -> tuple[Any, str]:
     """``(stored value, JSON text)`` for a task's return value, or ``ResultError``.
 
@@ -144,7 +145,7 @@ def encode_result(
         raise ResultError(f"task {task.module_path}: {message}") from exc
 
 
-def dedup_key_for(task: Task[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> str | None:
+def dedup_key_for(task: AnyTask, args: list[Any], kwargs: dict[str, Any]) -> str | None:
     key = task_options(task)["dedup_key"]
     if key is None or isinstance(key, str):
         return key
