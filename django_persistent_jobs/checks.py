@@ -63,6 +63,7 @@ SETTING_CHECKS: dict[str, tuple[str, _Hint]] = {
     "PAYLOAD_MAX_KEYS": ("persistent_jobs.E025", "Use a whole number of keys."),
     "SCHEDULER_INTERVAL": ("persistent_jobs.E026", "Use seconds (a number or a timedelta)."),
     "HANDBACK_LIMIT": ("persistent_jobs.E027", "Use a whole number >= 0."),
+    "REDACT_KEYS": ("persistent_jobs.E030", "For example ['password', 'token']."),
 }
 
 #: Handlers registered with ``@job_handler``.

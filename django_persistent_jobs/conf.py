@@ -153,6 +153,12 @@ def _database(key: str, value: Any) -> str | None:
     return None
 
 
+def _redact_keys(key: str, value: Any) -> str | None:
+    if not isinstance(value, list | tuple) or not all(isinstance(k, str) and k for k in value):
+        return f"{_name(key)} must be a list of non-empty strings, got {bounds.show(value)}."
+    return None
+
+
 def _boolean(key: str, value: Any) -> str | None:
     if not isinstance(value, bool):
         return f"{_name(key)} must be True or False, got {bounds.show(value)}."
@@ -392,6 +398,11 @@ class Settings:
     SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
     #: Free hand-backs of one job at shutdown; later ones are charged as attempts.
     HANDBACK_LIMIT = Setting[int](3, _non_negative_int, int)
+    #: Payload and result keys the admin shows as "***" (case-insensitive substrings of the
+    #: key, at any depth).
+    REDACT_KEYS = Setting[tuple[str, ...]](
+        ("password", "passwd", "secret", "token", "api_key", "apikey", "authorization",
+         "credential", "private_key", "cookie", "session"), _redact_keys, tuple)
 
     @classmethod
     def declared(cls) -> dict[str, Setting[Any]]:

@@ -11,6 +11,7 @@ import uuid
 from typing import Literal
 
 from django.db import IntegrityError, connections, transaction
+from django.db.models import QuerySet
 
 from . import bounds, conf
 from .errors import (
@@ -59,13 +60,22 @@ def _backoff_seconds(job: PersistentJob) -> float:
     return bounds.backoff_seconds(value)
 
 
-def retry_job(job_id: uuid.UUID | str, mode: RetryMode = "now") -> PersistentJob:
+def _by(actor: str | None) -> str:
+    return f" by {actor}" if actor else " by operator"
+
+
+def retry_job(
+    job_id: uuid.UUID | str, mode: RetryMode = "now", *, actor: str | None = None,
+) -> PersistentJob:
     """Put a failed, dead-lettered or cancelled job back in play and return it.
 
     ``now``: due immediately, attempt count kept; ``later``: due after the backoff for its
     attempt count; ``reset``: attempts and errors cleared, due now. When ``now``/``later`` find
     the retries used up, the job is granted one more attempt (``max_retries`` is raised by one),
     because an operator asking for a retry means it.
+
+    ``actor`` names who asked (a username, ``"cli"``, an API client); it goes into the log line
+    so that every operator action can be traced to a person or a tool.
     """
     if not isinstance(mode, str) or mode not in RETRY_MODES:
         raise EnqueueError(f"mode must be one of {RETRY_MODES}, got {bounds.show(mode)}.",
@@ -110,19 +120,20 @@ def retry_job(job_id: uuid.UUID | str, mode: RetryMode = "now") -> PersistentJob
         )
     result = job_from_row(row, _alias())
     logger.info(
-        "job %s retried by operator (mode=%s)", result.id, mode,
+        "job %s retried%s (mode=%s)", result.id, _by(actor), mode,
         extra={"event": "operator_retry", "job_id": str(result.id), "job_type": result.job_type,
-               "mode": mode},
+               "mode": mode, "actor": actor},
     )
     return result
 
 
-def cancel_job(job_id: uuid.UUID | str) -> PersistentJob:
+def cancel_job(job_id: uuid.UUID | str, *, actor: str | None = None) -> PersistentJob:
     """Cancel a waiting job, or ask a running job's handler to stop; return the job.
 
     A pending or failed job becomes ``cancelled`` at once. A running job keeps running but its
     ``JobContext.cancel_requested`` turns true within a heartbeat; if it then fails it is not
-    retried, and if it calls ``ctx.raise_if_cancelled()`` it ends as ``cancelled``.
+    retried, and if it calls ``ctx.raise_if_cancelled()`` it ends as ``cancelled``. ``actor``
+    is logged as for ``retry_job``.
     """
     job = _load(job_id)
     with connections[_alias()].cursor() as cursor:
@@ -134,11 +145,11 @@ def cancel_job(job_id: uuid.UUID | str) -> PersistentJob:
             "last_error_code = CASE WHEN status = 'running' THEN last_error_code "
             "ELSE 'CANCELLED' END, "
             "last_error = CASE WHEN status = 'running' THEN last_error "
-            "ELSE 'cancelled by an operator' END, "
+            "ELSE %s END, "
             "updated_at = now() "
             "WHERE id = %s AND status IN ('pending', 'failed', 'running') "
             f"RETURNING {JOB_COLUMNS_SQL}",
-            [job.id],
+            [f"cancelled by {actor}" if actor else "cancelled by an operator", job.id],
         )
         row = cursor.fetchone()
     if row is None:
@@ -149,10 +160,11 @@ def cancel_job(job_id: uuid.UUID | str) -> PersistentJob:
         )
     result = job_from_row(row, _alias())
     logger.info(
-        "job %s %s by operator", result.id,
+        "job %s %s%s", result.id,
         "cancellation requested" if result.status == JobStatus.RUNNING else "cancelled",
+        _by(actor),
         extra={"event": "operator_cancel", "job_id": str(result.id),
-               "job_type": result.job_type, "status": result.status},
+               "job_type": result.job_type, "status": result.status, "actor": actor},
     )
     return result
 
@@ -165,3 +177,33 @@ def status_counts() -> dict[str, int]:
         for status, count in cursor.fetchall():
             counts[status] = count
     return counts
+
+
+def failure_group_dead_letters(
+    job_type: str, error_code: str, *, tenant: str | None = None,
+) -> QuerySet[PersistentJob]:
+    """The dead-lettered jobs of one failure group (job type and last error code)."""
+    jobs = PersistentJob.objects.using(_alias()).filter(
+        status=JobStatus.DEAD_LETTERED, job_type=job_type, last_error_code=error_code)
+    return jobs if tenant is None else jobs.filter(tenant=tenant)
+
+
+def retry_failure_group(
+    job_type: str, error_code: str, *, tenant: str | None = None, mode: RetryMode = "now",
+    actor: str | None = None,
+) -> tuple[list[PersistentJob], list[str]]:
+    """Retry every dead letter of a failure group; return (retried jobs, refusal messages).
+
+    Each job is retried on its own (one conditional UPDATE each), so a job that changed state
+    meanwhile, or whose dedup key is taken by a newer job, is refused without stopping the rest.
+    """
+    retried: list[PersistentJob] = []
+    refused: list[str] = []
+    ids = list(failure_group_dead_letters(job_type, error_code, tenant=tenant)
+               .order_by("id").values_list("id", flat=True))
+    for job_id in ids:
+        try:
+            retried.append(retry_job(job_id, mode=mode, actor=actor))
+        except (InvalidJobStateError, JobNotFoundError, ConfigurationError) as exc:
+            refused.append(str(exc))
+    return retried, refused

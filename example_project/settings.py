@@ -56,7 +56,7 @@ TEMPLATES = [{
     ]},
 }]
 WSGI_APPLICATION = "example_project.wsgi.application"
-STATIC_URL = "static/"
+STATIC_URL = "static/"  # served by example_project/urls.py, even with DEBUG off
 USE_TZ = True
 TIME_ZONE = env("TIME_ZONE", default="UTC")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

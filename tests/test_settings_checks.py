@@ -107,6 +107,10 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"HANDBACK_LIMIT": -1}, "persistent_jobs.E027",
      "PERSISTENT_JOBS['HANDBACK_LIMIT'] must be an integer >= 0, got -1."),
     ({"HANDBACK_LIMIT": None}, "persistent_jobs.E027", "HANDBACK_LIMIT'] must be an integer"),
+    ({"REDACT_KEYS": "password"}, "persistent_jobs.E030",
+     "REDACT_KEYS'] must be a list of non-empty strings"),
+    ({"REDACT_KEYS": ["password", ""]}, "persistent_jobs.E030",
+     "REDACT_KEYS'] must be a list of non-empty strings"),
     ({"ALLOW_UNREGISTERED": "no"}, "persistent_jobs.E014",
      "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got 'no'."),
 ]

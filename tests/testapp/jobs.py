@@ -58,6 +58,9 @@ def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
 from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
 from tests.faults import liveness_handlers as _liveness_handlers  # noqa: E402, F401
 
+# Handlers for the operator-console tests (admin, dashboard, browser).
+from tests.testapp import console_jobs as _console_jobs  # noqa: E402, F401
+
 # Handlers for the recurring-schedule tests, and for the settling tests that run real
 # runjobs processes.
 from tests.testapp import recurring_jobs, settle_jobs  # noqa: E402,F401

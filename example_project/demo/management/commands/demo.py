@@ -8,6 +8,7 @@ shutdown) and prints what happened to each job.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,12 +29,22 @@ from example_project.demo.tasks import order_total
 MANAGE = Path(__file__).resolve().parents[4] / "manage.py"
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM stops ``--serve`` the way Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
 class Command(BaseCommand):
     help = "Enqueue the example jobs, run the job runner until they settle, print a summary."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--timeout", type=float, default=60.0,
                             help="Give up if the jobs have not settled after this many seconds.")
+        parser.add_argument("--serve", action="store_true",
+                            help="Afterwards keep a runner and the admin (runserver) running "
+                                 "until Ctrl-C, with a demo superuser, for a look around.")
+        parser.add_argument("--port", type=int, default=8000,
+                            help="Port for --serve (default 8000).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         with transaction.atomic():  # enqueue joins the transaction: all or none
@@ -78,10 +89,77 @@ class Command(BaseCommand):
         if not settled:
             raise CommandError(f"jobs did not settle within {options['timeout']}s")
         self.stdout.write(self.style.SUCCESS(
-            f"\nDemo finished; runner exited with code {runner.returncode}. "
-            "Inspect the jobs in the admin (python manage.py createsuperuser; runserver; "
-            "/admin/django_persistent_jobs/persistentjob/)."
-        ))
+            f"\nDemo finished; runner exited with code {runner.returncode}."))
+        if options["serve"]:
+            self._serve(options["port"])
+        else:
+            self.stdout.write(self._admin_hint())
+
+    def _python(self) -> str:
+        """The interpreter running us (the venv's), as a path the user can paste."""
+        relative = os.path.relpath(sys.executable)
+        return relative if not relative.startswith("..") else sys.executable
+
+    def _admin_hint(self) -> str:
+        python = self._python()
+        url = os.environ.get("DATABASE_URL", "")
+        return (
+            "\nLook at it in the admin (dashboard, failures, attempts, runners):\n"
+            "  scripts/demo.sh --serve        # runner + admin, a demo superuser; Ctrl-C stops\n"
+            "or by hand, from this directory:\n"
+            f"  export DATABASE_URL={url} DJANGO_SETTINGS_MODULE=example_project.settings\n"
+            f"  {python} manage.py createsuperuser\n"
+            f"  {python} manage.py runjobs &    # a runner, so the dashboard shows one\n"
+            f"  {python} manage.py runserver    # then open http://127.0.0.1:8000/admin/\n"
+        )
+
+    def _serve(self, port: int) -> None:
+        """Keep a runner and the admin running for a look; Ctrl-C (or SIGTERM) stops both."""
+        from django.contrib.auth import get_user_model
+
+        password = os.environ.get("DEMO_ADMIN_PASSWORD") or secrets.token_urlsafe(9)
+        users = get_user_model()
+        admin = users.objects.filter(username="admin").first() or users(
+            username="admin", email="admin@example.com")
+        admin.is_staff = admin.is_superuser = True
+        admin.set_password(password)
+        admin.save()
+        python = sys.executable
+        procs = [
+            subprocess.Popen([python, str(MANAGE), "runjobs", "--concurrency", "4"],
+                             env=os.environ.copy()),
+            subprocess.Popen([python, str(MANAGE), "runserver", f"127.0.0.1:{port}",
+                              "--noreload"], env=os.environ.copy()),
+        ]
+        base = f"http://127.0.0.1:{port}/admin/"
+        self.stdout.write(self.style.SUCCESS(
+            f"\nA runner and the admin are running. Open {base} and log in as admin / "
+            f"{password}\n  dashboard: {base}django_persistent_jobs/jobdashboard/\n"
+            "Ctrl-C stops both."))
+        signal.signal(signal.SIGTERM, _interrupt)
+        interrupted = False
+        try:
+            while all(proc.poll() is None for proc in procs):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        # Ctrl-C reaches the children too; only a real failure of one of them is an error.
+        stopped_by_signal = (0, 130, -signal.SIGINT, -signal.SIGTERM)
+        failed = [f"{name} exited with {proc.returncode}"
+                  for name, proc in zip(("runjobs", "runserver"), procs, strict=True)
+                  if proc.returncode not in stopped_by_signal]
+        if failed and not interrupted:
+            raise CommandError("; ".join(failed))
+        self.stdout.write("Stopped the runner and the admin.")
 
     def _wait_for_schedule(self, runner: subprocess.Popen[bytes]) -> JobSchedule:
         deadline = time.monotonic() + 30

@@ -21,12 +21,12 @@ from django.urls import reverse
 from django.utils import timezone as dj_timezone
 from django.utils.html import format_html
 
-from . import conf
-from .handlers import registry
-from .models import PersistentJob
-from .schedule_models import JobSchedule, TickResult
-from .schedules.definition import validate_definition
-from .schedules.services import (
+from .. import conf
+from ..handlers import registry
+from ..models import PersistentJob
+from ..schedule_models import JobSchedule, TickResult
+from ..schedules.definition import validate_definition
+from ..schedules.services import (
     ScheduleError,
     ScheduleNotFoundError,
     add_schedule,
@@ -36,7 +36,7 @@ from .schedules.services import (
     run_schedule_now,
     update_schedule,
 )
-from .schedules.timing import default_timezone
+from ..schedules.timing import default_timezone
 
 if TYPE_CHECKING:
     _ScheduleAdminBase = admin.ModelAdmin[JobSchedule]

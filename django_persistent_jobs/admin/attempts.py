@@ -1,0 +1,111 @@
+"""Attempt history as data: every execution of every job, filterable and countable.
+
+"How often did X fail with Y this week" is one filtered list here: outcome, error code, job
+type, runner and start date narrow it, the message is searchable, and the result count is
+exact.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.db.models.functions import Now
+from django.http import HttpRequest
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from ..models import JobAttempt, PersistentJob
+from . import display
+from .jobs import JobViewersMixin, ReadOnlyAdminMixin, job_url
+
+if TYPE_CHECKING:
+    _AttemptAdminBase = admin.ModelAdmin[JobAttempt]
+else:
+    _AttemptAdminBase = admin.ModelAdmin
+
+
+class JobTypeFilter(admin.SimpleListFilter):
+    """The attempt's job type (a column of the job, not of the attempt)."""
+
+    title = "job type"
+    parameter_name = "job_type"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        types = (PersistentJob.objects.order_by("job_type").values_list("job_type", flat=True)
+                 .distinct())
+        return [(t, t) for t in types]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(job__job_type=value) if value else queryset
+
+
+class TenantFilter(admin.SimpleListFilter):
+    title = "tenant"
+    parameter_name = "tenant"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        tenants = (PersistentJob.objects.filter(tenant__isnull=False).order_by("tenant")
+                   .values_list("tenant", flat=True).distinct()[:200])
+        return [(t, t) for t in tenants if t]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(job__tenant=value) if value else queryset
+
+
+@admin.register(JobAttempt)
+class JobAttemptAdmin(JobViewersMixin, ReadOnlyAdminMixin, _AttemptAdminBase):
+    list_display = ("job_link", "outcome_display", "message", "started")
+    list_filter = (
+        "outcome",
+        ("error_code", admin.AllValuesFieldListFilter),
+        JobTypeFilter,
+        ("runner_id", admin.AllValuesFieldListFilter),
+        TenantFilter,
+        ("started_at", admin.DateFieldListFilter),
+    )
+    search_fields = ("error_message",)
+    search_help_text = "Search the error messages."
+    list_select_related = ("job",)
+    list_per_page = 100
+    ordering = ("-started_at", "-id")
+    fields = ("job_link", "attempt", "job_type", "outcome", "error_code", "error_class",
+              "error_message", "runner_id", "started_at", "finished_at", "duration",
+              "traceback")
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[JobAttempt]:
+        return super().get_queryset(request).annotate(pj_now=Now())
+
+    @admin.display(description="job · attempt · type", ordering="job_id")
+    def job_link(self, obj: JobAttempt) -> SafeString:
+        return format_html('<a href="{}"><code title="{}">{}</code></a> #{}<br><small>{}</small>',
+                           job_url(obj.job_id), obj.job_id, display.short_id(obj.job_id),
+                           obj.attempt, obj.job.job_type)
+
+    @admin.display(description="outcome · took", ordering="outcome")
+    def outcome_display(self, obj: JobAttempt) -> SafeString:
+        return format_html('{}<br><small class="pj-muted">{}</small>', obj.get_outcome_display(),
+                           self.took(obj))
+
+    @admin.display(description="job type", ordering="job__job_type")
+    def job_type(self, obj: JobAttempt) -> str:
+        return obj.job.job_type
+
+    @admin.display(description="error", ordering="error_code")
+    def message(self, obj: JobAttempt) -> SafeString:
+        return format_html('<code>{}</code><br><span title="{}">{}</span>', obj.error_code,
+                           obj.error_message, display.truncate(obj.error_message, 90))
+
+    @admin.display(description="started · runner", ordering="started_at")
+    def started(self, obj: JobAttempt) -> SafeString:
+        now = getattr(obj, "pj_now", None) or display.db_now()
+        return format_html('{}<br><small class="pj-muted">{}</small>',
+                           display.when(obj.started_at, now), obj.runner_id)
+
+    @admin.display(description="took", ordering="duration")
+    def took(self, obj: JobAttempt) -> str:
+        return display.duration(obj.duration) if obj.duration is not None else "-"

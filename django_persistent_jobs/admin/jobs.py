@@ -1,0 +1,368 @@
+"""The job list and the job page: find what failed, read why, retry or cancel it.
+
+Job rows change only through runners and the operator services, never by editing fields, so the
+admin is read-only over job data; every action goes through ``services`` (see ``actions``). The
+list is built to fit a laptop screen: short ids, relative ages, the last error in the row, and
+no "next run" for jobs that will never run again. The job page puts what an operator asks first
+(status, last error, when it runs next, which runner holds it) in a banner at the top.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import CharField, Q, QuerySet
+from django.db.models.functions import Cast, Now
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from ..models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
+from ..services import failure_group_dead_letters, retry_failure_group
+from ..stats import runner_state, runner_thresholds
+from . import actions, display
+from .schedules import schedule_link
+
+if TYPE_CHECKING:
+    _JobAdminBase = admin.ModelAdmin[PersistentJob]
+else:  # the admin classes are not subscriptable at run time
+    _JobAdminBase = admin.ModelAdmin
+
+STATUS_COLORS = {
+    JobStatus.PENDING: "#555", JobStatus.RUNNING: "#0b62a4", JobStatus.COMPLETED: "#1a7f37",
+    JobStatus.FAILED: "#b35900", JobStatus.DEAD_LETTERED: "#b00020",
+    JobStatus.CANCELLED: "#6e6e6e",
+}
+_HEX_SUFFIX = re.compile(r"^[0-9a-fA-F]{6,31}$")
+
+
+class ReadOnlyAdminMixin:
+    """Rows here change only through runners and the operator services, never by editing.
+
+    Deleting is refused too: deleting a running job or a live runner's row would pull work out
+    from under a runner (its jobs would be rescued while it still runs them).
+    """
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class JobViewersMixin:
+    """Attempts and runners are part of what a job viewer needs to see: the permission to view
+    jobs is enough to view them (their own view permission still works on its own)."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.has_perm("django_persistent_jobs.view_persistentjob") or bool(
+            super().has_view_permission(request, obj))  # type: ignore[misc]
+
+
+def status_badge(status: str) -> SafeString:
+    label = JobStatus(status).label if status in JobStatus.values else status
+    return format_html('<b class="pj-status" style="color:{}">{}</b>',
+                       STATUS_COLORS.get(JobStatus(status), "inherit")
+                       if status in JobStatus.values else "inherit", label)
+
+
+def job_url(job_id: Any) -> str:
+    return reverse("admin:django_persistent_jobs_persistentjob_change", args=[job_id])
+
+
+def changelist_url(**params: Any) -> str:
+    query = urlencode({k: v for k, v in params.items() if v is not None})
+    base = reverse("admin:django_persistent_jobs_persistentjob_changelist")
+    return f"{base}?{query}" if query else base
+
+
+def progress_fraction(progress: Any) -> tuple[float | None, str]:
+    """(fraction done in 0..1 or None, a caption) from what a handler reported.
+
+    Handlers report a number (0..1, or a percentage up to 100) or a dict such as
+    ``{"done": 3, "of": 9, "message": "..."}``; anything else is shown as JSON.
+    """
+    def number(value: Any) -> float | None:
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+            else None
+
+    caption = ""
+    fraction: float | None = None
+    if isinstance(progress, dict):
+        caption = str(progress.get("message") or progress.get("stage") or "")
+        done = number(progress.get("done", progress.get("current")))
+        total = number(progress.get("of", progress.get("total")))
+        percent = number(progress.get("percent"))
+        if done is not None and total:
+            fraction = done / total
+            caption = f"{done:g} of {total:g}" + (f": {caption}" if caption else "")
+        elif percent is not None:
+            fraction = percent / 100
+    elif number(progress) is not None:
+        value = float(progress)
+        fraction = value if value <= 1 else value / 100
+    if fraction is None:
+        return None, caption
+    return min(max(fraction, 0.0), 1.0), caption
+
+
+@admin.register(PersistentJob)
+class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
+    list_display = ("short_id", "job_display", "status_display", "timing",
+                    "last_error_display")
+    list_display_links = ("short_id",)
+    list_filter = (
+        "status",
+        ("job_type", admin.AllValuesFieldListFilter),
+        ("queue", admin.AllValuesFieldListFilter),
+        ("tenant", admin.AllValuesFieldListFilter),
+        ("last_error_code", admin.AllValuesFieldListFilter),
+    )
+    search_fields = ("dedup_key", "tenant", "job_type")
+    search_help_text = ("Search by job id (whole, or its last 8 characters as shown), dedup key, "
+                        "tenant or job type.")
+    actions = ["retry_now", "retry_later", "retry_reset", "cancel"]
+    list_per_page = 50
+    show_full_result_count = False
+    change_form_template = "admin/django_persistent_jobs/persistentjob/change_form.html"
+
+    # ------------------------------------------------------------------ permissions
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        return actions.has_permission(request, "retry")
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return actions.has_permission(request, "cancel")
+
+    # ------------------------------------------------------------------ list
+    def get_queryset(self, request: HttpRequest) -> QuerySet[PersistentJob]:
+        # The database clock, once per query: ages in the list agree with what decides "due".
+        return super().get_queryset(request).annotate(pj_now=Now())
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[PersistentJob], search_term: str
+    ) -> tuple[QuerySet[PersistentJob], bool]:
+        term = search_term.strip()
+        try:
+            return queryset.filter(id=uuid.UUID(term)), False
+        except ValueError:
+            pass
+        found, may_dup = super().get_search_results(request, queryset, search_term)
+        if _HEX_SUFFIX.match(term):
+            # The short id the list shows is the id's tail: find it by suffix too.
+            suffix_ids = queryset.annotate(pj_id_text=Cast("id", CharField())).filter(
+                pj_id_text__endswith=term.lower()).values("id")
+            found = queryset.filter(Q(id__in=suffix_ids) | Q(id__in=found.values("id")))
+        return found, may_dup
+
+    @admin.display(description="id", ordering="id")
+    def short_id(self, obj: PersistentJob) -> SafeString:
+        return format_html('<code title="{}">{}</code>', obj.id, display.short_id(obj.id))
+
+    @admin.display(description="job type · queue · tenant", ordering="job_type")
+    def job_display(self, obj: PersistentJob) -> SafeString:
+        return format_html('{}<br><small class="pj-muted">{} · {}</small>', obj.job_type,
+                           obj.queue, obj.tenant or "no tenant")
+
+    @admin.display(description="status · attempts", ordering="status")
+    def status_display(self, obj: PersistentJob) -> SafeString:
+        badge = status_badge(obj.status)
+        used = format_html('<small class="pj-muted">attempt {}/{}</small>', obj.attempts,
+                           obj.max_retries + 1)
+        if obj.cancel_requested and obj.status == JobStatus.RUNNING:
+            return format_html('{}<br><small class="pj-warn">cancel requested</small><br>{}',
+                               badge, used)
+        return format_html("{}<br>{}", badge, used)
+
+    @admin.display(description="when", ordering="next_run_at")
+    def timing(self, obj: PersistentJob) -> SafeString:
+        """One line on where the job is in time; a finished job has no "next run"."""
+        now = getattr(obj, "pj_now", None) or display.db_now()
+        if obj.status in JobStatus.terminal():
+            line = format_html("ended {}", display.when(obj.finished_at or obj.updated_at, now))
+        elif obj.status == JobStatus.RUNNING:
+            line = format_html("started {}", display.when(obj.locked_at, now))
+        elif obj.next_run_at <= now:
+            line = format_html("due {}", display.when(obj.next_run_at, now))
+        else:
+            line = format_html("runs {}", display.when(obj.next_run_at, now))
+        return format_html('<span class="pj-nowrap">{}</span><br>'
+                           '<small class="pj-muted pj-nowrap">created {}</small>', line,
+                           display.when(obj.created_at, now))
+
+    @admin.display(description="last error", ordering="last_error_code")
+    def last_error_display(self, obj: PersistentJob) -> SafeString:
+        if not obj.last_error_code and not obj.last_error:
+            return format_html("{}", "")
+        return format_html('<code>{}</code><br><span class="pj-msg" title="{}">{}</span>',
+                           obj.last_error_code or "", obj.last_error,
+                           display.truncate(obj.last_error, 80))
+
+    # ------------------------------------------------------------------ bulk actions
+    def _bulk(self, request: HttpRequest, queryset: QuerySet[PersistentJob], name: str) -> None:
+        action = actions.ACTIONS[name]
+        done, refused = actions.perform(self, request, action,
+                                        list(queryset.values_list("id", flat=True)))
+        actions.report(self, request, action.verb, len(done), refused)
+
+    @admin.action(description="Retry now", permissions=["retry"])
+    def retry_now(self, request: HttpRequest, queryset: QuerySet[PersistentJob]) -> None:
+        self._bulk(request, queryset, "retry_now")
+
+    @admin.action(description="Retry later (after backoff)", permissions=["retry"])
+    def retry_later(self, request: HttpRequest, queryset: QuerySet[PersistentJob]) -> None:
+        self._bulk(request, queryset, "retry_later")
+
+    @admin.action(description="Retry from scratch (reset attempts)", permissions=["retry"])
+    def retry_reset(self, request: HttpRequest, queryset: QuerySet[PersistentJob]) -> None:
+        self._bulk(request, queryset, "retry_reset")
+
+    @admin.action(description="Cancel", permissions=["cancel"])
+    def cancel(self, request: HttpRequest, queryset: QuerySet[PersistentJob]) -> None:
+        self._bulk(request, queryset, "cancel")
+
+    # ------------------------------------------------------------------ extra views
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        return [
+            path("retry-group/", wrap(self.retry_group_view),
+                 name="django_persistent_jobs_persistentjob_retry_group"),
+            path("<path:object_id>/do/<str:action>/", wrap(self.job_action_view),
+                 name="django_persistent_jobs_persistentjob_action"),
+            *super().get_urls(),
+        ]
+
+    def job_action_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
+        """The job page's buttons: POST only, each gated by its permission."""
+        if request.method != "POST":
+            return HttpResponseRedirect(job_url(object_id))
+        spec = actions.ACTIONS.get(action)
+        if spec is None:
+            raise Http404(f"No action {action!r}.")
+        if not (self.has_view_permission(request)
+                and actions.has_permission(request, spec.permission)):
+            raise PermissionDenied
+        job = self.get_object(request, object_id)
+        if job is None:
+            raise Http404("No such job.")
+        done, refused = actions.perform(self, request, spec, [job.pk])
+        if done:
+            self.message_user(request, f"{spec.history_message(done[0])}", messages.SUCCESS)
+        for reason in refused:
+            self.message_user(request, reason, messages.WARNING)
+        return HttpResponseRedirect(job_url(job.pk))
+
+    def retry_group_view(self, request: HttpRequest) -> HttpResponse:
+        """"Retry every dead letter of this failure group": a confirmation page with the count,
+        then one retry per job (each logged on the job)."""
+        if not (self.has_view_permission(request) and self.has_retry_permission(request)):
+            raise PermissionDenied
+        source = request.POST if request.method == "POST" else request.GET
+        job_type = source.get("job_type", "")
+        error_code = source.get("error_code", "")
+        tenant = source.get("tenant") or None
+        if not job_type:
+            raise Http404("Give job_type and error_code.")
+        jobs = failure_group_dead_letters(job_type, error_code, tenant=tenant)
+        if request.method == "POST" and request.POST.get("confirm") == "yes":
+            retried, refused = retry_failure_group(job_type, error_code, tenant=tenant,
+                                                   actor=actions.actor_of(request))
+            actions.log_group_retry(self, request, retried, job_type, error_code)
+            actions.report(self, request, "Retried (now)", len(retried), refused)
+            if not retried and not refused:
+                self.message_user(request, "No dead letters left in this group.",
+                                  messages.INFO)
+            return HttpResponseRedirect(changelist_url(job_type=job_type,
+                                                       last_error_code=error_code,
+                                                       tenant=tenant))
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts, "title": "Retry dead letters of a failure group",
+            "job_type": job_type, "error_code": error_code, "tenant": tenant,
+            "count": jobs.count(), "sample": list(jobs.order_by("-finished_at")[:10]),
+            "list_url": changelist_url(job_type=job_type, last_error_code=error_code,
+                                       status__exact=JobStatus.DEAD_LETTERED, tenant=tenant),
+        }
+        return TemplateResponse(
+            request, "admin/django_persistent_jobs/persistentjob/retry_group.html", context)
+
+    # ------------------------------------------------------------------ the job page
+    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "",
+                    extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        job = self.get_object(request, object_id)
+        context = dict(extra_context or {})
+        if job is not None:
+            context.update(self.job_context(request, job))
+        return super().change_view(request, object_id, form_url, context)
+
+    def job_context(self, request: HttpRequest, job: PersistentJob) -> dict[str, Any]:
+        now = display.db_now()
+        attempts = list(JobAttempt.objects.using(job._state.db).filter(job=job)
+                        .order_by("-attempt", "-id"))
+        runner_info = None
+        if job.locked_by:
+            record = JobRunnerRecord.objects.using(job._state.db).filter(id=job.locked_by).first()
+            if record is None:
+                runner_info = {"state": "gone", "text": "no runner row: presumed dead"}
+            else:
+                state = runner_state(now - record.heartbeat_at, *runner_thresholds())
+                runner_info = {"state": state, "text": f"{state}, last heartbeat "
+                                                       f"{display.age(record.heartbeat_at, now)}"}
+        fraction, caption = progress_fraction(job.progress)
+        buttons = [
+            spec for spec in actions.ACTIONS.values()
+            if job.status in spec.applies_to and actions.has_permission(request, spec.permission)
+            and not (spec.name == "cancel" and job.cancel_requested)
+        ]
+        timeout_at = (job.locked_at + timedelta(seconds=job.timeout_seconds)
+                      if job.status == JobStatus.RUNNING and job.locked_at
+                      and job.timeout_seconds is not None else None)
+        return {
+            "job": job, "now": now, "attempt_rows": [
+                {"a": a, "started": display.when_full(a.started_at, now),
+                 "duration": display.duration(a.duration) if a.duration is not None else (
+                     f"running {display.duration(now - a.started_at)}"
+                     if a.outcome == "running" else "-")}
+                for a in attempts],
+            "status_badge": status_badge(job.status),
+            "status_class": job.status,
+            "created": display.when_full(job.created_at, now),
+            "updated": display.when_full(job.updated_at, now),
+            "finished": display.when_full(job.finished_at, now) if job.finished_at else None,
+            "locked": display.when_full(job.locked_at, now) if job.locked_at else None,
+            "next_run": (display.when_full(job.next_run_at, now)
+                         if job.status in JobStatus.waiting() else None),
+            "timeout_at": display.when_full(timeout_at, now) if timeout_at else None,
+            "overdue": timeout_at is not None and timeout_at < now,
+            "job_age": display.duration(now - job.created_at),
+            "runner_info": runner_info,
+            "runner_url": (reverse("admin:django_persistent_jobs_jobrunnerrecord_change",
+                                   args=[job.locked_by])
+                           if runner_info and runner_info["state"] != "gone" else None),
+            "progress_fraction": fraction, "progress_percent": (
+                round(fraction * 100) if fraction is not None else None),
+            "progress_caption": caption,
+            "progress_json": display.pretty_json(job.progress) if job.progress is not None
+            else None,
+            "payload_json": display.pretty_json(display.redact(job.payload)),
+            "result_json": (display.pretty_json(display.redact(job.result))
+                            if job.result is not None else None),
+            "schedule_html": schedule_link(job),
+            "buttons": buttons,
+            "button_urls": [(spec, reverse("admin:django_persistent_jobs_persistentjob_action",
+                                           args=[job.pk, spec.name])) for spec in buttons],
+            "same_group_url": (changelist_url(job_type=job.job_type,
+                                              last_error_code=job.last_error_code)
+                               if job.last_error_code else None),
+            "tenant_url": changelist_url(tenant=job.tenant) if job.tenant else None,
+        }

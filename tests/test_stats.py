@@ -1,0 +1,218 @@
+"""``stats.dashboard_stats``: every dashboard number, against rows staged in real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_persistent_jobs import enqueue, job_handler
+from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, PersistentJob
+from django_persistent_jobs.stats import dashboard_stats
+
+
+@job_handler("stats.mail", queue="mail")
+def mail(payload: Any) -> None:
+    return None
+
+
+@job_handler("stats.report", queue="reports")
+def report(payload: Any) -> None:
+    return None
+
+
+def db_now() -> datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        value: datetime = cursor.fetchone()[0]
+    return value
+
+
+def job(job_type: str = "stats.mail", tenant: str | None = None, **fields: Any) -> PersistentJob:
+    created = enqueue(job_type, {}, tenant=tenant)
+    if fields:
+        PersistentJob.objects.filter(pk=created.pk).update(**fields)
+    return PersistentJob.objects.get(pk=created.pk)
+
+
+def attempt(of: PersistentJob, n: int, outcome: str, code: str, finished: datetime,
+            message: str = "boom") -> JobAttempt:
+    return JobAttempt.objects.create(
+        job=of, attempt=n, runner_id="r1", outcome=outcome, error_code=code,
+        error_message=message, started_at=finished - timedelta(seconds=1), finished_at=finished,
+        duration=timedelta(seconds=1))
+
+
+def runner(runner_id: str, beat_age: timedelta, now: datetime,
+           queues: list[str] | None = None) -> JobRunnerRecord:
+    return JobRunnerRecord.objects.create(
+        id=runner_id, hostname="h", pid=1, queues=queues, concurrency=4, version="1.2",
+        heartbeat_at=now - beat_age, started_at=now - timedelta(hours=1))
+
+
+@pytest.mark.django_db
+def test_counts_per_status_type_and_tenant_and_the_tenant_confines_them() -> None:
+    now = db_now()
+    job("stats.mail", tenant="acme")
+    job("stats.mail", tenant="acme", status="completed", finished_at=now)
+    job("stats.report", tenant="globex", status="dead_lettered", finished_at=now,
+        last_error_code="BOOM")
+    job("stats.report")
+
+    everything = dashboard_stats(now=now)
+    assert everything.status_counts["pending"] == 2
+    assert everything.status_counts["completed"] == 1
+    assert everything.status_counts["dead_lettered"] == 1
+    assert sum(everything.status_counts.values()) == 4
+    by_type = {t.job_type: t for t in everything.job_types}
+    assert by_type["stats.mail"].total == 2 and by_type["stats.mail"].counts["completed"] == 1
+    assert by_type["stats.report"].counts["dead_lettered"] == 1
+    tenants = {t.tenant: t for t in everything.tenants}
+    assert (tenants["acme"].total, tenants["globex"].total, tenants[None].total) == (2, 1, 1)
+
+    acme = dashboard_stats(now=now, tenant="acme")
+    assert acme.tenant == "acme"
+    assert sum(acme.status_counts.values()) == 2
+    assert [t.job_type for t in acme.job_types] == ["stats.mail"]
+    assert [t.tenant for t in acme.tenants] == ["acme"]
+    assert {q.queue: q.waiting for q in acme.queues}.get("reports", 0) == 0
+
+
+@pytest.mark.django_db
+def test_queues_depth_oldest_due_wait_and_whether_a_live_runner_serves_them() -> None:
+    now = db_now()
+    job("stats.mail", next_run_at=now - timedelta(minutes=5))
+    job("stats.mail", next_run_at=now - timedelta(minutes=1))
+    job("stats.mail", next_run_at=now + timedelta(hours=1))
+    job("stats.mail", status="running", locked_by="live-1", locked_at=now)
+    job("stats.report", next_run_at=now - timedelta(seconds=30))
+    runner("live-1", timedelta(seconds=0), now, queues=["mail"])
+    runner("dead-1", timedelta(minutes=10), now, queues=["reports"])
+
+    queues = {q.queue: q for q in dashboard_stats(now=now).queues}
+    mail_q = queues["mail"]
+    assert (mail_q.waiting, mail_q.due, mail_q.running) == (3, 2, 1)
+    assert mail_q.oldest_due_wait is not None
+    assert timedelta(minutes=5) - timedelta(seconds=1) <= mail_q.oldest_due_wait
+    assert mail_q.oldest_due_wait <= timedelta(minutes=5) + timedelta(seconds=1)
+    assert mail_q.served and mail_q.runners == ["live-1"]
+    reports = queues["reports"]
+    assert (reports.waiting, reports.due, reports.served, reports.runners) == (1, 1, False, [])
+
+
+@pytest.mark.django_db
+def test_hourly_and_daily_series_count_completions_failures_and_dead_letters() -> None:
+    now = db_now()
+    hour = now.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    two_hours_ago = hour - timedelta(hours=2) + timedelta(minutes=10)
+    done = job("stats.mail", status="completed", finished_at=now)
+    job("stats.mail", status="completed", finished_at=two_hours_ago)
+    dead = job("stats.report", status="dead_lettered", finished_at=two_hours_ago)
+    attempt(dead, 1, "failed", "BOOM", two_hours_ago - timedelta(minutes=5))
+    attempt(dead, 2, "dead_lettered", "BOOM", two_hours_ago)
+    attempt(done, 1, "timed_out", "TIMEOUT", now)
+    job("stats.mail", status="completed", finished_at=now - timedelta(days=3))
+    job("stats.mail", status="completed", finished_at=now - timedelta(days=30))
+
+    stats = dashboard_stats(now=now)
+    assert len(stats.hourly) == 24 and stats.hourly[-1].start == hour
+    assert [b.start for b in stats.hourly] == sorted(b.start for b in stats.hourly)
+    current, earlier = stats.hourly[-1], stats.hourly[-3]
+    assert (current.completed, current.failed, current.dead_lettered) == (1, 1, 0)
+    assert (earlier.completed, earlier.failed, earlier.dead_lettered) == (1, 2, 1)
+    assert sum(b.completed for b in stats.hourly) == 2
+    assert len(stats.daily) == 7
+    assert stats.daily[-1].start == hour.replace(hour=0)
+    assert sum(b.completed for b in stats.daily) == 3  # the 30-day-old one is outside
+    assert sum(b.failed for b in stats.daily) == 3
+
+
+@pytest.mark.django_db
+def test_failure_groups_in_the_window_with_first_last_seen_and_dead_letters() -> None:
+    now = db_now()
+    a = job("stats.mail", status="dead_lettered", last_error_code="SMTP_DOWN", finished_at=now)
+    b = job("stats.mail", status="failed", last_error_code="SMTP_DOWN")
+    c = job("stats.report", status="dead_lettered", last_error_code="NO_DATA", finished_at=now)
+    attempt(a, 1, "failed", "SMTP_DOWN", now - timedelta(hours=3))
+    attempt(a, 2, "dead_lettered", "SMTP_DOWN", now - timedelta(minutes=2), "last words")
+    attempt(b, 1, "failed", "SMTP_DOWN", now - timedelta(hours=1))
+    attempt(b, 1, "failed", "SMTP_DOWN", now - timedelta(days=3))  # outside 24 h
+    attempt(c, 1, "dead_lettered", "NO_DATA", now - timedelta(minutes=1))
+    attempt(c, 1, "completed", "", now)  # not a failure
+
+    groups = dashboard_stats(now=now).failure_groups
+    assert [(g.job_type, g.error_code, g.attempts, g.jobs) for g in groups] == [
+        ("stats.mail", "SMTP_DOWN", 3, 2), ("stats.report", "NO_DATA", 1, 1)]
+    smtp = groups[0]
+    assert smtp.first_seen == now - timedelta(hours=3)
+    assert smtp.last_seen == now - timedelta(minutes=2)
+    assert smtp.last_message == "last words"
+    assert (smtp.dead_letters, groups[1].dead_letters) == (1, 1)
+    last_hour = dashboard_stats(now=now, window=timedelta(hours=1, minutes=30)).failure_groups
+    assert [(g.error_code, g.attempts) for g in last_hour] == [("SMTP_DOWN", 2), ("NO_DATA", 1)]
+    week = dashboard_stats(now=now, window=timedelta(days=7)).failure_groups
+    assert week[0].attempts == 4
+
+
+@pytest.mark.django_db
+def test_stuck_jobs_of_the_four_kinds_and_runner_states() -> None:
+    now = db_now()
+    runner("live-1", timedelta(seconds=0), now, queues=["mail"])
+    # The test settings beat every 0.5 s and call a runner dead after 3 s.
+    runner("late-1", timedelta(seconds=2.5), now, queues=["mail"])
+    runner("dead-1", timedelta(minutes=5), now)
+    hung = job("stats.mail", status="running", locked_by="live-1",
+               locked_at=now - timedelta(seconds=400), timeout_seconds=300)
+    orphan = job("stats.mail", status="running", locked_by="dead-1",
+                 locked_at=now - timedelta(seconds=10), timeout_seconds=300)
+    ghost = job("stats.mail", status="running", locked_by="reaped-1",
+                locked_at=now - timedelta(seconds=10), timeout_seconds=300)
+    waiting = job("stats.mail", next_run_at=now - timedelta(minutes=10))
+    unserved = job("stats.report", next_run_at=now - timedelta(seconds=5))
+    job("stats.mail", next_run_at=now - timedelta(seconds=5))  # due, served, not long: fine
+    job("stats.mail", status="running", locked_by="live-1", locked_at=now,
+        timeout_seconds=300)  # healthy
+
+    stats = dashboard_stats(now=now)
+    kinds = {s.id: s.kinds for s in stats.stuck}
+    assert kinds == {
+        str(hung.id): ["past_timeout"],
+        str(orphan.id): ["stale_runner"],
+        str(ghost.id): ["stale_runner"],
+        str(waiting.id): ["unclaimed"],
+        str(unserved.id): ["unserved_queue"],
+    }
+    # "late" still serves, so only the dead runner's and the ghost's jobs are stranded.
+    assert stats.stuck_counts == {"past_timeout": 1, "stale_runner": 2, "unclaimed": 1,
+                                  "unserved_queue": 1}
+    runners = {r.id: r for r in stats.runners}
+    assert {k: (r.state, r.stale, r.jobs_held) for k, r in runners.items()} == {
+        "live-1": ("live", False, 2), "late-1": ("late", True, 0),
+        "dead-1": ("dead", True, 1), "reaped-1": ("gone", True, 1),
+    }
+    assert runners["live-1"].queues == ["mail"] and runners["dead-1"].queues is None
+    assert runners["dead-1"].heartbeat_age == timedelta(minutes=5)
+    assert (runners["live-1"].version, runners["live-1"].concurrency) == ("1.2", 4)
+    # A late runner still serves its queues (it may only be slow); a dead one does not.
+    JobRunnerRecord.objects.filter(id="late-1").update(queues=["mail", "reports"])
+    assert str(unserved.id) not in {s.id for s in dashboard_stats(now=now).stuck}
+
+
+@pytest.mark.django_db
+def test_to_dict_is_json_ready() -> None:
+    now = db_now()
+    dead = job("stats.mail", status="dead_lettered", last_error_code="X", finished_at=now,
+               tenant="acme")
+    attempt(dead, 1, "dead_lettered", "X", now)
+    runner("live-1", timedelta(0), now)
+    data = dashboard_stats(now=now).to_dict()
+    text = json.dumps(data)
+    assert data["status_counts"]["dead_lettered"] == 1
+    assert data["failure_groups"][0]["error_code"] == "X"
+    assert data["failure_groups"][0]["first_seen"] == now.astimezone(UTC).isoformat()
+    assert data["window"] == 86400.0
+    assert data["runners"][0]["heartbeat_age"] == 0.0
+    assert len(data["hourly"]) == 24 and "acme" in text
