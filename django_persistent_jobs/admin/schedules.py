@@ -23,8 +23,7 @@ from django.utils.html import format_html
 
 from .. import conf
 from ..handlers import registry
-from ..models import PersistentJob
-from ..schedule_models import JobSchedule, TickResult
+from ..models import JobSchedule, PersistentJob, TickResult
 from ..schedules.definition import validate_definition
 from ..schedules.services import (
     ScheduleError,

@@ -33,7 +33,7 @@ from ..handlers import registry
 from .db import is_connection_error, run_with_retry
 
 if TYPE_CHECKING:
-    from ..schedule_models import JobSchedule
+    from ..models import JobSchedule
     from .supervisor import Runner
 
 logger = logging.getLogger("django_persistent_jobs.scheduler")
@@ -77,7 +77,7 @@ def _type_filter() -> tuple[str, list[Any]]:
 
 def fire_due(runner_id: str | None = None, limit: int = BATCH) -> PassReport:
     """Fire every due schedule this process may fire (up to ``limit``) in one transaction."""
-    from ..schedule_models import JobSchedule
+    from ..models import JobSchedule
 
     alias = conf.settings.DATABASE
     report = PassReport()

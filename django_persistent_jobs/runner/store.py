@@ -202,7 +202,7 @@ def configured_handback_limit() -> int:
     return value
 
 
-#: Column widths the settling statement writes into (see models.py).
+#: Column widths the settling statement writes into (see models/jobs.py and models/attempts.py).
 CODE_MAX_LENGTH = 64
 MESSAGE_MAX_LENGTH = 10_000
 TRACEBACK_MAX_LENGTH = 50_000

@@ -18,9 +18,8 @@ from .. import conf
 from ..enqueuing import enqueue_scheduled_run
 from ..errors import ConfigurationError, EnqueueError
 from ..handlers import HandlerSpec, registry
-from ..models import PersistentJob
+from ..models import InactiveReason, JobSchedule, PersistentJob, ScheduleSource, TickResult
 from ..payload import prepare_payload
-from ..schedule_models import InactiveReason, JobSchedule, ScheduleSource, TickResult
 from .definition import Definition, _alias, db_now
 from .timing import Timing, default_timezone, tick_label
 

@@ -20,8 +20,7 @@ from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
 
 from .. import bounds
-from ..models import PersistentJob
-from ..schedule_models import InactiveReason, JobSchedule, ScheduleSource
+from ..models import InactiveReason, JobSchedule, PersistentJob, ScheduleSource
 from .definition import (
     _alias,
     _check_changes,

@@ -14,6 +14,8 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from ..schedules.timing import Timing
+
 
 class ScheduleSource(models.TextChoices):
     CODE = "code", "Declared in code"
@@ -123,6 +125,4 @@ class JobSchedule(models.Model):
 
     def describe(self) -> str:
         """``cron 0 2 * * * (Europe/Berlin)`` or ``every 30s``."""
-        from .schedules.timing import Timing
-
         return Timing.of(self).describe()

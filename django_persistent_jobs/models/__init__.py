@@ -1,0 +1,36 @@
+"""The app's tables, one module per table: ``jobs``, ``attempts``, ``runners``, ``schedules``.
+
+The runner's hot paths (claim, complete, fail, rescue) use hand-written SQL in ``runner/store.py``
+against these tables; the ORM models exist for the admin, the operator services and users' own
+queries. Column names are therefore part of the contract with that SQL.
+"""
+
+from .attempts import AttemptOutcome, JobAttempt
+from .jobs import (
+    JOB_COLUMNS,
+    JOB_COLUMNS_SQL,
+    WAITING_DEDUP,
+    JobDashboard,
+    JobStatus,
+    PersistentJob,
+    job_from_row,
+)
+from .runners import JobRunnerRecord
+from .schedules import InactiveReason, JobSchedule, ScheduleSource, TickResult
+
+__all__ = [
+    "JOB_COLUMNS",
+    "JOB_COLUMNS_SQL",
+    "WAITING_DEDUP",
+    "AttemptOutcome",
+    "InactiveReason",
+    "JobAttempt",
+    "JobDashboard",
+    "JobRunnerRecord",
+    "JobSchedule",
+    "JobStatus",
+    "PersistentJob",
+    "ScheduleSource",
+    "TickResult",
+    "job_from_row",
+]
