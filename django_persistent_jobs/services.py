@@ -32,7 +32,7 @@ NOTIFY_CHANNEL = "persistent_jobs"
 
 
 def _alias() -> str:
-    return str(conf.get("DATABASE"))
+    return conf.settings.DATABASE
 
 
 def _load(job_id: uuid.UUID | str) -> PersistentJob:

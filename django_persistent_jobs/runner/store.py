@@ -196,10 +196,7 @@ def complete(cursor: Any, job: ClaimedJob, result: str | None = None) -> bool:
 
 def configured_handback_limit() -> int:
     """``HANDBACK_LIMIT`` as the settling statement needs it (validated when a runner starts)."""
-    value = conf.get("HANDBACK_LIMIT")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return int(conf.DEFAULTS["HANDBACK_LIMIT"])
-    return value
+    return conf.settings.HANDBACK_LIMIT
 
 
 #: Column widths the settling statement writes into (see models/jobs.py and models/attempts.py).
