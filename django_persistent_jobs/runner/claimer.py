@@ -17,6 +17,8 @@ from .db import run_with_retry
 from .heartbeat import heartbeat_fresh
 
 if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
+
     from .supervisor import Runner
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -41,7 +43,7 @@ def claim_loop(runner: Runner) -> None:
         limit = min(free, settings.batch_size or free)
         runner.wake.clear()
 
-        def do_claim(cursor: Any, limit: int = limit) -> list[store.ClaimedJob]:
+        def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(runner):
                 return []  # the database came back after a long while: beat first (see above)
             # Only types this process has handlers for, read at each claim (a sorted list of a

@@ -13,12 +13,15 @@ import math
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 from django.db import IntegrityError
 
 from .. import conf
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
 
 TransitionKind = Literal["retry", "dead", "cancel", "handback", "release"]
 
@@ -49,7 +52,7 @@ class ClaimedJob:
 
 
 @contextmanager
-def prepared(cursor: Any) -> Iterator[psycopg.Cursor[Any]]:
+def prepared(cursor: Cursor) -> Iterator[psycopg.Cursor[Any]]:
     """A server-side-binding cursor on the same connection (so the same transaction).
 
     Django binds parameters client-side, so PostgreSQL parses and plans every statement again;
@@ -119,7 +122,7 @@ def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False) -
 
 
 def claim(
-    cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None,
+    cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
     job_types: Collection[str] | None = None,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
@@ -184,7 +187,7 @@ RETURNING a.id
 """
 
 
-def complete(cursor: Any, job: ClaimedJob, result: str | None = None) -> bool:
+def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool:
     """Mark the job completed inside the handler's transaction; False if the claim was lost.
 
     ``result`` is the handler's return value as JSON text (django.tasks results), or None.
@@ -298,7 +301,7 @@ RETURNING moved.status
 
 
 def transition(
-    cursor: Any, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
+    cursor: Cursor, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
     handback_limit: int | None = None, charge_delay: float = 0.0,
     error_class: str = "",
@@ -361,7 +364,7 @@ def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
 
 
 def register_runner(
-    cursor: Any, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
+    cursor: Cursor, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
     concurrency: int, version: str, name: str = "",
 ) -> None:
     cursor.execute(
@@ -374,7 +377,7 @@ def register_runner(
 
 
 def live_namesakes(
-    cursor: Any, runner_id: str, name: str, stale_seconds: float,
+    cursor: Cursor, runner_id: str, name: str, stale_seconds: float,
 ) -> list[tuple[str, str, int]]:
     """Other runners registered under ``name`` whose heartbeat is fresh: ``(id, host, pid)``."""
     cursor.execute(
@@ -385,7 +388,7 @@ def live_namesakes(
     return [(row[0], row[1], row[2]) for row in cursor.fetchall()]
 
 
-def heartbeat(cursor: Any, runner_id: str) -> bool:
+def heartbeat(cursor: Cursor, runner_id: str) -> bool:
     """Refresh the heartbeat; False means another runner declared us dead and removed our row."""
     cursor.execute(
         "UPDATE persistent_jobs_runners SET heartbeat_at = now() WHERE id = %s", [runner_id]
@@ -393,11 +396,11 @@ def heartbeat(cursor: Any, runner_id: str) -> bool:
     return bool(cursor.rowcount)
 
 
-def unregister_runner(cursor: Any, runner_id: str) -> None:
+def unregister_runner(cursor: Cursor, runner_id: str) -> None:
     cursor.execute("DELETE FROM persistent_jobs_runners WHERE id = %s", [runner_id])
 
 
-def cancel_requests(cursor: Any, runner_id: str) -> list[Any]:
+def cancel_requests(cursor: Cursor, runner_id: str) -> list[Any]:
     cursor.execute(
         "SELECT id FROM persistent_jobs WHERE locked_by = %s AND status = 'running' "
         "AND cancel_requested",
@@ -406,7 +409,7 @@ def cancel_requests(cursor: Any, runner_id: str) -> list[Any]:
     return [row[0] for row in cursor.fetchall()]
 
 
-def reap_dead_runners(cursor: Any, stale_seconds: float) -> list[tuple[str, Any]]:
+def reap_dead_runners(cursor: Cursor, stale_seconds: float) -> list[tuple[str, Any]]:
     """Delete runners whose heartbeat is older than ``stale_seconds`` by the database clock."""
     cursor.execute(
         "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %s * interval "
@@ -416,7 +419,7 @@ def reap_dead_runners(cursor: Any, stale_seconds: float) -> list[tuple[str, Any]
     return [(row[0], row[1]) for row in cursor.fetchall()]
 
 
-def orphaned_jobs(cursor: Any, limit: int = 1000) -> list[tuple[Any, int, str, int, str | None]]:
+def orphaned_jobs(cursor: Cursor, limit: int = 1000) -> list[tuple[Any, int, str, int, str | None]]:
     """Running jobs whose runner row is gone: ``(id, token, job_type, attempts, locked_by)``.
 
     Runners insert their row before they claim anything and delete it only on exit, so a running
@@ -431,7 +434,7 @@ def orphaned_jobs(cursor: Any, limit: int = 1000) -> list[tuple[Any, int, str, i
     return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
 
 
-def running_jobs_of(cursor: Any, runner_id: str) -> list[tuple[Any, int, str, int, str | None]]:
+def running_jobs_of(cursor: Cursor, runner_id: str) -> list[tuple[Any, int, str, int, str | None]]:
     """Running jobs locked by ``runner_id``: ``(id, token, job_type, attempts, locked_by)``."""
     cursor.execute(
         "SELECT id, lock_token, job_type, attempts, locked_by FROM persistent_jobs "
@@ -441,7 +444,7 @@ def running_jobs_of(cursor: Any, runner_id: str) -> list[tuple[Any, int, str, in
     return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
 
 
-def cleanup(cursor: Any, status: str, older_than_seconds: float, batch: int = 5000) -> int:
+def cleanup(cursor: Cursor, status: str, older_than_seconds: float, batch: int = 5000) -> int:
     """Delete one batch of ``status`` jobs finished more than ``older_than_seconds`` ago."""
     cursor.execute(
         """
@@ -459,7 +462,7 @@ def cleanup(cursor: Any, status: str, older_than_seconds: float, batch: int = 50
     return int(cursor.rowcount)
 
 
-def terminate_backend(cursor: Any, pid: int, backend_start: Any = None) -> bool:
+def terminate_backend(cursor: Cursor, pid: int, backend_start: Any = None) -> bool:
     """Terminate one server session. With ``backend_start``, only if the pid still belongs to
     the session that started then: the OS recycles pids, and after a restart or a dropped
     connection the same number may be someone else's backend."""
@@ -474,14 +477,14 @@ def terminate_backend(cursor: Any, pid: int, backend_start: Any = None) -> bool:
     return bool(row and row[0])
 
 
-def attempt_outcome(cursor: Any, token: int) -> str | None:
+def attempt_outcome(cursor: Cursor, token: int) -> str | None:
     """The recorded outcome of one attempt (its id is the job's fencing token)."""
     cursor.execute("SELECT outcome FROM persistent_jobs_attempts WHERE id = %s", [token])
     row = cursor.fetchone()
     return None if row is None else str(row[0])
 
 
-def report_progress(cursor: Any, job_id: Any, token: int, progress: Any) -> bool:
+def report_progress(cursor: Cursor, job_id: Any, token: int, progress: Any) -> bool:
     cursor.execute(
         "UPDATE persistent_jobs SET progress = %s::jsonb, updated_at = now() "
         "WHERE id = %s AND lock_token = %s AND status = 'running'",
