@@ -11,20 +11,32 @@ from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 from django.test import override_settings
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-             message: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy or ``timeout`` passes."""
+             message: str = "condition", *, reconnect: bool = False) -> Any:
+    """Poll ``predicate`` until it returns something truthy or ``timeout`` passes.
+
+    With ``reconnect`` a dropped database connection counts as "not yet": the connection is
+    closed so the next poll opens a new one (for scenarios that restart PostgreSQL).
+    """
     deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
     while True:
-        value = predicate()
-        if value:
-            return value
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OperationalError, InterfaceError) as exc:
+            if not reconnect:
+                raise
+            last_error = exc
+            connection.close()
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+            extra = f" (last database error: {last_error})" if last_error else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}{extra}")
         time.sleep(interval)
 
 
