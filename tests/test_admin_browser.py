@@ -50,7 +50,7 @@ def _browser_missing() -> str | None:
     try:
         import selenium  # noqa: F401
     except ImportError:
-        return "selenium is not installed (pip install -e '.[dev]')"
+        return "selenium is not installed (pip install -e '.[test]')"
     for path in (CHROMIUM, CHROMEDRIVER):
         if not os.path.exists(path):
             return f"{path} is missing (apt-get install chromium chromium-driver)"
