@@ -19,3 +19,10 @@ class PersistentJobsConfig(AppConfig):
         from .backends.discovery import discover_tasks
 
         discover_tasks()  # tasks of a PersistentJobsBackend in settings.TASKS
+        from django.apps import apps
+
+        if apps.is_installed("django.contrib.admin"):
+            from .api import admin as _api_admin  # noqa: F401  (registers the token admin)
+        from . import metrics
+
+        metrics.connect_signals()

@@ -21,7 +21,7 @@ from django.db.models import Q
 from django.db.models.base import ModelState
 from django.db.models.sql import Query
 
-from . import bounds, conf
+from . import bounds, conf, signals
 from .errors import ConfigurationError, EnqueueError, PayloadError, UnknownJobTypeError
 from .handlers import HandlerSpec, registry
 from .ids import uuid7
@@ -369,6 +369,9 @@ def enqueue(
         max_retries=max_retries, timeout=timeout, queue=queue, priority=priority, tenant=tenant,
     )
     result, created = _enqueue_prepared(job, alias)
+    result._pj_created = created  # type: ignore[attr-defined]  # the HTTP API: 201 or 200
+    if created:
+        signals.enqueued(result, alias)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "job %s %s", "enqueued" if created else "deduplicated", result.id,
@@ -392,7 +395,11 @@ def enqueue_scheduled_run(
     """
     job = _prepare(job_type, payload, dedup_key=dedup_key, queue=queue, priority=priority,
                    tenant=tenant, schedule=schedule)
-    return _enqueue_prepared(job, conf.settings.DATABASE)
+    alias = conf.settings.DATABASE
+    result, created = _enqueue_prepared(job, alias)
+    if created:
+        signals.enqueued(result, alias)
+    return result, created
 
 
 #: The options an ``enqueue_many`` item (or its ``common`` keyword arguments) may give.
@@ -469,9 +476,10 @@ def enqueue_many(items: Iterable[Any], **common: Any) -> list[PersistentJob]:
     keyed = [p for p in prepared if p.dedup_key is not None and p.dedup is not Dedup.ENQUEUE]
     with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
         if keyed:
-            return _enqueue_many_dedup(cursor, prepared, alias)
+            return signals.enqueued_many(_enqueue_many_dedup(cursor, prepared, alias),
+                                         {p.id for p in prepared}, alias)
         _copy_insert(connections[alias], prepared)
-    return [_instance(p, alias) for p in prepared]
+    return signals.enqueued_many([_instance(p, alias) for p in prepared], None, alias)
 
 
 def _copy_insert(connection: Any, jobs: list[_Prepared]) -> None:

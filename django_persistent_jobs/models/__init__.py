@@ -3,8 +3,12 @@
 The runner's hot paths (claim, complete, fail, rescue) use hand-written SQL in ``runner/store.py``
 against these tables; the ORM models exist for the admin, the operator services and users' own
 queries. Column names are therefore part of the contract with that SQL.
+
+``ApiToken`` belongs to the HTTP API (``api/tokens.py``, kept import-light for this); it is
+imported here because Django finds an app's models in its ``models`` module.
 """
 
+from ..api.tokens import ApiToken
 from .attempts import AttemptOutcome, JobAttempt
 from .jobs import (
     JOB_COLUMNS,
@@ -22,6 +26,7 @@ __all__ = [
     "JOB_COLUMNS",
     "JOB_COLUMNS_SQL",
     "WAITING_DEDUP",
+    "ApiToken",
     "AttemptOutcome",
     "InactiveReason",
     "JobAttempt",

@@ -182,4 +182,3 @@ def job_from_row(row: tuple[Any, ...] | list[Any], db: str = "default") -> Persi
         if isinstance(values[i], str):
             values[i] = json.loads(values[i])
     return PersistentJob.from_db(db, JOB_COLUMNS, values)
-

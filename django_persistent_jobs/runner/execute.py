@@ -22,6 +22,7 @@ from asgiref.sync import async_to_sync
 from django.db import connections, transaction
 from psycopg.pq import TransactionStatus
 
+from .. import signals
 from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
 from ..handlers import HandlerSpec, global_backoff, registry
@@ -258,6 +259,12 @@ def record_outcome(
         settled_as = (run_bounded(alias, read, what=what) if bounded
                       else run_with_retry(alias, read, what=what, interrupt=interrupt))
     log_transition(job, status, outcome, runner_id, settled_as)
+    if status is None and settled_as == "completed":
+        signals.finished(job, runner_id, status="completed")  # its commit did land
+    else:
+        signals.finished(job, runner_id, status=status, code=outcome.code,
+                         message=outcome.message,
+                         attempt_outcome="interrupted" if error is not None else attempt_outcome)
     return status
 
 
@@ -339,6 +346,7 @@ def run_awaitable(awaitable: Any, inflight: InFlight) -> Any:
 def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading.Event) -> None:
     """Run the handler and settle the job. Never raises except ``JobInterrupted``."""
     job = inflight.job
+    signals.started(job, runner_id)
     spec = registry.get(job.job_type)
     if spec is None:
         record_outcome(alias, job, Outcome(
@@ -397,6 +405,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             "back", job.id, extra={"event": "claim_lost", "job_id": str(job.id),
                                    "job_type": job.job_type, "runner_id": runner_id},
         )
+        signals.finished(job, runner_id, status=None)
         return
     except JobInterrupted:
         raise
@@ -412,6 +421,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             reset_connection(alias)
         record_outcome(alias, job, classify(exc, spec, job.attempt), runner_id, interrupt)
         return
+    signals.finished(job, runner_id, status="completed")
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "job %s completed", job.id,

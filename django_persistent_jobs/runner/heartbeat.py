@@ -24,6 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from .. import signals
 from ..handlers import registry
 from . import store
 from .db import Backoff, NotNow, run_bounded, run_with_retry
@@ -176,6 +177,8 @@ def _rescue_job(runner: Runner, job_id: Any, token: int, job_type: str, attempts
         return False
     if status is None:
         return False
+    signals.rescued(job_id, token, job_type, attempts, runner.runner_id, status, outcome.code,
+                    outcome.message)
     logger.warning(
         "job %s rescued from runner %s -> %s", job_id, locked_by, status,
         extra={"event": "rescue", "job_id": str(job_id), "job_type": job_type,

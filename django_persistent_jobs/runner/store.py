@@ -47,6 +47,7 @@ class ClaimedJob:
     priority: int
     cancel_requested: bool
     tenant: str | None = None
+    due_at: Any = None  # next_run_at when claimed: when the job became due (queue-wait metric)
     #: Why the stored payload could not be decoded (the job is then dead-lettered, not run).
     payload_error: str | None = None
 
@@ -151,7 +152,7 @@ def claim(
         jobs.append(ClaimedJob(
             id=r[0], job_type=r[1], payload=payload, attempt=r[3], max_retries=r[4],
             timeout=r[5], token=r[6], queue=r[7], priority=r[8], cancel_requested=r[9],
-            tenant=r[11], payload_error=problem,
+            tenant=r[11], due_at=r[10], payload_error=problem,
         ))
     return jobs
 

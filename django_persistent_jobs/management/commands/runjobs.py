@@ -34,6 +34,9 @@ class Command(BaseCommand):
         parser.add_argument("--database-wait", type=float, metavar="SECONDS",
                             help="Give up (exit 1) if the database stays unreachable this long "
                                  "at start-up (default: 30 with --burst, forever otherwise).")
+        parser.add_argument("--metrics-port", type=int,
+                            help="Serve Prometheus metrics on this port (needs the 'metrics' "
+                                 "extra); see docs/metrics.md.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["concurrency"] is not None and options["concurrency"] < 1:
@@ -58,6 +61,10 @@ class Command(BaseCommand):
             handler.setFormatter(logging.Formatter(
                 "%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
             package_logger.addHandler(handler)
+        if options["metrics_port"] is not None:
+            from django_persistent_jobs.metrics import serve_for_command
+
+            serve_for_command(options["metrics_port"])
         try:
             runner = Runner(
                 concurrency=options["concurrency"], queues=queues,

@@ -1,0 +1,103 @@
+"""JSON responses and errors: every answer of the API, errors included, is a JSON object.
+
+An error is ``{"error": {"code": ..., "message": ..., "field": ...}}``: ``code`` is stable for
+scripts to branch on, ``message`` is for people, ``field`` (400 only) names the input at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from functools import wraps
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+JSON_CONTENT_TYPE = "application/json"
+
+
+class ApiError(Exception):
+    """Raised anywhere in a view to answer with a JSON error."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.headers = headers or {}
+
+
+def bad_request(field: str, message: str, code: str = "invalid") -> ApiError:
+    return ApiError(400, code, message, field=field)
+
+
+def error_response(error: ApiError) -> JsonResponse:
+    body: dict[str, Any] = {"code": error.code, "message": error.message}
+    if error.field is not None:
+        body["field"] = error.field
+    response = JsonResponse({"error": body}, status=error.status)
+    for name, value in error.headers.items():
+        response[name] = value
+    return response
+
+
+def json_response(data: Any, status: int = 200) -> JsonResponse:
+    return JsonResponse(data, status=status, safe=False)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def read_json_object(request: HttpRequest, *, optional: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object; an empty body counts as ``{}`` when ``optional``."""
+    raw = request.body
+    if not raw.strip():
+        if optional:
+            return {}
+        raise ApiError(400, "invalid_json", "The request body must be a JSON object.",
+                       field="body")
+    try:
+        # NaN and Infinity are not JSON; Python's parser would accept them.
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(400, "invalid_json", f"The request body is not valid JSON: {exc}",
+                       field="body") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_json", "The request body must be a JSON object.",
+                       field="body")
+    return data
+
+
+View = Callable[..., HttpResponse]
+
+
+def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
+    """Allowed methods answered with JSON 405 otherwise; ``ApiError`` rendered as JSON.
+
+    The view is exempt from the CSRF middleware on purpose: bearer-token requests carry no
+    cookie and need no CSRF token, and session requests are checked by ``auth.authenticate``
+    instead, which rejects them with a JSON 403 rather than the middleware's HTML page.
+    """
+    allowed = tuple(m.upper() for m in methods)
+
+    def decorate(view: View) -> View:
+        @wraps(view)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if request.method not in allowed:
+                return error_response(ApiError(
+                    405, "method_not_allowed",
+                    f"{request.method} is not allowed here; use {', '.join(allowed)}.",
+                    headers={"Allow": ", ".join(allowed)},
+                ))
+            try:
+                return view(request, *args, **kwargs)
+            except ApiError as error:
+                return error_response(error)
+
+        return csrf_exempt(wrapper)
+
+    return decorate

@@ -1,0 +1,269 @@
+"""The operator API's views: validate input, check the caller, call the service layer.
+
+Nothing here changes a job directly: enqueue goes through ``enqueue``, retry and cancel through
+``services``, reads through ``queries``, so the API cannot drift from what the admin and the
+``jobs`` command do. Every check that can reject a request runs before the service is called,
+so a rejected request writes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any
+
+from django.db import transaction
+from django.http import HttpRequest, HttpResponse
+
+from .. import conf, queries, services
+from ..enqueuing import enqueue
+from ..errors import (
+    MAX_RETRY_AFTER,
+    ConfigurationError,
+    EnqueueError,
+    InvalidJobStateError,
+    JobNotFoundError,
+    PayloadError,
+    UnknownJobTypeError,
+)
+from ..types import Dedup
+from . import auth, openapi
+from .http import ApiError, bad_request, json_endpoint, json_response, read_json_object
+from .serialize import job_detail, job_summary
+
+ENQUEUE_FIELDS = ("job_type", "payload", "run_at", "delay", "dedup_key", "dedup", "priority",
+                  "queue", "tenant", "max_retries", "timeout")
+LIST_PARAMS = ("status", "job_type", "queue", "tenant", "error_code", "created_after",
+               "created_before", "limit", "cursor")
+
+
+def _alias() -> str:
+    return conf.settings.DATABASE
+
+
+def _not_found(exc: Exception) -> ApiError:
+    return ApiError(404, "not_found", str(exc))
+
+
+def _text(data: dict[str, Any], name: str, low: int, high: int) -> str | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not low <= len(value) <= high or not queries.storable(value):
+        raise bad_request(name, f"{name} must be a string of {low}..{high} characters without "
+                                "NUL bytes or lone surrogates.")
+    return value
+
+
+def _integer(data: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise bad_request(name, f"{name} must be an integer in {low}..{high}.")
+    return value
+
+
+def _seconds(data: dict[str, Any], name: str, *, positive: bool) -> float | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad_request(name, f"{name} must be a number of seconds.")
+    if value < 0 or (positive and value == 0) or value > MAX_RETRY_AFTER:
+        bound = "> 0" if positive else ">= 0"
+        raise bad_request(name, f"{name} must be {bound} and at most {MAX_RETRY_AFTER:.0f} "
+                                "seconds.")
+    return float(value)
+
+
+def _field_of(exc: EnqueueError) -> str:
+    """Which input an ``enqueue`` refusal is about (its messages start with the option name)."""
+    if isinstance(exc, UnknownJobTypeError):
+        return "job_type"
+    if isinstance(exc, PayloadError):
+        return "payload"
+    first = str(exc).split(" ", 1)[0].strip(":,.")
+    return first if first in ENQUEUE_FIELDS else "body"
+
+
+def _actor(caller: auth.Caller) -> str:
+    """Who acted, for the service layer's log line and the job's cancel message."""
+    name = caller.user.get_username()
+    if caller.token is not None:
+        return f"{name} (API token {caller.token.name!r})"
+    return f"{name} (API)"
+
+
+def _enqueue(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
+    caller.require(auth.ADD)
+    data = read_json_object(request)
+    unknown = sorted(set(data) - set(ENQUEUE_FIELDS))
+    if unknown:
+        raise bad_request(unknown[0], f"Unknown field {unknown[0]!r}; allowed: "
+                                      f"{', '.join(ENQUEUE_FIELDS)}.")
+    job_type = _text(data, "job_type", 1, 200)
+    if job_type is None:
+        raise bad_request("job_type", "job_type is required.")
+    options: dict[str, Any] = {
+        "dedup_key": _text(data, "dedup_key", 1, 255),
+        "queue": _text(data, "queue", 1, 100),
+        "priority": _integer(data, "priority", -32768, 32767),
+        "max_retries": _integer(data, "max_retries", 0, conf.MAX_RETRIES_LIMIT),
+        "timeout": _seconds(data, "timeout", positive=True),
+        "delay": _seconds(data, "delay", positive=False),
+    }
+    raw_run_at = data.get("run_at")
+    if raw_run_at is not None:
+        if not isinstance(raw_run_at, str):
+            raise bad_request("run_at", "run_at must be an ISO 8601 date-time string.")
+        try:
+            options["run_at"] = queries.parse_when("run_at", raw_run_at)
+        except queries.QueryError as exc:
+            raise bad_request(exc.field, exc.message) from None
+    if options.get("run_at") is not None and options["delay"] is not None:
+        raise bad_request("delay", "Give run_at or delay, not both.")
+    dedup = data.get("dedup")
+    if dedup is not None and dedup not in [d.value for d in Dedup]:
+        raise bad_request("dedup", f"dedup must be one of {[d.value for d in Dedup]}.")
+    options["dedup"] = dedup
+    tenant = _text(data, "tenant", 1, 200)
+    if caller.tenant is not None:
+        if tenant is not None and tenant != caller.tenant:
+            raise ApiError(403, "tenant_forbidden",
+                           f"This token is bound to tenant {caller.tenant!r}.", field="tenant")
+        tenant = caller.tenant
+    if tenant is not None:
+        options["tenant"] = tenant
+    payload = data.get("payload", {})
+    try:
+        with transaction.atomic(using=_alias()):
+            job = enqueue(job_type, payload, **{k: v for k, v in options.items()
+                                                if v is not None})
+        # False when Skip dedup returned the active job that holds the key.
+        created = bool(getattr(job, "_pj_created", True))
+    except EnqueueError as exc:
+        raise bad_request(_field_of(exc), str(exc), code=exc.code.lower()) from None
+    except ConfigurationError as exc:
+        raise bad_request("job_type", str(exc), code="configuration_error") from None
+    return json_response({"created": created, "job": job_detail(job)},
+                         status=201 if created else 200)
+
+
+def _list(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
+    caller.require(auth.VIEW)
+    params = request.GET
+    unknown = sorted(set(params) - set(LIST_PARAMS))
+    if unknown:
+        raise bad_request(unknown[0], f"Unknown parameter {unknown[0]!r}; allowed: "
+                                      f"{', '.join(LIST_PARAMS)}.")
+    try:
+        job_filter = queries.build_filter({name: params.getlist(name) for name in params})
+        limit = queries.parse_limit(_single(params, "limit"))
+        page = queries.list_jobs(job_filter, limit=limit, cursor=_single(params, "cursor"),
+                                 tenant=caller.tenant)
+    except queries.QueryError as exc:
+        raise bad_request(exc.field, exc.message) from None
+    return json_response({"results": [job_summary(j) for j in page.jobs],
+                          "next_cursor": page.next_cursor})
+
+
+def _single(params: Any, name: str) -> str | None:
+    values = params.getlist(name)
+    if len(values) > 1:
+        raise queries.QueryError(name, f"give {name} at most once.")
+    return values[0] if values else None
+
+
+@json_endpoint(["GET", "POST"])
+def jobs_view(request: HttpRequest) -> HttpResponse:
+    """``GET``: list jobs; ``POST``: enqueue one."""
+    caller = auth.authenticate(request)
+    if request.method == "POST":
+        return _enqueue(request, caller)
+    return _list(request, caller)
+
+
+@json_endpoint(["GET"])
+def job_view(request: HttpRequest, job_id: str) -> HttpResponse:
+    caller = auth.authenticate(request)
+    caller.require(auth.VIEW)
+    try:
+        job = queries.get_job(job_id, tenant=caller.tenant)
+    except JobNotFoundError as exc:
+        raise _not_found(exc) from None
+    return json_response(job_detail(job, queries.attempts_of(job)))
+
+
+@json_endpoint(["POST"])
+def retry_view(request: HttpRequest, job_id: str) -> HttpResponse:
+    caller = auth.authenticate(request)
+    caller.require(auth.RETRY)
+    data = read_json_object(request, optional=True)
+    unknown = sorted(set(data) - {"mode"})
+    if unknown:
+        raise bad_request(unknown[0], f"Unknown field {unknown[0]!r}; allowed: mode.")
+    mode = data.get("mode", "now")
+    if mode not in services.RETRY_MODES:
+        raise bad_request("mode", f"mode must be one of {', '.join(services.RETRY_MODES)}.")
+    try:
+        job = queries.get_job(job_id, tenant=caller.tenant)
+        job = services.retry_job(job.id, mode, actor=_actor(caller))
+    except JobNotFoundError as exc:
+        raise _not_found(exc) from None
+    except InvalidJobStateError as exc:
+        raise ApiError(409, "invalid_state", str(exc)) from None
+    except ConfigurationError as exc:
+        raise ApiError(409, "configuration_error", str(exc)) from None
+    return json_response(job_detail(job))
+
+
+@json_endpoint(["POST"])
+def cancel_view(request: HttpRequest, job_id: str) -> HttpResponse:
+    caller = auth.authenticate(request)
+    caller.require(auth.CANCEL)
+    data = read_json_object(request, optional=True)
+    if data:
+        field = sorted(data)[0]
+        raise bad_request(field, f"Unknown field {field!r}; cancel takes no fields.")
+    try:
+        job = queries.get_job(job_id, tenant=caller.tenant)
+        job = services.cancel_job(job.id, actor=_actor(caller))
+    except JobNotFoundError as exc:
+        raise _not_found(exc) from None
+    except InvalidJobStateError as exc:
+        raise ApiError(409, "invalid_state", str(exc)) from None
+    return json_response(job_detail(job))
+
+
+#: Bounds of the stats window, in seconds: a minute to 90 days.
+STATS_WINDOW = (60, 90 * 86400)
+
+
+@json_endpoint(["GET"])
+def stats_view(request: HttpRequest) -> HttpResponse:
+    caller = auth.authenticate(request)
+    caller.require(auth.VIEW)
+    unknown = sorted(set(request.GET) - {"window"})
+    if unknown:
+        raise bad_request(unknown[0], f"Unknown parameter {unknown[0]!r}; allowed: window.")
+    raw = request.GET.get("window")
+    window = timedelta(hours=24)
+    if raw is not None:
+        try:
+            seconds = int(raw)
+        except ValueError:
+            seconds = -1
+        if not STATS_WINDOW[0] <= seconds <= STATS_WINDOW[1]:
+            raise bad_request("window", f"window must be whole seconds in "
+                                        f"{STATS_WINDOW[0]}..{STATS_WINDOW[1]}.")
+        window = timedelta(seconds=seconds)
+    from ..stats import dashboard_stats
+
+    return json_response(dashboard_stats(window=window, tenant=caller.tenant).to_dict())
+
+
+@json_endpoint(["GET"])
+def openapi_view(request: HttpRequest) -> HttpResponse:
+    """The OpenAPI 3 document; public, like any API description (it holds no data)."""
+    return json_response(openapi.document(request.path.rsplit("/", 1)[0] or "/"))

@@ -1,0 +1,223 @@
+"""``python manage.py jobs list|show|retry|cancel|stats|prune``: operate jobs from a shell.
+
+A thin front end over the same modules as the HTTP API (``queries`` to read, ``services`` to
+act, ``api.serialize`` for ``--json``), so a script gets the same answers either way.
+
+Exit codes, for scripts: 0 success; 1 unexpected error; 2 bad usage or input; 3 a job id not
+found; 4 the job's state did not allow the action (for several jobs: at least one refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from datetime import timedelta
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_persistent_jobs import conf, queries, services
+from django_persistent_jobs.api.serialize import job_detail, job_summary
+from django_persistent_jobs.errors import (
+    ConfigurationError,
+    InvalidJobStateError,
+    JobNotFoundError,
+)
+from django_persistent_jobs.models import JobStatus
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_REFUSED = 4
+
+#: Statuses a filter-selected bulk action touches unless --status says otherwise: retrying a
+#: completed job or cancelling a finished one would only be refused, one by one.
+_DEFAULT_STATUSES = {
+    "retry": ("failed", "dead_lettered"),
+    "cancel": ("pending", "failed"),
+}
+
+
+def _add_filters(parser: CommandParser) -> None:
+    parser.add_argument("--status", action="append", default=[],
+                        help=f"Repeat or comma-separate; one of {', '.join(JobStatus.values)}.")
+    parser.add_argument("--job-type", action="append", default=[])
+    parser.add_argument("--queue", action="append", default=[])
+    parser.add_argument("--tenant", action="append", default=[])
+    parser.add_argument("--error-code", action="append", default=[])
+    parser.add_argument("--created-after", help="ISO 8601 with a time zone.")
+    parser.add_argument("--created-before", help="ISO 8601 with a time zone.")
+
+
+def _filter_from(options: dict[str, Any]) -> queries.JobFilter:
+    values: dict[str, list[str]] = {
+        "status": options["status"], "job_type": options["job_type"],
+        "queue": options["queue"], "tenant": options["tenant"],
+        "error_code": options["error_code"],
+    }
+    for name in ("created_after", "created_before"):
+        if options.get(name):
+            values[name] = [options[name]]
+    try:
+        return queries.build_filter(values)
+    except queries.QueryError as exc:
+        raise CommandError(f"--{exc.field.replace('_', '-')}: {exc.message}",
+                           returncode=EXIT_USAGE) from None
+
+
+class Command(BaseCommand):
+    help = ("Inspect and operate persistent jobs. Exit codes: 0 ok, 1 error, 2 bad usage, "
+            "3 not found, 4 refused by the job's state.")
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+        ls = sub.add_parser("list", help="List jobs, newest first.")
+        _add_filters(ls)
+        ls.add_argument("--limit", type=int, default=queries.DEFAULT_LIMIT)
+        ls.add_argument("--cursor", help="next_cursor from a previous --json page.")
+        ls.add_argument("--json", action="store_true")
+
+        show = sub.add_parser("show", help="One job with its attempts.")
+        show.add_argument("job_id")
+        show.add_argument("--json", action="store_true")
+
+        for name, text in (("retry", "Retry jobs by id, or every job matching filters."),
+                           ("cancel", "Cancel jobs by id, or every job matching filters.")):
+            act = sub.add_parser(name, help=text)
+            act.add_argument("job_ids", nargs="*", metavar="ID")
+            _add_filters(act)
+            if name == "retry":
+                act.add_argument("--mode", choices=services.RETRY_MODES, default="now")
+            act.add_argument("--dry-run", action="store_true",
+                             help="With filters: print the matching ids, change nothing.")
+            act.add_argument("--json", action="store_true")
+
+        stats = sub.add_parser("stats", help="The dashboard's numbers.")
+        stats.add_argument("--window", type=int, default=86400,
+                           help="Seconds of history (default 86400).")
+        stats.add_argument("--tenant")
+        stats.add_argument("--json", action="store_true")
+
+        prune = sub.add_parser("prune", help="Delete finished jobs older than RETENTION now.")
+        prune.add_argument("--json", action="store_true")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        action = options["action"]
+        code = getattr(self, f"do_{action}")(options)
+        if code:
+            sys.exit(code)
+
+    # ------------------------------------------------------------------ output
+    def emit(self, options: dict[str, Any], data: Any, text: str) -> None:
+        if options["json"]:
+            self.stdout.write(json.dumps(data, indent=2, default=str))
+        else:
+            self.stdout.write(text)
+
+    # ------------------------------------------------------------------ actions
+    def do_list(self, options: dict[str, Any]) -> int:
+        job_filter = _filter_from(options)
+        try:
+            limit = queries.parse_limit(options["limit"])
+            page = queries.list_jobs(job_filter, limit=limit, cursor=options["cursor"])
+        except queries.QueryError as exc:
+            raise CommandError(f"--{exc.field}: {exc.message}", returncode=EXIT_USAGE) from None
+        rows = [job_summary(j) for j in page.jobs]
+        lines = [f"{'ID':36}  {'STATUS':13}  {'ATT':>3}  {'QUEUE':10}  {'ERROR':16}  JOB TYPE"]
+        for row in rows:
+            lines.append(f"{row['id']:36}  {row['status']:13}  {row['attempts']:>3}  "
+                         f"{row['queue'][:10]:10}  {row['last_error_code'][:16]:16}  "
+                         f"{row['job_type']}")
+        if page.next_cursor:
+            lines.append(f"(more: --cursor {page.next_cursor})")
+        self.emit(options, {"results": rows, "next_cursor": page.next_cursor}, "\n".join(lines))
+        return EXIT_OK
+
+    def do_show(self, options: dict[str, Any]) -> int:
+        try:
+            job = queries.get_job(options["job_id"])
+        except JobNotFoundError as exc:
+            self.stderr.write(str(exc))
+            return EXIT_NOT_FOUND
+        data = job_detail(job, queries.attempts_of(job))
+        lines = [f"{key}: {json.dumps(value, default=str)}" for key, value in data.items()
+                 if key not in ("attempt_history",)]
+        for attempt in data["attempt_history"]:
+            lines.append(f"  attempt {attempt['attempt']}: {attempt['outcome']} "
+                         f"{attempt['error_code']} {attempt['duration_seconds']}s "
+                         f"on {attempt['runner_id']}")
+        self.emit(options, data, "\n".join(lines))
+        return EXIT_OK
+
+    def _targets(self, options: dict[str, Any]) -> list[Any]:
+        ids = options["job_ids"]
+        job_filter = _filter_from(options)
+        if ids and not job_filter.is_empty:
+            raise CommandError("Give job ids or filters, not both.", returncode=EXIT_USAGE)
+        if ids:
+            return list(ids)
+        if job_filter.is_empty:
+            raise CommandError("Give job ids, or filters selecting the jobs (for example "
+                               "--status dead_lettered --job-type emails.send).",
+                               returncode=EXIT_USAGE)
+        if not job_filter.statuses:
+            job_filter = dataclasses.replace(
+                job_filter, statuses=_DEFAULT_STATUSES[options["action"]])
+        return list(queries.iter_matching(job_filter))
+
+    def _act(self, options: dict[str, Any], act: Any) -> int:
+        targets = self._targets(options)
+        if options["dry_run"]:
+            self.emit(options, {"matched": [str(t) for t in targets]},
+                      "\n".join(str(t) for t in targets) or "(no matching jobs)")
+            return EXIT_OK
+        results: list[dict[str, Any]] = []
+        worst = EXIT_OK
+        for target in targets:
+            try:
+                job = act(target)
+                results.append({"id": str(job.id), "ok": True, "status": job.status})
+            except JobNotFoundError as exc:
+                results.append({"id": str(target), "ok": False,
+                                "error": {"code": "not_found", "message": str(exc)}})
+                worst = max(worst, EXIT_NOT_FOUND)
+            except (InvalidJobStateError, ConfigurationError) as exc:
+                results.append({"id": str(target), "ok": False,
+                                "error": {"code": "invalid_state", "message": str(exc)}})
+                worst = max(worst, EXIT_REFUSED)
+        ok = sum(1 for r in results if r["ok"])
+        lines = [f"{r['id']}: {r['status']}" if r["ok"] else
+                 f"{r['id']}: refused ({r['error']['message']})" for r in results]
+        lines.append(f"{ok} of {len(results)} job(s) {options['action']} done.")
+        self.emit(options, {"results": results, "ok": ok, "refused": len(results) - ok},
+                  "\n".join(lines))
+        return worst
+
+    def do_retry(self, options: dict[str, Any]) -> int:
+        return self._act(
+            options, lambda job_id: services.retry_job(job_id, options["mode"], actor="cli"))
+
+    def do_cancel(self, options: dict[str, Any]) -> int:
+        return self._act(options, lambda job_id: services.cancel_job(job_id, actor="cli"))
+
+    def do_stats(self, options: dict[str, Any]) -> int:
+        from django_persistent_jobs.stats import dashboard_stats
+
+        if not 60 <= options["window"] <= 90 * 86400:
+            raise CommandError("--window must be 60..7776000 seconds.", returncode=EXIT_USAGE)
+        data = dashboard_stats(window=timedelta(seconds=options["window"]),
+                               tenant=options["tenant"]).to_dict()
+        lines = [f"{key}: {json.dumps(value, default=str)}" for key, value in data.items()]
+        self.emit(options, data, "\n".join(lines))
+        return EXIT_OK
+
+    def do_prune(self, options: dict[str, Any]) -> int:
+        from django_persistent_jobs.runner.cleanup import cleanup_once
+
+        deleted = cleanup_once(conf.settings.DATABASE)
+        self.emit(options, {"deleted": deleted},
+                  f"Deleted {deleted} finished job(s) older than their retention.")
+        return EXIT_OK

@@ -1,0 +1,152 @@
+"""Signals for integrators: a job was enqueued, started, finished, dead-lettered.
+
+All are sent with ``sender=PersistentJob`` and keyword arguments only (see ``docs/api.md``):
+
+``job_enqueued``
+    after the transaction that inserted the job committed (never for a rolled-back enqueue,
+    nor when Skip dedup returned an existing job): ``job`` (the ``PersistentJob``).
+``job_started``
+    in the runner, in the worker thread, just before the handler runs: ``job_id``,
+    ``job_type``, ``queue``, ``tenant``, ``attempt``, ``runner_id``, ``due_at`` (when the job
+    became due, or None if unknown).
+``job_finished``
+    when an attempt ended and its outcome is committed: the ``job_started`` arguments plus
+    ``outcome`` (the attempt outcome: ``completed``, ``failed``, ``dead_lettered``,
+    ``cancelled``, ``timed_out``, ``interrupted``, ``rescued``), ``status`` (the job's new
+    status), ``error_code`` ("" on success) and ``duration`` (seconds the handler ran in this
+    process, or None when the attempt was settled elsewhere, e.g. rescued).
+``job_dead_lettered``
+    when a job reached ``dead_lettered``: ``job_id``, ``job_type``, ``queue``, ``tenant``,
+    ``attempt``, ``error_code``, ``error_message``.
+
+Receivers run synchronously in the thread that settled the job; an exception in a receiver is
+logged and swallowed (``send_robust``), because a metrics hook must never decide a job's fate.
+Sending is skipped entirely while a signal has no receivers, so the runner's hot path pays one
+attribute check per event when nobody listens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from django.db import transaction
+from django.dispatch import Signal
+
+logger = logging.getLogger("django_persistent_jobs.signals")
+
+job_enqueued = Signal()
+job_started = Signal()
+job_finished = Signal()
+job_dead_lettered = Signal()
+
+#: Attempt outcome recorded for each job status a fenced transition can produce.
+_OUTCOME_FOR_STATUS = {
+    "completed": "completed", "failed": "failed", "dead_lettered": "dead_lettered",
+    "cancelled": "cancelled", "pending": "interrupted",
+}
+
+
+_SENDER: Any = None
+
+
+def _sender() -> Any:
+    global _SENDER
+    if _SENDER is None:
+        from .models import PersistentJob
+
+        _SENDER = PersistentJob
+    return _SENDER
+
+
+def _send(signal: Signal, **kwargs: Any) -> None:
+    for receiver, result in signal.send_robust(sender=_sender(), **kwargs):
+        if isinstance(result, Exception):
+            logger.error("receiver %r of a persistent-jobs signal failed: %s", receiver, result,
+                         exc_info=result, extra={"event": "signal_receiver_failed"})
+
+
+def enqueued(job: Any, using: str) -> None:
+    """Arrange ``job_enqueued`` for after the caller's transaction commits (or now, in
+    autocommit). Called by ``enqueue`` for every job it inserted."""
+    if not job_enqueued.receivers:
+        return
+    transaction.on_commit(lambda: _send(job_enqueued, job=job), using=using)
+
+
+#: When each attempt this process is running started (monotonic), by fencing token, so
+#: ``job_finished`` can report a duration whichever code path settles the attempt.
+_started_at: dict[Any, float] = {}
+
+
+def enqueued_many(jobs: list[Any], inserted_ids: set[Any] | None, using: str) -> list[Any]:
+    """``enqueued`` for each job of a batch that was inserted (``inserted_ids`` None: all of
+    them; otherwise a job returned by Skip dedup has an id the batch did not generate).
+    Returns ``jobs`` so the caller can pass its result through."""
+    if job_enqueued.receivers:
+        seen: set[Any] = set()
+        for job in jobs:
+            if (inserted_ids is None or job.id in inserted_ids) and job.id not in seen:
+                seen.add(job.id)
+                enqueued(job, using)
+    return jobs
+
+
+def _job_fields(job: Any) -> dict[str, Any]:
+    """The common arguments, from a runner's ``ClaimedJob``."""
+    return {
+        "job_id": job.id, "job_type": job.job_type, "queue": getattr(job, "queue", None),
+        "tenant": getattr(job, "tenant", None), "attempt": job.attempt,
+        "due_at": getattr(job, "due_at", None),
+    }
+
+
+def _listening() -> bool:
+    return bool(job_started.receivers or job_finished.receivers
+                or job_dead_lettered.receivers)
+
+
+def started(job: Any, runner_id: str) -> None:
+    """The runner is about to run ``job`` (a ``ClaimedJob``)."""
+    if not _listening():
+        return
+    _started_at[job.token] = time.monotonic()
+    if job_started.receivers:
+        _send(job_started, runner_id=runner_id, **_job_fields(job))
+
+
+def finished(
+    job: Any, runner_id: str, *, status: str | None, code: str = "", message: str = "",
+    attempt_outcome: str | None = None,
+) -> None:
+    """An attempt of ``job`` (a ``ClaimedJob``) was settled with job status ``status``.
+
+    ``status`` None means this process did not settle it (the claim was already lost): whoever
+    settled the attempt sends the signals for it, so nothing is sent here.
+    """
+    began = _started_at.pop(getattr(job, "token", None), None)
+    if status is None or not _listening():
+        return
+    outcome = attempt_outcome or _OUTCOME_FOR_STATUS.get(status, status)
+    if job_finished.receivers:
+        duration = time.monotonic() - began if began is not None else None
+        _send(job_finished, runner_id=runner_id, outcome=outcome, status=status,
+              error_code="" if status == "completed" else code, duration=duration,
+              **_job_fields(job))
+    if status == "dead_lettered" and job_dead_lettered.receivers:
+        _send(job_dead_lettered, job_id=job.id, job_type=job.job_type,
+              queue=getattr(job, "queue", None), tenant=getattr(job, "tenant", None),
+              attempt=job.attempt, error_code=code, error_message=message)
+
+
+def rescued(job_id: Any, token: Any, job_type: str, attempt: int, runner_id: str, status: str,
+            code: str, message: str) -> None:
+    """Another runner's attempt was settled by ``runner_id`` after that runner died (outcome
+    ``rescued``; queue and tenant are not known on this path and are sent as None)."""
+    if not _listening():
+        return
+    job = SimpleNamespace(id=job_id, token=token, job_type=job_type, attempt=attempt)
+    finished(job, runner_id, status=status, code=code, message=message,
+             attempt_outcome="rescued")

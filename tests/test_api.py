@@ -1,0 +1,397 @@
+"""The operator API through Django's test client: every endpoint, both auth modes, tenant
+confinement, CSRF, and every error status, with responses checked against the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from django_persistent_jobs.api.openapi import document
+from django_persistent_jobs.api.tokens import ApiToken, hash_token
+from django_persistent_jobs.models import JobAttempt, PersistentJob
+from tests.api_support import (
+    ALL_PERMS,
+    bearer,
+    make_token,
+    make_user,
+    stage,
+    table_fingerprint,
+)
+from tests.openapi_check import assert_matches_schema
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def operator_token() -> str:
+    return make_token(make_user("operator", *ALL_PERMS))
+
+
+def call(client: Client, method: str, path: str, secret: str | None = None,
+         body: Any = None, **extra: Any) -> Any:
+    headers = bearer(secret) if secret else {}
+    kwargs: dict[str, Any] = {**headers, **extra}
+    if body is not None:
+        kwargs["data"] = body if isinstance(body, str | bytes) else json.dumps(body)
+        kwargs["content_type"] = "application/json"
+    elif method == "POST":
+        kwargs.update(data=b"", content_type="application/json")  # no body at all
+    response = getattr(client, method.lower())(path, **kwargs)
+    assert response["Content-Type"].startswith("application/json"), response.content[:200]
+    assert_matches_schema(method, path, response.status_code, response.json())
+    return response
+
+
+# ------------------------------------------------------------------ endpoints, token auth
+def test_enqueue_creates_a_job_and_skip_dedup_returns_it(client: Client, operator_token: str):
+    body = {"job_type": "test.noop", "payload": {"n": 1}, "dedup_key": "k1", "priority": 5,
+            "queue": "mail", "delay": 30}
+    first = call(client, "POST", "/jobs/", operator_token, body)
+    assert first.status_code == 201
+    data = first.json()
+    assert data["created"] is True
+    job = PersistentJob.objects.get(pk=data["job"]["id"])
+    assert (job.payload, job.priority, job.queue, job.dedup_key) == ({"n": 1}, 5, "mail", "k1")
+    assert job.next_run_at > job.created_at + timedelta(seconds=29)
+    again = call(client, "POST", "/jobs/", operator_token, body)
+    assert again.status_code == 200
+    assert again.json() == {"created": False, "job": data["job"]}
+    assert PersistentJob.objects.count() == 1
+
+
+def test_enqueue_run_at(client: Client, operator_token: str):
+    when = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    response = call(client, "POST", "/jobs/", operator_token,
+                    {"job_type": "test.noop", "run_at": when.isoformat()})
+    assert response.status_code == 201
+    assert PersistentJob.objects.get().next_run_at == when
+
+
+def test_get_job_shows_attempts_with_codes_and_timings(client: Client, operator_token: str):
+    job = stage(status="failed", error_code="PLANNED", attempts=1, progress={"done": 3})
+    started = datetime(2026, 1, 1, tzinfo=UTC)
+    JobAttempt.objects.create(job=job, attempt=1, runner_id="r1", outcome="failed",
+                              error_code="PLANNED", error_message="boom",
+                              started_at=started, finished_at=started + timedelta(seconds=2),
+                              duration=timedelta(seconds=2))
+    response = call(client, "GET", f"/jobs/{job.id}", operator_token)
+    assert response.status_code == 200
+    data = response.json()
+    assert data["status"] == "failed" and data["progress"] == {"done": 3}
+    (attempt,) = data["attempt_history"]
+    assert attempt["error_code"] == "PLANNED" and attempt["duration_seconds"] == 2.0
+    assert attempt["outcome"] == "failed" and attempt["runner_id"] == "r1"
+
+
+@pytest.mark.parametrize("mode", ["now", "later", "reset"])
+def test_retry_modes(client: Client, operator_token: str, mode: str):
+    job = stage(status="dead_lettered", error_code="X", attempts=4, max_retries=3)
+    response = call(client, "POST", f"/jobs/{job.id}/retry", operator_token, {"mode": mode})
+    assert response.status_code == 200
+    job.refresh_from_db()
+    assert job.status == "pending"
+    assert job.attempts == (0 if mode == "reset" else 4)
+    assert response.json()["status"] == "pending"
+
+
+def test_retry_without_body_means_now(client: Client, operator_token: str):
+    job = stage(status="failed")
+    assert call(client, "POST", f"/jobs/{job.id}/retry", operator_token).status_code == 200
+
+
+def test_cancel(client: Client, operator_token: str):
+    job = stage()
+    response = call(client, "POST", f"/jobs/{job.id}/cancel", operator_token)
+    assert response.status_code == 200
+    assert response.json()["status"] == "cancelled"
+    job.refresh_from_db()
+    assert job.status == "cancelled"
+
+
+def test_list_filters_and_cursor_pagination(client: Client, operator_token: str):
+    jobs = [stage(queue="q1" if i % 2 else "q2", status="dead_lettered" if i % 3 == 0 else None,
+                  error_code="E1" if i % 3 == 0 else "") for i in range(7)]
+    seen: list[str] = []
+    cursor: str | None = None
+    while True:
+        path = "/jobs/?limit=3" + (f"&cursor={cursor}" if cursor else "")
+        data = call(client, "GET", path, operator_token).json()
+        seen.extend(j["id"] for j in data["results"])
+        cursor = data["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [str(j.id) for j in sorted(jobs, key=lambda j: j.id, reverse=True)]
+
+    def ids(query: str) -> set[str]:
+        return {j["id"] for j in call(client, "GET", f"/jobs/?{query}",
+                                      operator_token).json()["results"]}
+
+    assert ids("queue=q1") == {str(j.id) for j in jobs if j.queue == "q1"}
+    assert ids("status=dead_lettered") == {str(j.id) for j in jobs[::3]}
+    assert ids("status=dead_lettered,pending") == {str(j.id) for j in jobs}
+    assert ids("status=dead_lettered&status=pending") == {str(j.id) for j in jobs}
+    assert ids("error_code=E1&queue=q2") == {str(j.id) for j in jobs[::3] if j.queue == "q2"}
+    assert ids("job_type=other") == set()
+    future = (datetime.now(UTC) + timedelta(hours=1)).isoformat().replace("+00:00", "Z")
+    assert ids(f"created_before={future}") == {str(j.id) for j in jobs}
+    assert ids(f"created_after={future}") == set()
+
+
+def test_list_order_is_stable_while_jobs_are_added(client: Client, operator_token: str):
+    for _ in range(4):
+        stage()
+    first = call(client, "GET", "/jobs/?limit=2", operator_token).json()
+    newer = stage()  # newer than everything: must not shift the next page
+    second = call(client, "GET", f"/jobs/?limit=2&cursor={first['next_cursor']}",
+                  operator_token).json()
+    page_ids = [j["id"] for j in first["results"] + second["results"]]
+    assert len(set(page_ids)) == 4 and str(newer.id) not in page_ids
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize(("body", "field"), [
+    ({}, "job_type"),
+    ({"job_type": "no.such.type"}, "job_type"),
+    ({"job_type": "test.noop", "priority": "high"}, "priority"),
+    ({"job_type": "test.noop", "priority": 10**6}, "priority"),
+    ({"job_type": "test.noop", "delay": -1}, "delay"),
+    ({"job_type": "test.noop", "run_at": "yesterday"}, "run_at"),
+    ({"job_type": "test.noop", "run_at": "2030-01-01T00:00:00"}, "run_at"),
+    ({"job_type": "test.noop", "run_at": "2030-01-01T00:00:00Z", "delay": 1}, "delay"),
+    ({"job_type": "test.noop", "dedup": "sometimes"}, "dedup"),
+    ({"job_type": "test.noop", "queue": ""}, "queue"),
+    ({"job_type": "test.noop", "dedup_key": "a\x00b"}, "dedup_key"),
+    ({"job_type": "test.noop", "payload": {"k": "\x00"}}, "payload"),
+    ({"job_type": "test.noop", "colour": "blue"}, "colour"),
+    ({"job_type": "test.noop", "timeout": 0}, "timeout"),
+    ({"job_type": "test.noop", "max_retries": -1}, "max_retries"),
+    ("[1, 2]", "body"),
+    ("{not json", "body"),
+    ('{"job_type": "test.noop", "delay": NaN}', "body"),
+])
+def test_enqueue_400_names_the_field_and_writes_nothing(
+        client: Client, operator_token: str, body: Any, field: str):
+    before = table_fingerprint()
+    response = call(client, "POST", "/jobs/", operator_token, body)
+    assert response.status_code == 400, response.json()
+    assert response.json()["error"]["field"] == field
+    assert table_fingerprint() == before
+
+
+@pytest.mark.parametrize(("query", "field"), [
+    ("status=bogus", "status"), ("limit=0", "limit"), ("limit=x", "limit"),
+    ("cursor=%21%21", "cursor"), ("created_after=soon", "created_after"),
+    ("created_after=2030-01-01T00:00:00", "created_after"), ("sort=id", "sort"),
+    ("created_after=2030-01-02T00:00:00Z&created_before=2030-01-01T00:00:00Z",
+     "created_before"),
+])
+def test_list_400_names_the_parameter(client: Client, operator_token: str, query: str,
+                                      field: str):
+    response = call(client, "GET", f"/jobs/?{query}", operator_token)
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] == field
+
+
+def test_retry_400_for_a_bad_mode(client: Client, operator_token: str):
+    job = stage(status="failed")
+    response = call(client, "POST", f"/jobs/{job.id}/retry", operator_token, {"mode": "soon"})
+    assert response.status_code == 400 and response.json()["error"]["field"] == "mode"
+
+
+def test_404_for_unknown_and_malformed_ids(client: Client, operator_token: str):
+    for path in (f"/jobs/{uuid.uuid4()}", "/jobs/not-a-uuid", f"/jobs/{uuid.uuid4()}/retry",
+                 f"/jobs/{uuid.uuid4()}/cancel"):
+        method = "GET" if path.count("/") == 2 else "POST"
+        response = call(client, method, path, operator_token)
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "not_found"
+
+
+def test_409_when_the_state_does_not_allow_the_action(client: Client, operator_token: str):
+    done = stage(status="completed")
+    before = table_fingerprint()
+    for action in ("retry", "cancel"):
+        response = call(client, "POST", f"/jobs/{done.id}/{action}", operator_token)
+        assert response.status_code == 409
+        assert response.json()["error"]["code"] == "invalid_state"
+    assert table_fingerprint() == before
+
+
+def test_405_is_json_with_allow(client: Client, operator_token: str):
+    response = client.delete("/jobs/", **bearer(operator_token))
+    assert response.status_code == 405
+    assert response["Allow"] == "GET, POST"
+    assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+# ------------------------------------------------------------------ authentication
+def test_401_without_credentials_and_with_bad_tokens(client: Client):
+    job = stage()
+    user = make_user("revoked", *ALL_PERMS)
+    secret = make_token(user)
+    ApiToken.objects.get(key_hash=hash_token(secret)).revoke()
+    for headers in ({}, bearer("pjt_wrong"), bearer(secret), {"HTTP_AUTHORIZATION": "Basic x"}):
+        response = client.get(f"/jobs/{job.id}", **headers)
+        assert response.status_code == 401, headers
+        assert response["WWW-Authenticate"].startswith("Bearer")
+        assert_matches_schema("GET", f"/jobs/{job.id}", 401, response.json())
+
+
+def test_token_of_an_inactive_user_is_refused(client: Client):
+    user = make_user("gone", *ALL_PERMS)
+    secret = make_token(user)
+    user.is_active = False
+    user.save()
+    assert client.get("/jobs/", **bearer(secret)).status_code == 401
+
+
+def test_tokens_are_stored_hashed_and_record_use(client: Client):
+    user = make_user("u", "view_persistentjob")
+    secret = make_token(user)
+    token = ApiToken.objects.get()
+    assert secret not in (token.key_hash, token.key_prefix) and token.key_hash == hash_token(
+        secret)
+    assert token.last_used_at is None
+    assert client.get("/jobs/", **bearer(secret)).status_code == 200
+    token.refresh_from_db()
+    assert token.last_used_at is not None
+
+
+def test_403_when_the_user_lacks_the_permission(client: Client):
+    viewer = make_token(make_user("viewer", "view_persistentjob"))
+    job = stage(status="failed")
+    assert call(client, "GET", f"/jobs/{job.id}", viewer).status_code == 200
+    before = table_fingerprint()
+    for method, path, body in (("POST", "/jobs/", {"job_type": "test.noop"}),
+                               ("POST", f"/jobs/{job.id}/retry", None),
+                               ("POST", f"/jobs/{job.id}/cancel", None)):
+        response = call(client, method, path, viewer, body)
+        assert response.status_code == 403
+        assert response.json()["error"]["code"] == "permission_denied"
+    assert table_fingerprint() == before
+    nobody = make_token(make_user("nobody"))
+    assert call(client, "GET", "/jobs/", nobody).status_code == 403
+
+
+def test_session_auth_requires_csrf_on_post(operator_token: str):
+    make_user("staffer", *ALL_PERMS)
+    browser = Client(enforce_csrf_checks=True)
+    assert browser.login(username="staffer", password="pw-123456")
+    job = stage()
+    assert call(browser, "GET", f"/jobs/{job.id}").status_code == 200
+    before = table_fingerprint()
+    response = call(browser, "POST", f"/jobs/{job.id}/cancel")
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "csrf_failed"
+    assert table_fingerprint() == before
+    # A page that renders a CSRF token (the admin login) sets the cookie; the header carries it.
+    browser.get("/admin/login/")
+    csrf = browser.cookies["csrftoken"].value
+    response = call(browser, "POST", f"/jobs/{job.id}/cancel", HTTP_X_CSRFTOKEN=csrf)
+    assert response.status_code == 200
+    # Bearer requests need no CSRF token, even from a client that enforces it.
+    other = stage()
+    plain = Client(enforce_csrf_checks=True)
+    assert call(plain, "POST", f"/jobs/{other.id}/cancel", operator_token).status_code == 200
+
+
+# ------------------------------------------------------------------ tenant confinement
+def test_tenant_bound_token_is_confined_by_id_and_by_filter(client: Client):
+    user = make_user("tenant-op", *ALL_PERMS)
+    acme = make_token(user, tenant="acme")
+    mine = stage(tenant="acme", status="failed")
+    theirs = stage(tenant="globex", status="failed")
+    untagged = stage(status="failed")
+    listed = call(client, "GET", "/jobs/", acme).json()["results"]
+    assert [j["id"] for j in listed] == [str(mine.id)]
+    for query in ("tenant=globex", "tenant=globex,acme", "status=failed&tenant=globex"):
+        listed = call(client, "GET", f"/jobs/?{query}", acme).json()["results"]
+        assert str(theirs.id) not in {j["id"] for j in listed}
+    before = table_fingerprint()
+    for other in (theirs, untagged):
+        assert call(client, "GET", f"/jobs/{other.id}", acme).status_code == 404
+        assert call(client, "POST", f"/jobs/{other.id}/retry", acme).status_code == 404
+        assert call(client, "POST", f"/jobs/{other.id}/cancel", acme).status_code == 404
+    assert table_fingerprint() == before
+    assert call(client, "GET", f"/jobs/{mine.id}", acme).status_code == 200
+    assert call(client, "POST", f"/jobs/{mine.id}/retry", acme).status_code == 200
+    assert call(client, "POST", f"/jobs/{mine.id}/cancel", acme).status_code == 200
+
+
+def test_tenant_bound_token_enqueues_only_for_its_tenant(client: Client):
+    acme = make_token(make_user("tenant-op", *ALL_PERMS), tenant="acme")
+    before = table_fingerprint()
+    refused = call(client, "POST", "/jobs/", acme, {"job_type": "test.noop", "tenant": "globex"})
+    assert refused.status_code == 403 and refused.json()["error"]["field"] == "tenant"
+    assert table_fingerprint() == before
+    response = call(client, "POST", "/jobs/", acme, {"job_type": "test.noop"})
+    assert response.status_code == 201
+    assert response.json()["job"]["tenant"] == "acme"
+    assert PersistentJob.objects.get().tenant == "acme"
+
+
+def test_unbound_token_sees_every_tenant_and_filters_by_tenant(client: Client,
+                                                               operator_token: str):
+    a = stage(tenant="acme")
+    g = stage(tenant="globex")
+    listed = call(client, "GET", "/jobs/?tenant=globex", operator_token).json()["results"]
+    assert [j["id"] for j in listed] == [str(g.id)]
+    assert call(client, "GET", f"/jobs/{a.id}", operator_token).status_code == 200
+
+
+# ------------------------------------------------------------------ OpenAPI
+def test_openapi_document_is_served_and_covers_every_route(client: Client):
+    response = client.get("/jobs/openapi.json")
+    assert response.status_code == 200
+    doc = response.json()
+    assert doc["openapi"].startswith("3.")
+    assert doc["servers"] == [{"url": "/jobs"}]
+    assert doc == json.loads(json.dumps(document("/jobs")))
+    from django_persistent_jobs import urls
+
+    routes = {"/" + str(p.pattern).replace("<str:job_id>", "{job_id}") for p in urls.urlpatterns}
+    assert routes == set(doc["paths"])
+
+
+# ------------------------------------------------------------------ stats
+def test_stats_serves_the_dashboard_numbers(client: Client, operator_token: str):
+    stage(status="dead_lettered", error_code="SMTP")
+    stage(queue="mail")
+    response = call(client, "GET", "/jobs/stats?window=3600", operator_token)
+    assert response.status_code == 200
+    data = response.json()
+    assert data["status_counts"]["dead_lettered"] == 1
+    assert data["status_counts"]["pending"] == 1
+    assert data["window"] == 3600.0 and data["tenant"] is None
+    assert {q["queue"] for q in data["queues"]} >= {"mail"}
+
+
+def test_stats_of_a_tenant_bound_token_cover_its_tenant_only(client: Client):
+    acme = make_token(make_user("acme", "view_persistentjob"), tenant="acme")
+    stage(tenant="acme")
+    stage(tenant="globex", status="dead_lettered")
+    stage(status="dead_lettered")
+    data = call(client, "GET", "/jobs/stats", acme).json()
+    assert data["tenant"] == "acme"
+    assert data["status_counts"]["pending"] == 1
+    assert data["status_counts"]["dead_lettered"] == 0
+    assert [t["tenant"] for t in data["tenants"]] in (["acme"], [])
+
+
+@pytest.mark.parametrize("query", ["window=10", "window=x", "window=", "colour=red"])
+def test_stats_400(client: Client, operator_token: str, query: str):
+    response = call(client, "GET", f"/jobs/stats?{query}", operator_token)
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] in ("window", "colour")
+
+
+def test_stats_need_view_permission(client: Client):
+    nobody = make_token(make_user("nobody"))
+    assert call(client, "GET", "/jobs/stats", nobody).status_code == 403
+    assert call(client, "GET", "/jobs/stats").status_code == 401

@@ -1,0 +1,42 @@
+"""The API token admin: a new token's secret is shown once and works; revoking stops it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from django_persistent_jobs.api.tokens import ApiToken
+from tests.api_support import bearer, make_user
+
+pytestmark = pytest.mark.django_db
+
+
+def test_create_in_admin_shows_the_secret_once_and_revoke_stops_it(client: Client):
+    User.objects.create_superuser("root", password="pw-123456")
+    client.login(username="root", password="pw-123456")
+    owner = make_user("ci-bot", "view_persistentjob")
+    response = client.post("/admin/django_persistent_jobs/apitoken/add/",
+                           {"name": "ci", "user": owner.pk, "tenant": "acme"}, follow=True)
+    assert response.status_code == 200
+    page = response.content.decode()
+    match = re.search(r"pjt_[A-Za-z0-9_\-]+", page)
+    assert match, page[:2000]
+    secret = match.group(0)
+    token = ApiToken.objects.get()
+    assert (token.name, token.user, token.tenant) == ("ci", owner, "acme")
+    assert secret not in (token.key_hash, token.key_prefix) and secret.startswith(
+        token.key_prefix)
+    # The change page never shows the secret again, and user/tenant are read-only there.
+    change = client.get(f"/admin/django_persistent_jobs/apitoken/{token.pk}/change/")
+    assert secret not in change.content.decode()
+    assert 'name="tenant"' not in change.content.decode()
+    api = Client()
+    assert api.get("/jobs/", **bearer(secret)).status_code == 200
+    client.post("/admin/django_persistent_jobs/apitoken/",
+                {"action": "revoke_tokens", "_selected_action": [token.pk]}, follow=True)
+    token.refresh_from_db()
+    assert token.revoked_at is not None
+    assert api.get("/jobs/", **bearer(secret)).status_code == 401

@@ -1,0 +1,142 @@
+"""``python manage.py jobs``, end to end: real subprocesses against the test database, checking
+output (human and ``--json``), effects in the database, and the documented exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from django_persistent_jobs.models import PersistentJob
+from tests import conftest
+from tests.api_support import stage
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
+
+
+def jobs(*args: str) -> tuple[int, str, str]:
+    proc = subprocess.run(
+        [sys.executable, str(conftest.ROOT / "manage.py"), "jobs", *args], cwd=conftest.ROOT,
+        env=conftest.test_database_env(), capture_output=True, text=True, timeout=60,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def jobs_json(*args: str, expect: int = 0) -> Any:
+    code, out, err = jobs(*args, "--json")
+    assert code == expect, (code, out, err)
+    return json.loads(out)
+
+
+def test_list_with_filters_pages_and_json():
+    a = stage(queue="mail", status="dead_lettered", error_code="SMTP")
+    b = stage(queue="mail")
+    c = stage(queue="other", tenant="acme")
+    data = jobs_json("list")
+    assert [j["id"] for j in data["results"]] == [str(c.id), str(b.id), str(a.id)]
+    assert data["next_cursor"] is None
+    assert [j["id"] for j in jobs_json("list", "--queue", "mail", "--status",
+                                       "dead_lettered")["results"]] == [str(a.id)]
+    assert [j["id"] for j in jobs_json("list", "--tenant", "acme")["results"]] == [str(c.id)]
+    assert [j["id"] for j in jobs_json("list", "--error-code", "SMTP")["results"]] == [str(a.id)]
+    first = jobs_json("list", "--limit", "2")
+    rest = jobs_json("list", "--limit", "2", "--cursor", first["next_cursor"])
+    assert [j["id"] for j in first["results"] + rest["results"]] == [str(c.id), str(b.id),
+                                                                    str(a.id)]
+    code, out, _ = jobs("list", "--queue", "mail")
+    assert code == 0 and str(a.id) in out and "dead_lettered" in out and "SMTP" in out
+
+
+def test_show_human_and_json_and_not_found():
+    job = stage(payload={"to": "x@example.com"})
+    data = jobs_json("show", str(job.id))
+    assert data["id"] == str(job.id) and data["payload"] == {"to": "x@example.com"}
+    assert data["attempt_history"] == []
+    code, out, _ = jobs("show", str(job.id))
+    assert code == 0 and "x@example.com" in out
+    code, _, err = jobs("show", str(uuid.uuid4()))
+    assert code == 3 and "No job" in err
+    assert jobs("show", "nonsense")[0] == 3
+
+
+def test_retry_by_id_modes_and_refusal():
+    dead = stage(status="dead_lettered", attempts=4, max_retries=3, error_code="X")
+    data = jobs_json("retry", str(dead.id), "--mode", "reset")
+    assert data == {"results": [{"id": str(dead.id), "ok": True, "status": "pending"}],
+                    "ok": 1, "refused": 0}
+    dead.refresh_from_db()
+    assert (dead.status, dead.attempts) == ("pending", 0)
+    done = stage(status="completed")
+    data = jobs_json("retry", str(done.id), expect=4)
+    assert data["results"][0]["ok"] is False and data["refused"] == 1
+    assert jobs("retry", str(uuid.uuid4()))[0] == 3
+
+
+def test_retry_by_filter_touches_only_matching_failed_jobs():
+    dl = [stage(job_type="test.ledger", status="dead_lettered", error_code="SMTP")
+          for _ in range(3)]
+    other_code = stage(job_type="test.ledger", status="dead_lettered", error_code="DNS")
+    completed = stage(job_type="test.ledger", status="completed", error_code="SMTP")
+    dry = jobs_json("retry", "--job-type", "test.ledger", "--error-code", "SMTP", "--dry-run")
+    assert set(dry["matched"]) == {str(j.id) for j in dl}
+    assert PersistentJob.objects.filter(status="pending").count() == 0
+    data = jobs_json("retry", "--job-type", "test.ledger", "--error-code", "SMTP")
+    assert data["ok"] == 3 and data["refused"] == 0
+    assert set(PersistentJob.objects.filter(status="pending").values_list("id", flat=True)) == {
+        j.id for j in dl}
+    other_code.refresh_from_db()
+    completed.refresh_from_db()
+    assert other_code.status == "dead_lettered" and completed.status == "completed"
+
+
+def test_cancel_by_id_and_by_filter():
+    one = stage()
+    data = jobs_json("cancel", str(one.id))
+    assert data["results"][0]["status"] == "cancelled"
+    waiting = [stage(queue="bulk") for _ in range(2)]
+    code, out, _ = jobs("cancel", "--queue", "bulk")
+    assert code == 0 and "2 of 2" in out
+    assert all(PersistentJob.objects.get(pk=j.pk).status == "cancelled" for j in waiting)
+    assert jobs("cancel", str(one.id))[0] == 4  # already cancelled
+
+
+@pytest.mark.parametrize("args", [
+    ["retry"],  # neither ids nor filters: would mean "everything"
+    ["retry", str(uuid.uuid4()), "--status", "failed"],
+    ["list", "--status", "bogus"],
+    ["list", "--created-after", "tomorrow"],
+    ["list", "--limit", "0"],
+    ["frobnicate"],
+    ["retry", str(uuid.uuid4()), "--mode", "sometime"],
+])
+def test_usage_errors_exit_2(args: list[str]):
+    code, _, err = jobs(*args)
+    assert code == 2, err
+    assert err.strip()
+
+
+def test_prune_deletes_expired_finished_jobs_now():
+    old = stage(status="completed", finished_at=timezone.now() - timedelta(days=30))
+    recent = stage(status="completed", finished_at=timezone.now())
+    dead = stage(status="dead_lettered", finished_at=timezone.now() - timedelta(days=30))
+    data = jobs_json("prune")
+    assert data == {"deleted": 1}
+    assert not PersistentJob.objects.filter(pk=old.pk).exists()
+    assert PersistentJob.objects.filter(pk__in=[recent.pk, dead.pk]).count() == 2
+
+
+def test_stats_json_and_human():
+    stage(status="dead_lettered", error_code="SMTP", tenant="acme")
+    stage(tenant="globex")
+    data = jobs_json("stats")
+    assert data["status_counts"]["dead_lettered"] == 1 and data["status_counts"]["pending"] == 1
+    assert jobs_json("stats", "--tenant", "globex")["status_counts"]["dead_lettered"] == 0
+    code, out, _ = jobs("stats")
+    assert code == 0 and "status_counts" in out
+    assert jobs("stats", "--window", "5")[0] == 2

@@ -1,0 +1,215 @@
+"""Prometheus metrics: scraped from a real ``runjobs --metrics-port`` during a real drain, they
+match the database's counts; the mountable view reads queue state from the database, is
+authenticated like the API, and every name follows Prometheus conventions."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from django_persistent_jobs import enqueue_many
+from django_persistent_jobs.models import JobRunnerRecord
+from tests.api_support import ALL_PERMS, bearer, make_token, make_user, stage
+
+Spawn = Callable[..., "subprocess.Popen[bytes]"]
+
+
+def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples by (name, sorted labels)."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return sum(v for (n, lbl), v in samples.items()
+               if n == name and all(dict(lbl).get(k) == x for k, x in labels.items()))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            return str(response.read().decode())
+    except OSError:
+        return None
+
+
+def db_counts() -> dict[str, int]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT (SELECT count(*) FROM persistent_jobs_attempts), "
+            "(SELECT count(*) FROM persistent_jobs_attempts WHERE outcome = 'completed'), "
+            "(SELECT count(*) FROM persistent_jobs_attempts WHERE outcome = 'failed'), "
+            "(SELECT count(*) FROM persistent_jobs WHERE status = 'dead_lettered'), "
+            "(SELECT count(*) FROM persistent_jobs WHERE status IN ('pending', 'failed', "
+            "'running'))")
+        started, completed, failed, dead, active = cursor.fetchone()
+    return {"started": started, "succeeded": completed, "failed": failed, "dead": dead,
+            "active": active}
+
+
+def runjobs_accepts(option: str) -> bool:
+    from django_persistent_jobs.management.commands.runjobs import Command
+
+    parser = Command().create_parser("manage.py", "runjobs")
+    return any(option in action.option_strings for action in parser._actions)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("processes", [None, 2])
+def test_metrics_scraped_during_a_real_drain_match_the_database(
+        spawn_runner: Spawn, processes: int | None):
+    """With worker processes, jobs run (and are counted) in processes other than the one
+    serving the port: their counts must still all reach its exposition."""
+    if processes is not None and not runjobs_accepts("--processes"):
+        pytest.skip("this runjobs has no --processes")
+    port = free_port()
+    items: list[Any] = [("test.ledger", {"note": str(i), "sleep": 0.05}) for i in range(40)]
+    items += [("test.ledger", {"fail_times": 1}) for _ in range(10)]
+    items += [("test.ledger", {"permanent": True}) for _ in range(5)]
+    items += [{"job_type": "test.ledger", "payload": {}, "queue": "side"} for _ in range(5)]
+    enqueue_many(items)
+    args = ["--metrics-port", str(port), "--concurrency", "4"]
+    if processes is not None:
+        args += ["--processes", str(processes)]
+    proc = spawn_runner(*args)
+    previous: dict[Any, float] = {}
+    scrapes = 0
+    mid_drain = 0  # scrapes that saw both finished attempts and jobs still to run
+    deadline = time.monotonic() + 90
+    while True:
+        text = scrape(port)
+        if text is not None:
+            scrapes += 1
+            samples = parse(text)
+            after = db_counts()
+            # A counter moves only after the outcome it counts committed, so a scrape can lag
+            # the database but never lead it, and counters never go down.
+            assert total(samples, "persistent_jobs_started_total") <= after["started"]
+            assert total(samples, "persistent_jobs_succeeded_total") <= after["succeeded"]
+            for key, value in samples.items():
+                if key[0].endswith("_total"):
+                    assert value >= previous.get(key, 0.0), key
+            previous = samples
+            if after["active"] and total(samples, "persistent_jobs_started_total"):
+                mid_drain += 1
+            if after["active"] == 0 and total(samples, "persistent_jobs_succeeded_total") == \
+                    after["succeeded"] and total(samples, "persistent_jobs_dead_lettered_total") \
+                    == after["dead"]:
+                break
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        assert time.monotonic() < deadline, "the drain did not finish"
+        time.sleep(0.1)
+    final = parse(scrape(port) or "")
+    counts = db_counts()
+    assert mid_drain >= 1, f"no scrape landed mid-drain ({scrapes} scrapes)"
+    # 40 + 5 + 5 single attempts, 10 jobs failing once (two attempts each).
+    assert counts == {"started": 70, "succeeded": 55, "failed": 10, "dead": 5, "active": 0}
+    assert total(final, "persistent_jobs_started_total") == counts["started"]
+    assert total(final, "persistent_jobs_succeeded_total") == counts["succeeded"]
+    assert total(final, "persistent_jobs_succeeded_total", queue="side") == 5
+    assert total(final, "persistent_jobs_failed_total", error_code="PLANNED") == counts["failed"]
+    assert total(final, "persistent_jobs_dead_lettered_total",
+                 job_type="test.ledger", error_code="PLANNED_PERMANENT") == counts["dead"]
+    assert total(final, "persistent_jobs_duration_seconds_count") == counts["started"]
+    assert total(final, "persistent_jobs_queue_wait_seconds_count") == counts["started"]
+    assert total(final, "persistent_jobs_jobs", status="dead_lettered") == counts["dead"]
+    assert total(final, "persistent_jobs_jobs", status="pending") == 0
+    assert total(final, "persistent_jobs_runners") == JobRunnerRecord.objects.count() == 1
+    assert total(final, "persistent_jobs_queue_runners", queue="default") == 1
+    assert total(final, "persistent_jobs_database_up") == 1
+
+
+@pytest.fixture
+def viewer_token() -> str:
+    return make_token(make_user("prom", "view_persistentjob"))
+
+
+@pytest.mark.django_db
+def test_view_exports_queue_state_from_the_database(client: Client, viewer_token: str):
+    stage(queue="mail", next_run_at=timezone.now() - timedelta(seconds=120))
+    stage(queue="mail")
+    stage(queue="mail", status="dead_lettered")
+    stage(queue="bulk", status="running", locked_at=timezone.now() - timedelta(seconds=300),
+          locked_by="gone")
+    response = client.get("/metrics", **bearer(viewer_token))
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain")
+    samples = parse(response.content.decode())
+    assert total(samples, "persistent_jobs_jobs", queue="mail", status="pending") == 2
+    assert total(samples, "persistent_jobs_jobs", queue="mail", status="dead_lettered") == 1
+    assert total(samples, "persistent_jobs_jobs", queue="bulk", status="running") == 1
+    wait = total(samples, "persistent_jobs_oldest_job_age_seconds", queue="mail",
+                 status="pending")
+    assert 119 <= wait < 600
+    assert total(samples, "persistent_jobs_oldest_job_age_seconds", queue="bulk",
+                 status="running") >= 299
+    assert total(samples, "persistent_jobs_runners") == 0
+    # No live runner serves either queue: the "no runner for a queue" alert's input.
+    assert total(samples, "persistent_jobs_queue_runners", queue="mail") == 0
+    assert ("persistent_jobs_queue_runners", (("queue", "bulk"),)) in samples
+
+
+@pytest.mark.django_db
+def test_view_is_authenticated_and_refuses_tenant_bound_tokens(client: Client):
+    assert client.get("/metrics").status_code == 401
+    nobody = make_token(make_user("nobody"))
+    assert client.get("/metrics", **bearer(nobody)).status_code == 403
+    bound = make_token(make_user("acme", *ALL_PERMS), tenant="acme")
+    response = client.get("/metrics", **bearer(bound))
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "tenant_forbidden"
+    assert client.post("/metrics", **bearer(bound)).status_code == 405
+
+
+@pytest.mark.django_db
+def test_names_follow_prometheus_conventions(client: Client, viewer_token: str):
+    from django_persistent_jobs import metrics
+
+    metrics.enable()
+    ev = metrics.events()
+    ev.started.labels("t", "q").inc(0)
+    ev.succeeded.labels("t", "q").inc(0)
+    ev.failed.labels("t", "E").inc(0)
+    ev.dead_lettered.labels("t", "E").inc(0)
+    ev.rescued.labels("t").inc(0)
+    ev.duration.labels("t", "q").observe(0.0)
+    ev.queue_wait.labels("t", "q").observe(0.0)
+    stage()
+    text = client.get("/metrics", **bearer(viewer_token)).content.decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    expected = {
+        "persistent_jobs_started": "counter", "persistent_jobs_succeeded": "counter",
+        "persistent_jobs_failed": "counter", "persistent_jobs_dead_lettered": "counter",
+        "persistent_jobs_rescued_attempts": "counter",
+        "persistent_jobs_duration_seconds": "histogram",
+        "persistent_jobs_queue_wait_seconds": "histogram", "persistent_jobs_jobs": "gauge",
+        "persistent_jobs_oldest_job_age_seconds": "gauge", "persistent_jobs_runners": "gauge",
+        "persistent_jobs_queue_runners": "gauge", "persistent_jobs_database_up": "gauge",
+    }
+    assert {name: families[name].type for name in expected} == expected
+    for family in families.values():
+        assert family.name.startswith("persistent_jobs_")
+        assert family.documentation
+        for sample in family.samples:
+            if family.type == "counter":
+                assert sample.name.endswith(("_total", "_created"))
+            for label in sample.labels:
+                assert label.islower() and not label.startswith("__")
