@@ -35,3 +35,16 @@ def pickup(payload: Any, ctx: JobContext) -> None:
     started = time.time()
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_notify(%s, %s)", [PICKUP_CHANNEL, f"{ctx.job_id} {started!r}"])
+
+
+CPU = "bench.cpu"
+
+
+@job_handler(CPU, max_retries=0)
+def cpu(payload: Any) -> None:
+    """Pure-Python work: ``loops`` rounds of arithmetic (the benchmark calibrates the count to
+    about 5 ms on an idle core). A fixed amount of work, not a fixed time: a timed busy loop
+    would finish "on time" on a thread that only got a quarter of the GIL."""
+    total = 0
+    for i in range(int(payload["loops"])):
+        total += i * i % 7

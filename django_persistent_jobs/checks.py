@@ -63,6 +63,11 @@ SETTING_CHECKS: dict[str, tuple[str, _Hint]] = {
     "PAYLOAD_MAX_KEYS": ("persistent_jobs.E025", "Use a whole number of keys."),
     "SCHEDULER_INTERVAL": ("persistent_jobs.E026", "Use seconds (a number or a timedelta)."),
     "HANDBACK_LIMIT": ("persistent_jobs.E027", "Use a whole number >= 0."),
+    "PROCESSES": ("persistent_jobs.E031",
+                  "Use a whole number >= 0 (0 runs handlers on threads), or None."),
+    "MAX_JOBS_PER_WORKER": ("persistent_jobs.E032", "Use a whole number of at least 1, or None."),
+    "MAX_MEMORY_PER_WORKER": ("persistent_jobs.E033", "Use MiB (a number > 0), or None."),
+    "TIMEOUT_GRACE": ("persistent_jobs.E034", "Use seconds (a number or a timedelta)."),
     "REDACT_KEYS": ("persistent_jobs.E030", "For example ['password', 'token']."),
 }
 

@@ -29,6 +29,9 @@ from django.utils.module_loading import import_string
 
 from . import bounds
 
+#: Worker processes ``runjobs`` starts when neither ``--processes`` nor ``PROCESSES`` says.
+RUNJOBS_DEFAULT_PROCESSES = 1
+
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
 #: Kept for callers that imported them from here; ``bounds`` owns them.
 MAX_RETRIES_LIMIT = bounds.MAX_RETRIES_LIMIT
@@ -105,6 +108,11 @@ def _optional_int(*, allow_zero: bool) -> Callable[[str, Any], str | None]:
             return None
         return _number_problem(key, value, integer=True, allow_zero=allow_zero)
     return check
+
+
+def _optional_number(key: str, value: Any) -> str | None:
+    return None if value is None else _number_problem(key, value, integer=False,
+                                                      allow_zero=False)
 
 
 def _seconds_problem(*, allow_zero: bool = False, optional: bool = False,
@@ -398,6 +406,15 @@ class Settings:
     SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
     #: Free hand-backs of one job at shutdown; later ones are charged as attempts.
     HANDBACK_LIMIT = Setting[int](3, _non_negative_int, int)
+    #: Worker processes ``runjobs`` runs handlers in (0: threads of the runjobs process);
+    #: None: ``RUNJOBS_DEFAULT_PROCESSES``. An embedded ``Runner`` does not read it.
+    PROCESSES = Setting[int | None](None, _optional_int(allow_zero=True), _same)
+    #: Recycle a worker process after this many jobs; None: never.
+    MAX_JOBS_PER_WORKER = Setting[int | None](None, _optional_int(allow_zero=False), _same)
+    #: Recycle a worker process whose RSS exceeds this many MiB; None: never.
+    MAX_MEMORY_PER_WORKER = Setting[float | None](None, _optional_number, _same)
+    #: Seconds a timed-out handler's thread gets to return before its worker is recycled.
+    TIMEOUT_GRACE = Setting[float](5.0, _seconds_problem(), seconds)
     #: Payload and result keys the admin shows as "***" (case-insensitive substrings of the
     #: key, at any depth).
     REDACT_KEYS = Setting[tuple[str, ...]](
@@ -522,6 +539,10 @@ class RunnerSettings:
     prefetch: int | None
     database: str
     scheduler_interval: float
+    processes: int = 0
+    max_jobs_per_worker: int | None = None
+    max_memory_per_worker: float | None = None  # MiB
+    timeout_grace: float = 5.0
 
     @classmethod
     def load(cls, **overrides: Any) -> RunnerSettings:
@@ -542,6 +563,10 @@ class RunnerSettings:
             "prefetch": settings.PREFETCH,
             "database": settings.DATABASE,
             "scheduler_interval": settings.SCHEDULER_INTERVAL,
+            "processes": settings.PROCESSES or 0,
+            "max_jobs_per_worker": settings.MAX_JOBS_PER_WORKER,
+            "max_memory_per_worker": settings.MAX_MEMORY_PER_WORKER,
+            "timeout_grace": settings.TIMEOUT_GRACE,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values["prefetch"] is None:

@@ -40,3 +40,11 @@ echo "==> makemigrations --check (Django $DJANGO_SERIES)"
 DJANGO_SETTINGS_MODULE=tests.settings "$PYBIN" manage.py makemigrations --check --dry-run
 echo "==> pytest (Django $DJANGO_SERIES, $("$PYBIN" -c 'import sys; print("Python %d.%d" % sys.version_info[:2])'))"
 "$PYBIN" -m pytest "$@"
+if [ "$#" -eq 0 ] && [ "$DJANGO_SERIES" = "6.1" ]; then
+    # The fault suite again, with every runner running its jobs in a worker process: the
+    # guarantees hold in both process models (tests/faults/harness.py: PJ_TEST_PROCESSES).
+    # Once, on the newest series: the process model does not depend on the Django series.
+    echo "==> pytest tests/faults with worker processes"
+    PJ_TEST_PROCESSES=1 "$PYBIN" -m pytest tests/faults -q \
+        --deselect tests/faults/test_worker_processes.py
+fi

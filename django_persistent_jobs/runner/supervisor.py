@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -48,10 +49,11 @@ from .execute import (
     execute,
     record_outcome,
 )
+from .executor import Executor
 from .heartbeat import heartbeat_loop, rescue_loop
 from .listener import listen_loop
 from .loop import Loop
-from .pool import WorkerPool
+from .threads import ThreadExecutor
 
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
@@ -103,7 +105,7 @@ class _Unsettled:
 
     item: InFlight
     outcome: Outcome
-    attempt_outcome: str
+    attempt_outcome: str | None
     terminated: bool = False
     locked: bool = False  # the last try found the job's row locked (not the database away)
     retry_at: float = 0.0  # while the database is away, not before this (monotonic)
@@ -117,13 +119,15 @@ class Runner:
         poll_interval: float | None = None, burst: bool = False,
         shutdown_grace: float | None = None, runner_id: str | None = None,
         scheduler: bool = True, cleanup: bool = True, name: str | None = None,
-        database_wait: float | None = None, liveness_sidecar: bool = True,
+        database_wait: float | None = None, liveness_sidecar: bool = True, processes: int = 0,
     ) -> None:
         problems = [msg for spec in registry for msg in spec.errors]
         if problems:
             raise ConfigurationError("Invalid job handlers: " + "; ".join(problems))
         if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency!r}.")
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+            raise ConfigurationError(f"processes must be >= 0, got {processes!r}.")
         if poll_interval is not None and poll_interval <= 0:
             raise ConfigurationError(f"poll_interval must be > 0, got {poll_interval!r}.")
         if database_wait is not None and not database_wait >= 0:
@@ -167,8 +171,9 @@ class Runner:
         self.finished = threading.Event()
         self.cleanup_due_now = True
         self.exit_code = EXIT_OK
-        self.pool = WorkerPool(self.settings.concurrency, self._execute, self._worker_crashed,
-                               prefetch=self.settings.prefetch or 0)
+        self.processes = processes
+        self._lost: queue.SimpleQueue[tuple[InFlight, str]] = queue.SimpleQueue()
+        self.pool: Executor = self._make_executor()
         # Liveness as this runner itself knows it (monotonic, maintained by the heartbeat loop):
         # the last successful heartbeat, and since when beats have come without a gap.
         self.last_beat: float | None = None
@@ -268,9 +273,55 @@ class Runner:
         self._extra_loops.append((name, body))
 
     # ---------------------------------------------------------------- internals
+    def _make_executor(self) -> Executor:
+        """The composition root's one choice: where job code runs.
+
+        With ``processes`` the runner is a supervisor that runs no job code: handlers run in
+        worker processes, so nothing they do (hold the GIL, block in C, crash the interpreter)
+        can starve its heartbeat or its timeouts. Without, they run on threads here.
+        """
+        settings = self.settings
+        if not self.processes:
+            return ThreadExecutor(settings.concurrency, self._execute, self._worker_crashed,
+                                  prefetch=settings.prefetch or 0)
+        from .workers.manager import ProcessExecutor
+
+        return ProcessExecutor(
+            self.processes, settings.concurrency, alias=self.alias, runner_id=self.runner_id,
+            on_lost=self._settle_lost, on_crash=self._worker_crashed,
+            on_failure=self._executor_failed,
+            max_jobs=settings.max_jobs_per_worker,
+            max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
+            log_level=logging.getLogger("django_persistent_jobs").level or None,
+        )
+
+    def _executor_failed(self, exc: BaseException) -> None:
+        """The executor cannot run jobs any more: stop loudly, like a runner whose loop died."""
+        logger.critical("stopping runner %s: its executor failed: %r", self.runner_id, exc,
+                        extra={"event": "runner_failed", "runner_id": self.runner_id})
+        self.exit_code = EXIT_LOOP_DIED
+        self.request_stop()
+
+    def _settle_lost(self, item: InFlight, why: str) -> None:
+        """A worker process died under this job (called by the executor's thread): the
+        supervisor settles it on its next tick, like a timeout."""
+        self._lost.put((item, why))
+
+    def _settle_lost_jobs(self) -> None:
+        """The attempt is charged (``WORKER_LOST``), so a job that kills its worker every time
+        ends dead-lettered after its retries, like any poison pill."""
+        while not self._lost.empty():
+            item, why = self._lost.get()
+            self._take_over(item, Outcome(
+                "retry", "WORKER_LOST", why,
+                delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
+            ), None)
+
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:
-            if self.stopping.is_set():
+            # ``_stop_requested_at`` is set first thing by the first signal's handler, which a
+            # second signal can interrupt before ``stopping`` is set.
+            if self.stopping.is_set() or self._stop_requested_at is not None:
                 logger.warning("second signal: stopping now; handing running jobs back",
                                extra={"event": "force_stop"})
                 self.force_stop()
@@ -284,6 +335,9 @@ class Runner:
         self._wait_for_database()
         if self.stopping.is_set():
             return
+        # Worker processes take a moment to set Django up: start them before the runner
+        # registers, so that a registered runner is one that can run jobs.
+        self.pool.start()
         try:
             run_with_retry(self.alias, self.register, what="registering the runner",
                            interrupt=self.stopping)
@@ -297,7 +351,6 @@ class Runner:
         note_beat(self)
         self._warn_about_namesakes()
         self._start_sidecar()
-        self.pool.start()
         bodies: list[tuple[str, Callable[[Runner], None]]] = [
             ("listener", listen_loop), ("claimer", claim_loop), ("heartbeat", heartbeat_loop),
             ("rescue", rescue_loop),
@@ -320,8 +373,9 @@ class Runner:
             loop.start()
         self.started.set()
         logger.info(
-            "runner %s started: name=%s concurrency=%d queues=%s poll=%.2fs handlers=%d%s",
-            self.runner_id, self.name, self.settings.concurrency,
+            "runner %s started: name=%s %sconcurrency=%d queues=%s poll=%.2fs handlers=%d%s",
+            self.runner_id, self.name,
+            f"processes={self.processes} " if self.processes else "", self.settings.concurrency,
             ",".join(self.settings.queues) if self.settings.queues else "*",
             self.settings.poll_interval, len(registry), " (burst)" if self.burst else "",
             extra={"event": "runner_started", "runner_id": self.runner_id},
@@ -354,8 +408,8 @@ class Runner:
     def _start_sidecar(self) -> None:
         from . import sidecar
 
-        if not self.use_sidecar or not sidecar.supported():
-            return
+        if not self.use_sidecar or self.processes or not sidecar.supported():
+            return  # with worker processes no handler shares this interpreter: nothing to cover
         try:
             self.sidecar = sidecar.LivenessSidecar.for_alias(
                 self.alias, self.runner_id, self.settings.heartbeat_interval)
@@ -582,6 +636,7 @@ class Runner:
         self._shutdown()
 
     def _enforce_timeouts(self) -> None:
+        self._settle_lost_jobs()
         now = time.monotonic()
         if now - self._vouched_at >= VOUCH_SECONDS:
             self._vouched_at = now
@@ -595,7 +650,7 @@ class Runner:
                 ), "timed_out")
         self._settle_taken_over()
 
-    def _take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str) -> None:
+    def _take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str | None) -> None:
         """Take a job from its worker, then settle it: kill the handler's connection (so it can
         commit nothing), interrupt its thread, record the outcome (fenced).
 

@@ -9,8 +9,8 @@ commit of the same job would show up as a second row instead of being stopped by
 Payload keys (all optional):
 
 ``upto``          apply the fault below only while ``ctx.attempt <= upto`` (default: always)
-``pid``           apply the fault only in the runner process with this pid (a hand-back does
-                  not charge the attempt, so ``upto`` cannot tell the runs apart)
+``pid``           apply the fault only in the runner process with this pid or its workers (a
+                  hand-back does not charge the attempt, so ``upto`` cannot tell the runs apart)
 ``report_pid``    publish the handler's backend pid as progress before the fault
 ``sleep``         ``time.sleep`` this many seconds (releases the GIL, like waiting on I/O)
 ``spin``          busy-loop this many seconds in pure Python (``-1``: ``while True: pass``)
@@ -47,7 +47,8 @@ def _faulty(payload: dict[str, Any], ctx: JobContext) -> bool:
     upto = payload.get("upto")
     if upto is not None and ctx.attempt > int(upto):
         return False
-    return payload.get("pid") in (None, os.getpid())
+    # A runner with worker processes runs the handler in a child of the runner's process.
+    return payload.get("pid") in (None, os.getpid(), os.getppid())
 
 
 @job_handler("faults.ledger", max_retries=3, backoff=constant(0.2), timeout=60)

@@ -35,6 +35,9 @@ FAST_SETTINGS: dict[str, Any] = {
     "SHUTDOWN_GRACE": 3,
     "CLEANUP_INTERVAL": 3600,
 }
+#: Where the suite's runners run job code: ``0`` on threads of the runner process, ``N`` in N
+#: worker processes. CI runs the suite both ways (``PJ_TEST_PROCESSES=1`` for the second).
+PROCESSES = os.environ.get("PJ_TEST_PROCESSES", "0")
 APP_PREFIX = "pjfaults-"
 _STARTED = re.compile(r"runner (\S+) started")
 
@@ -88,7 +91,12 @@ class RunnerProcess:
         return self.proc.poll() is None
 
     def send(self, sig: int) -> None:
-        os.kill(self.pid, sig)
+        if sig in (signal.SIGSTOP, signal.SIGCONT):
+            # Freeze or thaw the whole runner: its worker processes too, if it has any (they
+            # share its process group; it leads one of its own).
+            os.killpg(self.pid, sig)
+        else:
+            os.kill(self.pid, sig)
 
     def kill(self) -> None:
         """SIGKILL and reap: no handler runs, no shutdown code, sockets just close."""
@@ -190,6 +198,8 @@ class Fleet:
             "PJ_TEST_SETTINGS": json.dumps({**FAST_SETTINGS, **(settings or {})}),
             "PJ_TEST_LOG": "INFO",
         })
+        if command is None and "--processes" not in args:
+            args = [*args, "--processes", PROCESSES]
         argv = [sys.executable, str(ROOT / "manage.py"), *(command or [
             "runjobs", "--no-scheduler", "--concurrency", str(concurrency), *args])]
         if pid_namespace:

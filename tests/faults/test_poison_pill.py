@@ -11,6 +11,7 @@ import time
 import pytest
 
 from .harness import (
+    PROCESSES,
     STALE,
     Fleet,
     RunnerProcess,
@@ -50,6 +51,9 @@ def test_poison_pill_is_dead_lettered_and_runners_keep_serving(fleet: Fleet) -> 
 
     row = job_row(pill)
     assert row["status"] == "dead_lettered" and row["attempts"] == RETRIES + 1
+    if PROCESSES != "0":
+        _check_worker_processes_contained_the_pill(pill, others, deaths, runners, row)
+        return
     assert row["code"] == "RUNNER_LOST"
     attempts = sql("SELECT runner_id, outcome, error_code FROM persistent_jobs_attempts "
                    "WHERE job_id = %s ORDER BY id", [pill])
@@ -66,3 +70,22 @@ def test_poison_pill_is_dead_lettered_and_runners_keep_serving(fleet: Fleet) -> 
     report("poison_pill", max_retries=RETRIES, runner_deaths=len(deaths),
            other_jobs=len(others), other_jobs_rescued=verdict.outcomes[("rescued",
                                                                         "RUNNER_LOST")])
+
+
+def _check_worker_processes_contained_the_pill(
+    pill: object, others: list[object], deaths: list[RunnerProcess], runners: list[RunnerProcess],
+    row: dict[str, object],
+) -> None:
+    """With worker processes the pill kills a worker, never a runner: each attempt is settled
+    at once as ``WORKER_LOST`` (charged), and only jobs sharing that worker are retried."""
+    assert row["code"] == "WORKER_LOST"
+    attempts = sql("SELECT outcome, error_code FROM persistent_jobs_attempts WHERE job_id = %s "
+                   "ORDER BY id", [pill])
+    assert attempts == [("failed", "WORKER_LOST")] * RETRIES + [("dead_lettered", "WORKER_LOST")]
+    assert deaths == []
+    assert ledger_of(pill) == []
+    verify([pill], require_completed=False)
+    verdict = verify(others)
+    assert all((a.outcome, a.error_code) in {("completed", ""), ("failed", "WORKER_LOST")}
+               for a in verdict.attempts)
+    assert all(r.alive for r in runners)

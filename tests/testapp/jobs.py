@@ -57,6 +57,7 @@ def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
 # every runner subprocess (autodiscovery imports each installed app's ``jobs`` module).
 from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
 from tests.faults import liveness_handlers as _liveness_handlers  # noqa: E402, F401
+from tests.faults import process_handlers as _process_handlers  # noqa: E402, F401
 
 # Handlers for the operator-console tests (admin, dashboard, browser).
 from tests.testapp import console_jobs as _console_jobs  # noqa: E402, F401

@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_persistent_jobs import conf
 from django_persistent_jobs.errors import ConfigurationError
 from django_persistent_jobs.runner import Runner
 from django_persistent_jobs.runner.db import DatabaseUnreachable
@@ -18,7 +19,13 @@ class Command(BaseCommand):
             "within the grace period; a second signal stops at once.")
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--concurrency", type=int, help="Jobs run at once (default: setting).")
+        parser.add_argument(
+            "--processes", type=int,
+            help="Worker processes that run the jobs, each with --concurrency threads; 0 runs "
+                 "them on threads of this process (default: PROCESSES setting, else "
+                 f"{conf.RUNJOBS_DEFAULT_PROCESSES}).")
+        parser.add_argument("--concurrency", type=int,
+                            help="Jobs run at once (per worker process; default: setting).")
         parser.add_argument("--queues", help="Comma-separated queues to serve (default: all).")
         parser.add_argument("--burst", action="store_true",
                             help="Process every job that is due, then exit 0.")
@@ -41,6 +48,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["concurrency"] is not None and options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1.")
+        if options["processes"] is not None and options["processes"] < 0:
+            raise CommandError("--processes must be 0 or more.")
+        processes = options["processes"]
         if options["poll_interval"] is not None and options["poll_interval"] <= 0:
             raise CommandError("--poll-interval must be greater than 0.")
         if options["database_wait"] is not None and not options["database_wait"] >= 0:
@@ -66,10 +76,14 @@ class Command(BaseCommand):
 
             serve_for_command(options["metrics_port"])
         try:
+            if processes is None:
+                configured = conf.settings.PROCESSES  # checked: ConfigurationError if invalid
+                processes = conf.RUNJOBS_DEFAULT_PROCESSES if configured is None else configured
             runner = Runner(
                 concurrency=options["concurrency"], queues=queues,
                 poll_interval=options["poll_interval"], burst=options["burst"],
                 shutdown_grace=options["grace"], scheduler=not options["no_scheduler"],
+                processes=processes,
                 name=options["name"], database_wait=options["database_wait"],
             )
             code = runner.run(install_signal_handlers=True)

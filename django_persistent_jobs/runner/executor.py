@@ -1,0 +1,59 @@
+"""What the supervisor needs from whatever runs job code: the executor interface.
+
+Two implementations exist. ``threads.ThreadExecutor`` runs handlers on threads of the runner's
+own process (the embedded runner, ``runjobs --processes 0``). ``workers.ProcessExecutor`` runs
+them in worker processes, so the supervisor (heartbeat, LISTEN, claiming, timeouts, rescue)
+runs no job code at all. The supervisor and its loops see only this interface; which one runs is
+decided in one place, the runner's composition root.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from .execute import InFlight
+
+
+class Executor(Protocol):
+    """Slots for claimed jobs, and the means to take a job back from whoever runs it."""
+
+    #: Notified whenever a job leaves the executor (finished, taken over, lost).
+    changed: threading.Condition
+    #: Claimed jobs the executor holds, by job id (the cancel relay looks jobs up here).
+    in_flight: dict[object, InFlight]
+
+    def start(self) -> None:
+        """Start the threads or processes; returns once jobs can be accepted."""
+
+    @property
+    def busy(self) -> int:
+        """Jobs held (started or waiting to start)."""
+
+    def free_slots(self) -> int: ...
+
+    def wait_for_free_slot(self, timeout: float) -> int:
+        """Block until a slot is free or ``timeout``; return the number of free slots."""
+
+    def submit(self, item: InFlight) -> bool:
+        """Accept a claimed job; False once sealed (the caller then hands the job back)."""
+
+    def seal(self) -> None:
+        """Accept no more jobs: the runner is stopping."""
+
+    def unstarted(self) -> list[InFlight]:
+        """Jobs accepted but not started (after ``seal()`` none will start)."""
+
+    def snapshot(self) -> list[InFlight]: ...
+
+    def take_over(self, item: InFlight) -> bool:
+        """Detach a job so the supervisor can settle it and free its slot; False if it already
+        finished."""
+
+    def interrupt(self, item: InFlight, exc_type: type[BaseException]) -> bool:
+        """Stop the handler still running a taken-over job, as far as the executor can."""
+
+    def close(self) -> None:
+        """No more work: let threads or processes exit."""
+
+    def join(self, timeout: float) -> None: ...

@@ -1,0 +1,292 @@
+"""``runjobs --processes N``: a supervisor that runs no job code, and worker processes that can
+hold the GIL, block in C or die without taking the runner's promises with them.
+
+Real ``runjobs`` processes, real PostgreSQL; synchronisation by log lines and database states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import transaction
+
+from django_persistent_jobs import cancel_job, enqueue
+
+from .harness import (
+    STALE,
+    Fleet,
+    RunnerProcess,
+    attempts_of,
+    enqueue_jobs,
+    job_row,
+    ledger_of,
+    sql_value,
+    verify,
+    wait_all_terminal,
+    wait_status,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
+
+_WORKER = re.compile(r"worker (\d+) started \(pid (\d+)\)")
+
+
+def worker_pids(runner: RunnerProcess) -> list[int]:
+    """Pids of the runner's worker processes that are alive now (from its log)."""
+    pids = [int(m.group(2)) for m in runner.find(_WORKER.pattern)]
+    return [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def enqueue_typed(job_type: str, payload: dict[str, Any] | None = None, **options: Any) -> Any:
+    with transaction.atomic():
+        return enqueue(job_type, payload or {}, **options).id
+
+
+def test_two_workers_drain_exactly_once_and_sigterm_exits_zero(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "2"], concurrency=3)
+    wait_until(lambda: len(worker_pids(runner)) == 2, 30, "two workers")
+    assert set(worker_pids(runner)) <= set(children(runner.pid))
+    ids = enqueue_jobs(300)
+    wait_all_terminal(ids, timeout=90)
+    verdict = verify(ids)
+    assert {outcome for outcome, _ in verdict.outcomes} == {"completed"}
+    assert sql_value("SELECT max(attempts) FROM persistent_jobs WHERE id = ANY(%s)", [ids]) == 1
+    # The handlers ran in the workers, never in the supervisor, and both workers took jobs.
+    pids = {row[0] for row in _ledger_pids(ids)}
+    assert runner.pid not in pids
+    assert pids == set(worker_pids(runner)), (pids, worker_pids(runner))
+    workers = worker_pids(runner)
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(30) == 0
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 10, "workers to exit")
+
+
+def _ledger_pids(ids: list[Any]) -> list[tuple[Any, ...]]:
+    from .harness import sql
+
+    return sql("SELECT DISTINCT pid FROM faults_ledger WHERE job_id = ANY(%s)", [list(ids)])
+
+
+def test_a_handler_holding_the_gil_for_three_stale_timeouts_completes_first_time(
+    fleet: Fleet,
+) -> None:
+    """Two runners; one job holds its worker's GIL in C for 3x the stale-lock timeout. The
+    supervisor's heartbeat is in another process, so nobody declares the runner dead."""
+    first, second = (fleet.spawn(args=["--processes", "1"], concurrency=2) for _ in range(2))
+    job_id = enqueue_typed("procs.gil", {"seconds": int(3 * STALE)})
+    row = wait_status(job_id, "completed", timeout=60)
+    assert row["attempts"] == 1
+    assert [(a.attempt, a.outcome) for a in attempts_of([job_id])] == [(1, "completed")]
+    assert len(ledger_of(job_id)) == 1
+    assert first.alive and second.alive
+    assert not first.find("presumed dead") and not second.find("presumed dead")
+
+
+def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_replaced(
+    fleet: Fleet,
+) -> None:
+    """Timeout 1 s, blocked in ``sleep(3600)``: the slot is free at the timeout (a job queued
+    behind it runs at once) and the stuck worker is killed and replaced after the grace."""
+    grace = 3.0
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"TIMEOUT_GRACE": grace})
+    wait_until(lambda: worker_pids(runner), 30, "a worker")
+    (stuck_worker,) = worker_pids(runner)
+    blocked = enqueue_typed("procs.c_sleep", {"report": True})
+    progress = wait_until(lambda: job_row(blocked)["progress"], 20, "the handler to start")
+    started = time.monotonic()
+    follower = enqueue_jobs(1)[0]  # waits for the only slot
+    row = wait_status(blocked, "dead_lettered", timeout=10)
+    freed = time.monotonic() - started
+    assert row["code"] == "TIMEOUT"
+    assert freed <= 1.0 + grace + 1.0, freed
+    # Its database session was terminated at the timeout: nothing it does can commit.
+    wait_until(lambda: not sql_value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                     [progress["backend"]]), 1.5, "the session to be terminated")
+    wait_status(follower, "completed", timeout=10)
+    # The stuck thread never returns, so its process goes: killed after the grace, replaced.
+    runner.wait_line(r"recycling worker 1 .*did not return", timeout=10)
+    wait_until(lambda: not _alive(stuck_worker), 10, "the stuck worker to be killed")
+    killed_after = time.monotonic() - started
+    assert killed_after <= 1.0 + 2 * grace + 3.0, killed_after
+    wait_until(lambda: len(worker_pids(runner)) == 1, 30, "a replacement worker")
+    assert worker_pids(runner) != [stuck_worker]
+    later = enqueue_jobs(3)
+    wait_all_terminal(later, timeout=30)
+    verify([follower, *later])
+    assert len(ledger_of(blocked)) == 0
+    assert runner.alive
+
+
+def test_sigkill_of_a_worker_settles_its_jobs_within_a_second_and_draining_goes_on(
+    fleet: Fleet,
+) -> None:
+    runner = fleet.spawn(args=["--processes", "2"], concurrency=2)
+    wait_until(lambda: len(worker_pids(runner)) == 2, 30, "two workers")
+    ids = [enqueue_typed("procs.pid", {"sleep": 6}) for _ in range(4)]
+
+    def pids_running() -> dict[Any, int] | None:
+        rows = {job_id: (job_row(job_id)["progress"] or {}).get("pid") for job_id in ids}
+        return rows if all(rows.values()) else None
+
+    where = wait_until(pids_running, 30, "four jobs running")
+    victim = next(iter(where.values()))
+    victims = [job_id for job_id, pid in where.items() if pid == victim]
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: all(job_row(j)["status"] != "running" or job_row(j)["attempts"] > 1
+                           for j in victims), 5, "the dead worker's jobs to be settled",
+               interval=0.02)
+    settled = time.monotonic() - killed
+    assert settled <= 1.0, settled
+    lost = [a for a in attempts_of(victims) if a.attempt == 1]
+    assert {(a.outcome, a.error_code) for a in lost} == {("failed", "WORKER_LOST")}
+    runner.wait_line(rf"worker \d+ \(pid {victim}\) died \(killed by signal 9\)", timeout=5)
+    more = enqueue_jobs(30)
+    wait_all_terminal([*ids, *more], timeout=60)
+    verdict = verify([*ids, *more])
+    assert verdict.statuses["completed"] == 34
+    assert runner.alive
+    assert len(worker_pids(runner)) == 2 and victim not in worker_pids(runner)
+
+
+def test_a_poison_pill_that_gets_its_worker_oom_killed_is_dead_lettered(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2)
+    pill = enqueue_typed("procs.oom")
+    others = enqueue_jobs(10)
+    row = wait_status(pill, "dead_lettered", timeout=60)
+    assert row["attempts"] == 3 and row["code"] == "WORKER_LOST"
+    assert [(a.outcome, a.error_code) for a in attempts_of([pill])] == [
+        ("failed", "WORKER_LOST"), ("failed", "WORKER_LOST"), ("dead_lettered", "WORKER_LOST")]
+    assert ledger_of(pill) == []  # killed mid-transaction: its write never committed
+    wait_all_terminal(others, timeout=60)
+    verify(others)
+    assert runner.alive and len(runner.find(r"runner \S+ started:")) == 1
+
+
+def test_sigkill_of_the_supervisor_leaves_no_worker_running(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "2"], concurrency=2)
+    wait_until(lambda: len(worker_pids(runner)) == 2, 30, "two workers")
+    workers = worker_pids(runner)
+    job_id = enqueue_typed("procs.pid", {"sleep": 30})
+    wait_until(lambda: (job_row(job_id)["progress"] or {}).get("pid"), 20, "the job to start")
+    runner.kill()
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to die")
+    assert ledger_of(job_id) == []
+
+
+def test_sigterm_lets_jobs_finish_within_the_grace_hands_back_the_rest_and_exits_zero(
+    fleet: Fleet,
+) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2,
+                         settings={"SHUTDOWN_GRACE": 3})
+    workers = wait_until(lambda: worker_pids(runner), 30, "a worker")
+    short = enqueue_typed("procs.pid", {"sleep": 1})
+    long = enqueue_typed("procs.pid", {"sleep": 60})
+    for job_id in (short, long):
+        wait_until(lambda job_id=job_id: job_row(job_id)["progress"], 20, "both jobs to start")
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(20) == 0
+    assert job_row(short)["status"] == "completed"
+    handed = job_row(long)
+    assert handed["status"] == "pending" and handed["attempts"] == 0
+    assert [a.outcome for a in attempts_of([long])] == ["interrupted"]
+    assert ledger_of(long) == []
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
+
+
+def test_a_second_signal_stops_at_once(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"SHUTDOWN_GRACE": 60})
+    workers = wait_until(lambda: worker_pids(runner), 30, "a worker")
+    job_id = enqueue_typed("procs.pid", {"sleep": 60})
+    wait_until(lambda: job_row(job_id)["progress"], 20, "the job to start")
+    runner.send(signal.SIGTERM)
+    runner.wait_line("stopping", timeout=10)
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(15) == 1
+    assert job_row(job_id)["status"] == "pending"
+    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
+
+
+def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2,
+                         settings={"MAX_JOBS_PER_WORKER": 5})
+    ids = enqueue_jobs(20)
+    wait_all_terminal(ids, timeout=90)
+    verify(ids)
+    assert len(_ledger_pids(ids)) >= 4  # 5 jobs per process, at most
+    assert runner.find("MAX_JOBS_PER_WORKER")
+    # A replacement worker is the supervisor's like the first: a shutdown gives its job the
+    # grace period (it is not killed when the claim loop stops).
+    last = enqueue_typed("procs.pid", {"sleep": 1.5})
+    wait_until(lambda: job_row(last)["progress"], 20, "the job to start")
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(20) == 0
+    assert job_row(last)["status"] == "completed"
+    assert [(a.attempt, a.outcome) for a in attempts_of([last])] == [(1, "completed")]
+
+    hungry = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"MAX_MEMORY_PER_WORKER": 1})  # every worker is over 1 MiB
+    hungry.wait_line("exceeds MAX_MEMORY_PER_WORKER", timeout=30)
+    more = enqueue_jobs(5)
+    wait_all_terminal(more, timeout=90)
+    verify(more)
+
+
+def test_cancel_reaches_a_handler_in_a_worker(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2)
+    job_id = enqueue_typed("procs.pid", {"sleep": 60})
+    wait_until(lambda: job_row(job_id)["progress"], 20, "the job to start")
+    started = time.monotonic()
+    cancel_job(job_id)
+    wait_status(job_id, "cancelled", timeout=10)
+    assert time.monotonic() - started < 5  # the handler saw it, long before its 60 s
+    assert ledger_of(job_id) == []
+    assert runner.alive
+
+
+def test_async_handlers_run_to_completion_in_a_worker(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2)
+    ids = [enqueue_typed("procs.async", {"n": i}) for i in range(5)]
+    wait_all_terminal(ids, timeout=30)
+    verify(ids)
+    pids = {row[0] for row in _ledger_pids(ids)}
+    assert pids and runner.pid not in pids and pids <= set(worker_pids(runner))
+
+
+def test_a_segfaulting_handler_costs_its_attempts_not_the_runner(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1)
+    job_id = enqueue_typed("procs.segfault")
+    row = wait_status(job_id, "dead_lettered", timeout=60)
+    assert (row["attempts"], row["code"]) == (2, "WORKER_LOST")
+    runner.wait_line(r"died \(killed by signal 11\)", timeout=5)
+    assert ledger_of(job_id) == []
+    after = enqueue_jobs(5)
+    wait_all_terminal(after, timeout=30)
+    verify(after)
+    assert runner.alive
