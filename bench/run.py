@@ -1,29 +1,32 @@
 #!/usr/bin/env python
-"""Print the django-persistent-jobs performance figures, measured in one run.
+"""Print the django-persistent-jobs performance figures, measured in one run, next to peers.
 
 Usage (from a clone, with PostgreSQL reachable)::
 
-    DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres python bench/run.py [--jobs 20000]
-        [--quick] [--concurrency 2,4,8,16] [--finished-rows 1000000] [--memory]
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres python bench/run.py [--quick]
+        [--jobs 10000] [--only drain,backlog] [--finished-rows 1000000] [--memory]
 
 The database named in DATABASE_URL is only used to (re)create the benchmark database ``pj_bench``
 (``PJ_BENCH_DB`` overrides the name) on the same server; everything else happens there, so the
-figures never touch anyone's data. Why one run: the development machine has two cores shared with
-PostgreSQL (and with whatever else runs), so absolute numbers move by tens of percent from minute
-to minute; the targets are therefore ratios between figures taken minutes apart in the same run.
+figures never touch anyone's data. Why one run: on a small shared machine absolute numbers move
+by tens of percent from minute to minute, so the figures that matter are ratios between
+measurements taken minutes apart in the same run. Nothing VACUUMs the tables during a measurement.
 
-Figures:
+Sections (the workload letters are those of the shared peer harness, ``shared/bench-peers``):
 
-* pgbench ceiling - the one-job claim-and-complete transaction (the runner's own claim and
-  completion statements, taken from ``runner/store.py``) run by 4 pgbench clients over the same
-  number of prefilled jobs, durable commits. What PostgreSQL can do for this work with no Python.
-* drain - one ``manage.py runjobs`` subprocess drains the same number of committed no-op jobs
-  (atomic handlers, the normal path), for several ``--concurrency`` values; jobs/s from the
-  enqueuing commit to the last completion, the runner's CPU per job, and the ratio to the ceiling.
-* pickup latency - an idle runner; one job committed at a time; the handler notes the wall-clock
-  time it started; latency = handler start - enqueuing commit.
-* enqueue - ``enqueue()`` latency, each call its own autocommit transaction, and the
-  ``enqueue_many()`` rate in batches and in one big batch.
+* reference - pgbench, 4 clients, the minimal one-statement claim-and-complete on a bare table
+  (``UPDATE ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED)``), durable commits: what one
+  durable job transaction costs on this machine. Measured before and after the drains.
+* drain - C: one ``runjobs`` at default settings drains ``--jobs`` committed no-op jobs (atomic
+  handlers, the normal path), and again per extra ``--concurrency``; D: two ``runjobs``
+  processes. jobs/s from the enqueuing commit to the last completion, CPU per job.
+* backlog - C with ``--backlog-factor`` times more jobs, then the same while another session
+  holds a REPEATABLE READ snapshot open for the whole drain.
+* pickup (E) - an idle runner; one job committed at a time; latency = handler start - commit.
+* enqueue (A, B) - ``enqueue()`` latency, each call its own transaction; ``enqueue_many()``.
+* peers - when the shared harness and its venv (``PEERS_VENV``, default ~/.cache/peers-venv, with
+  pgqueuer and procrastinate) exist, their runners are run with the same job count, and the
+  table shows their figures with our ratio to them.
 * optional: drain rate with many finished rows in the table, and the runner's RSS over repeated
   drains.
 """
@@ -31,6 +34,8 @@ Figures:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import platform
 import random
@@ -41,7 +46,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,7 +72,7 @@ PICKUP_CHANNEL = "pj_bench_pickup"
 ENQUEUE_BATCH = 5000
 PGBENCH_CLIENTS = 4
 ACTIVE = "status IN ('pending', 'failed', 'running')"
-SECTIONS = ("ceiling", "drain", "pickup", "enqueue")
+SECTIONS = ("reference", "drain", "backlog", "pickup", "enqueue", "peers")
 
 
 # --------------------------------------------------------------------------- output
@@ -181,7 +185,7 @@ def fill(jobs: int, *, one_transaction: bool, analyze_before_commit: bool = Fals
 
     ``one_transaction`` makes every job visible at the same instant, so a drain starts at a
     well-defined moment however long the inserts took. ``analyze_before_commit`` gives the
-    planner statistics that describe the backlog (as the pgbench ceiling gets), published by the
+    planner statistics that describe the backlog (as the pgbench reference gets), published by the
     same commit, so a live runner plans its claims against a table of this size, not an empty one.
     """
     from django.db import transaction
@@ -242,101 +246,60 @@ def server_facts() -> dict[str, str]:
     }
 
 
-# --------------------------------------------------------------------------- vacuuming
+# --------------------------------------------------------------------------- pgbench reference
 
 
-class Vacuumer:
-    """VACUUMs the job tables every ``interval`` seconds from its own connection, while active.
+REFERENCE_TABLE = "pj_bench_reference"
 
-    Every claimed job leaves a dead row version and dead entries in the claim index; until a
-    VACUUM removes them, each claim steps over all of them, so a queue table that is not
-    vacuumed gets slower with every job it processes (measured on this project's server, which
-    runs with ``autovacuum = off``: a 20,000-job drain fell to 32 jobs/s and 29 ms of PostgreSQL
-    CPU per job). Production servers run autovacuum; this thread stands in for it, identically
-    for the pgbench ceiling and for the drains, so that their ratio compares like with like.
+
+def reference_script() -> str:
+    """The least work a durable job queue can do per job: one statement that picks the oldest
+    pending row with ``FOR UPDATE SKIP LOCKED`` and marks it done, committed on its own.
+
+    Deliberately not the runner's statements: the reference must not get slower when the
+    project's SQL gets heavier, or the drain ratio would flatter us.
     """
-
-    def __init__(self, url: str, interval: float) -> None:
-        self.url = url
-        self.interval = interval
-        self.stop_event = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.runs = 0
-
-    def __enter__(self) -> Vacuumer:
-        if self.interval > 0:
-            self.thread = threading.Thread(target=self._loop, name="bench-vacuum", daemon=True)
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_event.set()
-        if self.thread is not None:
-            self.thread.join()
-
-    def _loop(self) -> None:
-        with psycopg.connect(self.url, autocommit=True) as conn:
-            while not self.stop_event.wait(self.interval):
-                conn.execute("VACUUM persistent_jobs")
-                conn.execute("VACUUM persistent_jobs_attempts")
-                self.runs += 1
+    return (
+        f"UPDATE {REFERENCE_TABLE} SET status = 'completed', finished_at = now() WHERE id = ("
+        f"SELECT id FROM {REFERENCE_TABLE} WHERE status = 'pending' ORDER BY id "
+        "LIMIT 1 FOR UPDATE SKIP LOCKED);\n"
+    )
 
 
-VACUUM_EVERY = 5.0  # seconds; set from --vacuum-every
+def pgbench_reference(bench_url: str, jobs: int, workdir: Path) -> float:
+    """tps of ``PGBENCH_CLIENTS`` clients running the reference over ``jobs`` fresh rows.
 
-
-def vacuuming() -> Vacuumer:
-    return Vacuumer(bench_database_url(), VACUUM_EVERY)
-
-
-# --------------------------------------------------------------------------- pgbench ceiling
-
-
-def pgbench_script(prepared: bool) -> str:
-    """One transaction: the runner's claim statement (limit 1) then its completion statement.
-
-    Both are taken from ``runner/store.py`` at run time, so the ceiling follows the runner's SQL
-    when it changes. In simple-protocol mode pgbench pastes variables into the text, so the job
-    id travels as a quoted literal; in prepared mode it is a bound parameter.
+    Same conditions as the drains: the rows are committed and analysed just before, and nothing
+    vacuums the table during the run, so the reference also pays for the dead index entries its
+    own claims leave behind.
     """
-    from django_persistent_jobs.runner import store
-
-    claim = store.claim_sql(1) % {"runner": "'pgbench'"}
-    claim = claim.rstrip().rstrip(";")
-    if "RETURNING" not in claim[-400:]:
-        raise RuntimeError("runner/store.py's claim statement no longer ends with RETURNING")
-    claim += ", quote_literal(j.id::text) AS pj_qid \\gset"
-    job_ref = ":id" if prepared else ":pj_qid"
-    complete = store._COMPLETE.strip().rstrip(";").replace("%s", "{}", 3)
-    if "%s" in complete:
-        raise RuntimeError("runner/store.py's completion statement has unexpected parameters")
-    complete = complete.format(job_ref, ":lock_token", ":lock_token")
-    return f"BEGIN;\n{claim}\n{complete};\nCOMMIT;\n"
-
-
-def pgbench_ceiling(bench_url: str, jobs: int, prepared: bool, workdir: Path) -> float:
-    """tps of ``PGBENCH_CLIENTS`` clients claiming and completing ``jobs`` prefilled jobs."""
     pgbench = shutil.which("pgbench") or "/usr/bin/pgbench"
     per_client = max(1, jobs // PGBENCH_CLIENTS)
-    reset_jobs()
-    fill(per_client * PGBENCH_CLIENTS + 200, one_transaction=False)  # a margin: never run dry
-    analyze()
-    script = workdir / f"claim_complete_{'prepared' if prepared else 'simple'}.sql"
-    script.write_text(pgbench_script(prepared))
+    execute(f"DROP TABLE IF EXISTS {REFERENCE_TABLE}")
+    execute(f"CREATE TABLE {REFERENCE_TABLE} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            "status text NOT NULL DEFAULT 'pending', payload jsonb NOT NULL DEFAULT '{}', "
+            "finished_at timestamptz)")
+    execute(f"CREATE INDEX {REFERENCE_TABLE}_pending ON {REFERENCE_TABLE} (id) "
+            "WHERE status = 'pending'")
+    execute(f"INSERT INTO {REFERENCE_TABLE} (status) SELECT 'pending' "
+            "FROM generate_series(1, %s)", [per_client * PGBENCH_CLIENTS + 200])
+    execute(f"ANALYZE {REFERENCE_TABLE}")
+    script = workdir / "reference.sql"
+    script.write_text(reference_script())
     cmd = [
         pgbench, "-n", "-f", str(script), "-c", str(PGBENCH_CLIENTS),
         "-j", str(min(PGBENCH_CLIENTS, os.cpu_count() or 1)), "-t", str(per_client),
-        "-M", "prepared" if prepared else "simple", bench_url,
+        "-M", "prepared", bench_url,
     ]
-    with vacuuming():
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     match = re.search(r"tps = ([\d.]+) \(without initial connection time\)", done.stdout)
     if done.returncode != 0 or match is None:
         raise RuntimeError(f"pgbench failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    completed = scalar("SELECT count(*) FROM persistent_jobs WHERE status = 'completed'")
+    completed = scalar(f"SELECT count(*) FROM {REFERENCE_TABLE} WHERE status = 'completed'")
+    execute(f"DROP TABLE {REFERENCE_TABLE}")
     if completed != per_client * PGBENCH_CLIENTS:
-        raise RuntimeError(f"pgbench completed {completed} jobs, expected "
-                           f"{per_client * PGBENCH_CLIENTS}; script: {script}")
+        raise RuntimeError(f"pgbench completed {completed} rows, expected "
+                           f"{per_client * PGBENCH_CLIENTS}")
     return float(match.group(1))
 
 
@@ -460,27 +423,37 @@ class Drain:
         return self.jobs / self.seconds
 
 
-def drain_once(proc: RunnerProcess, jobs: int, *, stall_timeout: float = 60.0) -> Drain:
-    """Commit ``jobs`` no-op jobs at once under a live, idle runner and time them to the last.
+def drain_once(procs: list[RunnerProcess], jobs: int, *, hold_snapshot: bool = False,
+               stall_timeout: float = 60.0) -> Drain:
+    """Commit ``jobs`` no-op jobs at once under live, idle runners and time them to the last.
 
     The clock starts at the enqueuing commit (so Django's start-up is not counted) and stops at
     the last job's ``finished_at``, written by the database in the completing transaction.
     Polling for the end is coarse on purpose: it only decides when to read ``max(finished_at)``.
+    Nothing vacuums the tables meanwhile (autovacuum wakes at most once a minute, and cannot
+    remove anything a held snapshot may still see). ``hold_snapshot`` keeps a REPEATABLE READ
+    transaction open on another connection for the whole drain, as a report query or a long
+    job elsewhere would.
     """
-    cpu_before = proc.cpu_seconds()
+    cpu_before = sum(p.cpu_seconds() for p in procs)
     server_before = server_cpu()
-    with vacuuming():
+    with contextlib.ExitStack() as stack:
+        if hold_snapshot:
+            holder = stack.enter_context(psycopg.connect(bench_database_url()))
+            holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            holder.execute("SELECT count(*) FROM persistent_jobs_runners")  # takes the snapshot
         committed = fill(jobs, one_transaction=True, analyze_before_commit=True)
         remaining, last_change, last_remaining = jobs, time.monotonic(), jobs
         while remaining:
             time.sleep(0.2)
-            proc.check_alive()
+            for p in procs:
+                p.check_alive()
             remaining = scalar(f"SELECT count(*) FROM persistent_jobs WHERE {ACTIVE}")
             if remaining != last_remaining:
                 last_remaining, last_change = remaining, time.monotonic()
             elif time.monotonic() - last_change > stall_timeout:
-                raise RuntimeError(f"drain stalled with {remaining} jobs left:\n{proc.tail()}")
-    cpu_after = proc.cpu_seconds()
+                raise RuntimeError(f"drain stalled with {remaining} jobs left:\n{procs[0].tail()}")
+    cpu_after = sum(p.cpu_seconds() for p in procs)
     server_after = server_cpu()
     server_ms = (
         sum(cpu - server_before.get(pid, 0.0) for pid, cpu in server_after.items()) * 1000 / jobs
@@ -497,18 +470,21 @@ def drain_once(proc: RunnerProcess, jobs: int, *, stall_timeout: float = 60.0) -
     if completed < jobs:
         bad = execute("SELECT status, last_error_code, count(*) FROM persistent_jobs "
                       "WHERE status <> 'completed' GROUP BY 1, 2")
-        raise RuntimeError(f"only {completed}/{jobs} jobs completed: {bad}\n{proc.tail()}")
+        raise RuntimeError(f"only {completed}/{jobs} jobs completed: {bad}\n{procs[0].tail()}")
     return Drain(
-        concurrency=proc.concurrency, jobs=jobs, seconds=float(finished) - committed,
+        concurrency=procs[0].concurrency, jobs=jobs, seconds=float(finished) - committed,
         cpu_ms_per_job=(cpu_after - cpu_before) * 1000 / jobs,
         first_claim_ms=(float(first_start) - committed) * 1000, server_cpu_ms_per_job=server_ms,
     )
 
 
-def measure_drain(concurrency: int | None, jobs: int, workdir: Path) -> Drain:
+def measure_drain(concurrency: int | None, jobs: int, workdir: Path, *, processes: int = 1,
+                  hold_snapshot: bool = False) -> Drain:
+    """A drain by ``processes`` separate ``runjobs`` processes, started on empty tables."""
     reset_jobs()
-    with runner(concurrency, workdir) as proc:
-        return drain_once(proc, jobs)
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(runner(concurrency, workdir)) for _ in range(processes)]
+        return drain_once(procs, jobs, hold_snapshot=hold_snapshot)
 
 
 # --------------------------------------------------------------------------- pickup latency
@@ -616,62 +592,79 @@ def best_of(runs: list[Drain]) -> Drain:
     return max(runs, key=lambda d: d.rate)
 
 
-def measure_ceiling(args: argparse.Namespace, ctx: Context, when: str) -> tuple[float, float]:
-    """One pgbench run per protocol; returns ``(simple, prepared)`` tps and reports them."""
-    say(f"pgbench ceiling {when}: {args.jobs} jobs, {PGBENCH_CLIENTS} clients")
-    simple = pgbench_ceiling(ctx.bench_url, args.jobs, prepared=False, workdir=ctx.workdir)
-    prepared = pgbench_ceiling(ctx.bench_url, args.jobs, prepared=True, workdir=ctx.workdir)
-    ctx.report.add(f"pgbench claim+complete {when}, simple protocol / prepared",
-                   f"{simple:,.0f} / {prepared:,.0f} tps")
-    return simple, prepared
+def measure_reference(args: argparse.Namespace, ctx: Context, when: str) -> float:
+    say(f"pgbench reference {when}: {args.jobs} jobs, {PGBENCH_CLIENTS} clients")
+    tps = pgbench_reference(ctx.bench_url, args.jobs, ctx.workdir)
+    ctx.report.add(f"pgbench one-statement claim+complete {when}", f"{tps:,.0f} tps")
+    return tps
 
 
-def section_ceiling(args: argparse.Namespace, ctx: Context) -> None:
-    """The ceiling is measured before the drains here and again after them (in section_drain).
+def section_reference(args: argparse.Namespace, ctx: Context) -> None:
+    """The reference is measured before the drains here and again after them (in section_drain).
 
-    On a shared two-core machine the load changes from one minute to the next, so a ceiling
+    On a shared two-core machine the load changes from one minute to the next, so a reference
     taken only before the drains would compare figures from different minutes; the mean of the
-    two brackets the drains. The better protocol counts, so the ratio is never flattered.
+    two brackets the drains.
     """
     if not (shutil.which("pgbench") or Path("/usr/bin/pgbench").exists()):
-        ctx.report.notes.append("pgbench not found: no ceiling, drain ratios not computed")
+        ctx.report.notes.append("pgbench not found: no reference, drain ratios not computed")
         return
-    ctx.ceilings.append(measure_ceiling(args, ctx, "before the drains"))
+    ctx.references.append(measure_reference(args, ctx, "before the drains"))
+
+
+def _vs_reference(ctx: Context, rate: float) -> str:
+    return f"{rate / ctx.reference:.2f}x pgbench; " if ctx.reference else ""
 
 
 def section_drain(args: argparse.Namespace, ctx: Context) -> None:
-    drains: list[Drain] = []
+    """C: one runjobs at default settings (and at each ``--concurrency``); D: two of them."""
+    say(f"C: drain of {args.jobs} no-op jobs, one runjobs, default settings")
+    ctx.drain_c = measure_drain(None, args.jobs, ctx.workdir)
+    variants = []
     for concurrency in args.concurrency:
-        say(f"drain of {args.jobs} no-op jobs, concurrency {concurrency}")
-        drains.append(measure_drain(concurrency, args.jobs, ctx.workdir))
-    if ctx.ceilings:
-        ctx.ceilings.append(measure_ceiling(args, ctx, "after the drains"))
-        ctx.ceiling_simple = statistics.mean(simple for simple, _ in ctx.ceilings)
-        ctx.ceiling = statistics.mean(max(pair) for pair in ctx.ceilings)
-        ctx.report.add("pgbench ceiling (better protocol, mean of before and after)",
-                       f"{ctx.ceiling:,.0f} tps")
-    for d in drains:
-        ratio = (f"{d.rate / ctx.ceiling:.2f}x ceiling ({d.rate / ctx.ceiling_simple:.2f}x "
-                 "simple-protocol pgbench); " if ctx.ceiling and ctx.ceiling_simple else "")
-        ctx.report.add(f"drain {args.jobs:,} no-op jobs, runjobs --concurrency {d.concurrency}",
-                       f"{d.rate:,.0f} jobs/s", "", f"{ratio}{cpu_text(d)}")
-    best = best_of(drains)
-    ctx.best_concurrency = best.concurrency
-    if ctx.ceiling:
-        share = best.rate / ctx.ceiling
-        met = "0.8x MET" if share >= 0.8 else (
-            "0.8x MISSED, milestone 0.5x MET" if share >= 0.5 else "0.8x and 0.5x MISSED")
-        ctx.report.add(f"drain, best (concurrency {best.concurrency})",
-                       f"{best.rate:,.0f} jobs/s", ">= 0.8x ceiling (0.5x first)",
-                       f"{share:.2f}x  {met}")
-    ctx.report.add("runner CPU per job at the best drain", f"{best.cpu_ms_per_job:.2f} ms",
-                   "(PgQueuer 0.24, Procrastinate 1.9)")
+        say(f"C: drain of {args.jobs} no-op jobs, one runjobs --concurrency {concurrency}")
+        variants.append(measure_drain(concurrency, args.jobs, ctx.workdir))
+    say(f"D: drain of {args.jobs} no-op jobs, two runjobs processes, default settings")
+    ctx.drain_d = measure_drain(None, args.jobs, ctx.workdir, processes=2)
+    if ctx.references:
+        ctx.references.append(measure_reference(args, ctx, "after the drains"))
+        ctx.reference = statistics.mean(ctx.references)
+        ctx.report.add("pgbench reference (mean of before and after)", f"{ctx.reference:,.0f} tps")
+    c, d = ctx.drain_c, ctx.drain_d
+    ctx.report.add(f"C drain {args.jobs:,} no-op jobs, runjobs defaults", f"{c.rate:,.0f} jobs/s",
+                   "", f"{_vs_reference(ctx, c.rate)}{cpu_text(c)}")
+    for v in variants:
+        ctx.report.add(f"C drain, runjobs --concurrency {v.concurrency}", f"{v.rate:,.0f} jobs/s",
+                       "", f"{_vs_reference(ctx, v.rate)}{cpu_text(v)}")
+    ratio = d.rate / c.rate
+    ctx.report.add("D drain, two runjobs processes, defaults", f"{d.rate:,.0f} jobs/s",
+                   ">= 1.6x C", verdict(ratio >= 1.6, f"{ratio:.2f}x C"))
+
+
+def section_backlog(args: argparse.Namespace, ctx: Context) -> None:
+    """Flat cost: ``--backlog-factor`` times the jobs, then the same with a snapshot held."""
+    base = ctx.drain_c
+    if base is None:
+        say(f"C: drain of {args.jobs} no-op jobs, default settings (backlog baseline)")
+        base = ctx.drain_c = measure_drain(None, args.jobs, ctx.workdir)
+    big = args.jobs * args.backlog_factor
+    say(f"backlog: drain of {big} no-op jobs, default settings")
+    large = measure_drain(None, big, ctx.workdir)
+    say(f"backlog: drain of {big} no-op jobs with a REPEATABLE READ snapshot held")
+    held = measure_drain(None, big, ctx.workdir, hold_snapshot=True)
+    ratio = large.rate / base.rate
+    ctx.report.add(f"C drain {big:,} jobs (vs {args.jobs:,})", f"{large.rate:,.0f} jobs/s",
+                   f">= 0.9x {args.jobs:,}", verdict(ratio >= 0.9, f"{ratio:.2f}x"))
+    ratio = held.rate / large.rate
+    ctx.report.add(f"C drain {big:,} jobs, snapshot held throughout", f"{held.rate:,.0f} jobs/s",
+                   ">= 0.8x unheld", verdict(ratio >= 0.8, f"{ratio:.2f}x; {cpu_text(held)}"))
 
 
 def section_pickup(args: argparse.Namespace, ctx: Context) -> None:
     say(f"pickup latency, {args.pickup_samples} samples")
     from_commit, from_call = measure_pickup(ctx.bench_url, args.pickup_samples, ctx.workdir)
     p50, p99 = pct(from_commit, 50), pct(from_commit, 99)
+    ctx.ours["E"] = (p50, p99)
     ctx.report.add("pickup latency p50 (commit -> handler start)", f"{p50:.2f} ms",
                    "<= 1.5 ms", verdict(p50 <= 1.5, f"{p50 / 1.5:.2f}x target"))
     ctx.report.add("pickup latency p99 (commit -> handler start)", f"{p99:.2f} ms", "<= 8 ms",
@@ -685,6 +678,7 @@ def section_enqueue(args: argparse.Namespace, ctx: Context) -> None:
     durations = measure_enqueue(args.enqueue_samples)
     floor = measure_commit_floor(ctx.bench_url, args.enqueue_samples)
     e99 = pct(durations, 99)
+    ctx.ours["A"] = e99
     ctx.report.add("enqueue() p50 (own transaction, commit included)",
                    f"{pct(durations, 50):.2f} ms")
     ctx.report.add("enqueue() p99 (own transaction, commit included)", f"{e99:.2f} ms",
@@ -695,11 +689,144 @@ def section_enqueue(args: argparse.Namespace, ctx: Context) -> None:
     say(f"enqueue_many() {args.many_total} jobs")
     batched = measure_enqueue_many(args.many_total, ENQUEUE_BATCH)
     whole = measure_enqueue_many(args.many_total, args.many_total)
+    ctx.ours["B"] = whole
     ctx.report.add(f"enqueue_many() {args.many_total:,} in batches of {ENQUEUE_BATCH:,}",
                    f"{batched:,.0f} jobs/s", ">= 30,000 jobs/s",
                    verdict(batched >= 30000, f"{batched / 30000:.2f}x target"))
     ctx.report.add(f"enqueue_many() {args.many_total:,} in one batch", f"{whole:,.0f} jobs/s",
                    ">= 30,000 jobs/s", verdict(whole >= 30000, f"{whole / 30000:.2f}x target"))
+
+
+def peers_dir() -> Path | None:
+    """The shared peer harness (``BENCH_PEERS_DIR``, else ``shared/bench-peers`` beside the
+    checkout or one level up), if present."""
+    candidates = [os.environ.get("BENCH_PEERS_DIR", ""),
+                  str(ROOT.parent / "shared" / "bench-peers"),
+                  str(ROOT.parent.parent / "shared" / "bench-peers")]
+    for c in candidates:
+        if c and (Path(c) / "common.py").exists():
+            return Path(c)
+    return None
+
+
+def peers_python() -> Path | None:
+    """The bench venv's interpreter, if PgQueuer and Procrastinate are installed there."""
+    venv = Path(os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers-venv")))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return None
+    probe = subprocess.run([str(python), "-c", "import pgqueuer, procrastinate"],
+                           capture_output=True, timeout=60)
+    return python if probe.returncode == 0 else None
+
+
+def run_peer(script: str, workloads: str, env: dict[str, str], harness: Path, python: Path,
+             out: Path) -> None:
+    """One of the harness's runners (it creates and drops its own ``bench_*`` database)."""
+    full_env = {**os.environ, **env, "BENCH_OUT": str(out), "BENCH_REPS": "1"}
+    for key in ("DJANGO_SETTINGS_MODULE", "PJ_BENCH_DATABASE_URL"):
+        full_env.pop(key, None)
+    log = out / f"{script}.log"
+    with log.open("ab") as sink:
+        done = subprocess.run([str(python), script, workloads], cwd=harness, env=full_env,
+                              stdout=sink, stderr=subprocess.STDOUT, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"{script} {workloads} failed ({done.returncode}); see {log}")
+
+
+def peer_records(out: Path) -> dict[tuple[str, str, str], dict[str, Any]]:
+    found: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for path in (out / "raw").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            found[(rec["system"], rec["workload"], rec["variant"])] = rec
+    return found
+
+
+def section_peers(args: argparse.Namespace, ctx: Context) -> None:
+    """PgQueuer and Procrastinate, same workloads, same run, through the shared harness."""
+    harness, python = peers_dir(), peers_python()
+    if harness is None or python is None:
+        ctx.report.notes.append("peer harness or peers venv (pgqueuer, procrastinate) not found: "
+                                "no peer comparison")
+        return
+    out = ctx.workdir / "peers"
+    out.mkdir(exist_ok=True)
+    n = str(args.jobs)
+    base = {"BENCH_N": n, "BENCH_PICKUP_SAMPLES": str(args.peer_pickup_samples)}
+    say(f"PgQueuer via {harness}: workloads {args.peer_workloads}, {n} jobs")
+    run_peer("run_pgqueuer.py", args.peer_workloads, {**base, "BENCH_PGQ_BATCHES": "500"},
+             harness, python, out)
+    if "backlog" in args.only and "C" in args.peer_workloads:
+        big = str(args.jobs * args.backlog_factor)
+        say(f"PgQueuer backlog: {big} jobs")
+        run_peer("run_pgqueuer.py", "C", {**base, "BENCH_N": big, "BENCH_PGQ_BATCHES": "",
+                                          "BENCH_VARIANT_SUFFIX": " backlog"},
+                 harness, python, out)
+    if args.procrastinate:
+        say(f"Procrastinate: workloads {args.peer_workloads.replace('A', '').replace('B', '')}")
+        run_peer("run_procrastinate.py", args.peer_workloads.replace("A", "").replace("B", ""),
+                 base, harness, python, out)
+    recs = peer_records(out)
+
+    def rec(system: str, workload: str, variant: str) -> dict[str, Any] | None:
+        return recs.get((system, workload, variant))
+
+    pgq_c = rec("pgqueuer", "C", "default: batch_size=10")
+    pgq_c500 = rec("pgqueuer", "C", "batch_size=500")
+    pgq_d = rec("pgqueuer", "D", "default: batch_size=10")
+    pgq_big = rec("pgqueuer", "C", "default: batch_size=10 backlog")
+    ours_c = ctx.drain_c.rate if ctx.drain_c else None
+    if pgq_c:
+        rate = pgq_c["jobs_per_s"]
+        ctx.report.add("PgQueuer C drain, default (batch 10)", f"{rate:,.0f} jobs/s",
+                       "ours >= 1.0x", verdict(bool(ours_c and ours_c >= rate),
+                                               f"ours {ours_c / rate:.2f}x") if ours_c else "")
+    if pgq_c500:
+        rate = pgq_c500["jobs_per_s"]
+        ctx.report.add("PgQueuer C drain, batch 500", f"{rate:,.0f} jobs/s",
+                       "throughput mode >= 1.0x",
+                       f"our default {ours_c / rate:.2f}x" if ours_c else "")
+    if pgq_d:
+        d_rate = pgq_d["jobs_per_s"]
+        ctx.report.add("PgQueuer D drain, 2 workers, default", f"{d_rate:,.0f} jobs/s",
+                       "", f"{d_rate / pgq_c['jobs_per_s']:.2f}x its C" if pgq_c else "")
+    if pgq_big and pgq_c:
+        ctx.report.add(f"PgQueuer C drain {int(n) * args.backlog_factor:,} jobs",
+                       f"{pgq_big['jobs_per_s']:,.0f} jobs/s", "",
+                       f"{pgq_big['jobs_per_s'] / pgq_c['jobs_per_s']:.2f}x its {int(n):,}")
+    for system, variant in (("pgqueuer", "default: batch_size=10, continuous"),
+                            ("procrastinate", "concurrency=1,listen_notify")):
+        e = rec(system, "E", variant)
+        if e:
+            ours = ctx.ours.get("E")
+            ctx.report.add(f"{system} E pickup p50 / p99",
+                           f"{e['p50_ms']:.2f} / {e['p99_ms']:.2f} ms",
+                           "", f"ours {ours[0]:.2f} / {ours[1]:.2f} ms" if ours else "")
+    pgq_a, pgq_b = rec("pgqueuer", "A", "default"), rec("pgqueuer", "B", "default")
+    if pgq_a:
+        ours_a = ctx.ours.get("A")
+        ctx.report.add("PgQueuer A enqueue p50 / p99",
+                       f"{pgq_a['p50_ms']:.2f} / {pgq_a['p99_ms']:.2f} ms", "ours p99 <= it",
+                       verdict(ours_a <= pgq_a["p99_ms"], f"ours p99 {ours_a:.2f} ms")
+                       if ours_a is not None else "")
+    if pgq_b:
+        ours_b = ctx.ours.get("B")
+        ctx.report.add("PgQueuer B bulk enqueue", f"{pgq_b['jobs_per_s']:,.0f} jobs/s",
+                       "ours >= 1.0x", verdict(ours_b >= pgq_b["jobs_per_s"],
+                                               f"ours {ours_b / pgq_b['jobs_per_s']:.2f}x")
+                       if ours_b is not None else "")
+    for wl in ("C", "D"):
+        best = max((r for (sysname, w, _), r in recs.items()
+                    if sysname == "procrastinate" and w == wl),
+                   key=lambda r: r["jobs_per_s"], default=None)
+        if best:
+            ctx.report.add(f"Procrastinate {wl} drain, best ({best['variant']})",
+                           f"{best['jobs_per_s']:,.0f} jobs/s")
+    busy = [r for r in recs.values() if r.get("foreign_cpu_frac", 0) > 0.1]
+    if busy:
+        ctx.report.notes.append(f"{len(busy)} peer measurements ran while other processes used "
+                                ">10% of the CPU; raw records in " + str(out / "raw"))
 
 
 def section_history(args: argparse.Namespace, ctx: Context) -> None:
@@ -712,7 +839,7 @@ def section_history(args: argparse.Namespace, ctx: Context) -> None:
     prefill_finished(args.finished_rows)
     say("drain with the finished rows in place")
     with runner(concurrency, ctx.workdir) as proc:
-        full = drain_once(proc, args.jobs)
+        full = drain_once([proc], args.jobs)
     ratio = full.rate / empty.rate
     ctx.report.add(f"drain, empty table (again, concurrency {concurrency})",
                    f"{empty.rate:,.0f} jobs/s")
@@ -729,7 +856,7 @@ def section_memory(args: argparse.Namespace, ctx: Context) -> None:
         for round_no in range(args.memory_rounds):
             say(f"memory: drain {round_no + 1}/{args.memory_rounds}")
             reset_jobs()
-            drain_once(proc, args.jobs)
+            drain_once([proc], args.jobs)
             rss.append(proc.rss_mib())
     growth = rss[-1] - rss[1]
     ctx.report.add(f"runner RSS idle, then after each of {args.memory_rounds} drains",
@@ -743,15 +870,17 @@ class Context:
     bench_url: str
     workdir: Path
     report: Report
-    ceiling: float | None = None
-    ceiling_simple: float | None = None
-    ceilings: list[tuple[float, float]] = field(default_factory=list)
+    reference: float | None = None
+    references: list[float] = field(default_factory=list)
+    drain_c: Drain | None = None
+    drain_d: Drain | None = None
     best_concurrency: int | None = None
+    #: Our figures the peer section compares with: "A" enqueue p99 ms, "B" bulk jobs/s,
+    #: "E" pickup (p50, p99) ms.
+    ours: dict[str, Any] = field(default_factory=dict)
 
 
 def run(args: argparse.Namespace) -> int:
-    global VACUUM_EVERY
-    VACUUM_EVERY = args.vacuum_every
     server_url = os.environ.get("DATABASE_URL") or DEFAULT_SERVER_URL
     os.environ.pop("PJ_BENCH_DATABASE_URL", None)
     bench_url = bench_database_url()
@@ -760,11 +889,12 @@ def run(args: argparse.Namespace) -> int:
     setup_django(bench_url)
     facts = server_facts()
     ctx = Context(bench_url=bench_url, workdir=Path(tempfile.mkdtemp(prefix="pj-bench-")),
-                  report=Report(), best_concurrency=args.concurrency[0])
+                  report=Report())
     load_start = os.getloadavg()
     started = datetime.now(UTC)
-    sections = {"ceiling": section_ceiling, "drain": section_drain, "pickup": section_pickup,
-                "enqueue": section_enqueue}
+    sections = {"reference": section_reference, "drain": section_drain,
+                "backlog": section_backlog, "pickup": section_pickup,
+                "enqueue": section_enqueue, "peers": section_peers}
     for name, section in sections.items():
         if name in args.only:
             section(args, ctx)
@@ -773,16 +903,15 @@ def run(args: argparse.Namespace) -> int:
     if args.memory:
         section_memory(args, ctx)
     load_end = os.getloadavg()
-    vacuum_note = (f"bench VACUUMs the job tables every {args.vacuum_every:g}s during the "
-                   "ceiling and the drains" if args.vacuum_every else "no bench VACUUM")
     header = [
         f"django-persistent-jobs bench, {started:%Y-%m-%d %H:%M} UTC, {platform.node()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
         f"PostgreSQL {facts['version']} (synchronous_commit={facts['synchronous_commit']}, "
         f"fsync={facts['fsync']}, autovacuum={facts['autovacuum']}), database {BENCH_DB_NAME}; "
-        f"{args.jobs:,} jobs per drain; {vacuum_note}",
+        f"{args.jobs:,} jobs per drain; no VACUUM during any measurement",
         f"load average (1 min) at start {load_start[0]:.2f}, at end {load_end[0]:.2f}; "
         f"runner logs in {ctx.workdir}",
+        "command: " + " ".join(["bench/run.py", *sys.argv[1:]]),
     ]
     print(ctx.report.render(header), flush=True)
     if not args.keep_db:
@@ -797,39 +926,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=None,
-                        help="jobs per drain and pgbench run (default 20000; 5000 with --quick)")
+                        help="jobs per drain and pgbench run (default 10000; 2000 with --quick)")
     parser.add_argument("--quick", action="store_true",
-                        help="smaller run for a smoke check: fewer jobs, samples and concurrencies")
+                        help="smaller run for a smoke check: fewer jobs and samples, PgQueuer's "
+                             "drain only")
     parser.add_argument("--concurrency", type=_int_list, default=None,
-                        help="runjobs --concurrency values to try (default 4,8,16,32)")
+                        help="extra runjobs --concurrency values for C (default 32; none quick)")
+    parser.add_argument("--backlog-factor", type=int, default=4,
+                        help="the backlog case drains this many times --jobs (default 4)")
     parser.add_argument("--pickup-samples", type=int, default=None)
     parser.add_argument("--enqueue-samples", type=int, default=None)
     parser.add_argument("--many-total", type=int, default=None,
-                        help="jobs for the enqueue_many rate (default 50000)")
+                        help="jobs for the enqueue_many rate (default --jobs)")
     parser.add_argument("--only", type=_sections, default=set(SECTIONS),
                         help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
+    parser.add_argument("--peer-workloads", default=None,
+                        help="harness workloads for the peers (default ABCDE; C quick)")
+    parser.add_argument("--peer-pickup-samples", type=int, default=None)
+    parser.add_argument("--no-procrastinate", dest="procrastinate", action="store_false",
+                        default=None, help="skip Procrastinate (skipped by --quick)")
     parser.add_argument("--finished-rows", type=int, default=0,
                         help="also drain with this many finished rows in the table")
     parser.add_argument("--memory", action="store_true",
                         help="also drain repeatedly through one runner and print its RSS")
     parser.add_argument("--memory-rounds", type=int, default=5)
-    parser.add_argument("--vacuum-every", type=float, default=VACUUM_EVERY,
-                        help="seconds between the bench's own VACUUMs of the job tables during "
-                             "the ceiling and the drains (0: none; default %(default)s)")
     parser.add_argument("--keep-db", action="store_true",
                         help=f"leave {BENCH_DB_NAME} as the run left it, for inspection")
     args = parser.parse_args(argv)
     quick = args.quick
     defaults: dict[str, Any] = {
-        "jobs": 5000 if quick else 20000,
-        "concurrency": [4, 16] if quick else [4, 8, 16, 32],
+        "jobs": 2000 if quick else 10000,
+        "concurrency": [] if quick else [32],
         "pickup_samples": 100 if quick else 300,
         "enqueue_samples": 500 if quick else 2000,
-        "many_total": 20000 if quick else 50000,
+        "peer_workloads": "C" if quick else "ABCDE",
+        "peer_pickup_samples": 10 if quick else 50,
+        "procrastinate": not quick,
     }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.many_total is None:
+        args.many_total = args.jobs
     return args
 
 

@@ -4,10 +4,12 @@ that stays an index scan however many finished rows the table holds (the plan is
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
 
 from django_persistent_jobs.models import PersistentJob
 from django_persistent_jobs.runner import store
@@ -110,16 +112,37 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
         ):
             cursor.execute("EXPLAIN " + sql, params)
             plans[name] = "\n".join(r[0] for r in cursor.fetchall())
-        # The runner prepares the statement, so PostgreSQL settles on a generic plan (types
-        # unknown at plan time): that plan must walk pj_claim_idx too.
-        generic = (store.claim_sql(10, with_types=True)
-                   .replace("%(runner)s", "$1").replace("%(types)s", "$2"))
+        # The runner prepares the statement, so PostgreSQL settles on a generic plan (queues
+        # and types unknown at plan time): that plan must walk pj_claim_idx too, for every
+        # variant of the ORM-built text.
+        for name, (queues, types) in {"generic plan": (False, False),
+                                      "some queues, generic plan": (True, False),
+                                      "registered types, generic plan": (False, True),
+                                      "some queues, registered types, generic plan": (True, True),
+                                      }.items():
+            generic = (store.claim_sql(10, queues, types).replace("%(runner)s", "$1")
+                       .replace("%(queues)s", "$2").replace("%(types)s", "$3"))
+            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            cursor.execute(f"PREPARE pj_claim_generic(text, text[], text[]) AS {generic}")
+            cursor.execute("EXPLAIN EXECUTE pj_claim_generic('r', '{mail}', '{core.idx.1}')")
+            plans[name] = "\n".join(r[0] for r in cursor.fetchall())
+            cursor.execute("DEALLOCATE pj_claim_generic")
+            cursor.execute("SET LOCAL plan_cache_mode = auto")
+        # A claim resuming after the last claimed key starts its index scan there (an index
+        # condition), which is what keeps it from walking the dead entries before that key.
+        resumed = (store.claim_sql(10, after=True).replace("%(runner)s", "$1")
+                   .replace("%(after_priority)s", "$2").replace("%(after_at)s", "$3")
+                   .replace("%(after_id)s", "$4"))
         cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        cursor.execute(f"PREPARE pj_claim_generic(text, text[]) AS {generic}")
-        cursor.execute("EXPLAIN EXECUTE pj_claim_generic('r', '{core.idx.1}')")
-        plans["registered types, generic plan"] = "\n".join(r[0] for r in cursor.fetchall())
-        cursor.execute("DEALLOCATE pj_claim_generic")
+        cursor.execute(f"PREPARE pj_claim_after(text, int, timestamptz, uuid) AS {resumed}")
+        cursor.execute("EXPLAIN EXECUTE pj_claim_after('r', 0, now(), gen_random_uuid())")
+        plans["resumed after a key, generic plan"] = "\n".join(r[0] for r in cursor.fetchall())
+        cursor.execute("DEALLOCATE pj_claim_after")
         cursor.execute("SET LOCAL plan_cache_mode = auto")
+        index_cond = [line for line in plans["resumed after a key, generic plan"].splitlines()
+                      if "Index Cond" in line]
+        assert index_cond and "next_run_at" in index_cond[0] and "priority" in index_cond[0], \
+            plans["resumed after a key, generic plan"]
         print("\n\n".join(f"-- claim plan ({k}), 60k finished rows:\n{v}"
                           for k, v in plans.items()))
         for name, plan in plans.items():
@@ -145,3 +168,48 @@ def test_job_tables_are_vacuumed_after_a_fixed_number_of_changes() -> None:
     assert "autovacuum_vacuum_threshold=2000" in options["persistent_jobs"]
     assert "autovacuum_vacuum_scale_factor=0" in options["persistent_jobs"]
     assert "autovacuum_vacuum_threshold=10000" in options["persistent_jobs_attempts"]
+
+
+@pytest.mark.django_db
+def test_claim_statement_is_built_from_the_claimable_queryset() -> None:
+    """The claim's ``picked`` part is ``PersistentJob.objects.claimable()`` as the ORM compiles
+    it, constants inlined (the generic plan needs them to prove the partial index predicate),
+    and the registered-types filter kept as ``array_position(...) IS NOT NULL``."""
+    for queues in (False, True):
+        for types in (False, True):
+            text = store.claim_sql(7, queues, types)
+            picked = store.picked_sql(7, queues, types)
+            assert picked in text
+            assert store.claim_sql(7, queues, types) is text  # compiled once
+            assert picked.endswith("LIMIT 7 FOR UPDATE SKIP LOCKED")
+            assert "\"status\" IN ('pending', 'failed')" in picked
+            assert "NOT EXISTS" in picked and "'running'" in picked and "'enqueue'" in picked
+            assert ("%(queues)s" in picked) is queues
+            assert ("array_position((%(types)s::text[])" in picked) is types
+            assert "%s" not in picked.replace("%(queues)s", "").replace("%(types)s", "")
+
+
+@pytest.mark.django_db
+def test_claimable_lists_what_the_claim_takes_in_order() -> None:
+    """One definition of "due and claimable": what the queryset lists is what a claim takes."""
+    future = timezone.now() + timedelta(hours=1)
+    row(status="pending", priority=0)
+    row(status="failed", priority=5)
+    row(status="pending", priority=1, queue="mail")
+    row(status="pending", job_type="core.idx.other")
+    row(status="pending", next_run_at=future)  # not due
+    row(status="completed")
+    row(status="running", dedup_key="busy", lock_token=1)
+    row(status="pending", dedup_key="busy")  # blocked by the running job with its key
+    row(status="pending", dedup_key="busy", dedup="enqueue", job_type="core.idx.other")
+    cases: list[tuple[tuple[str, ...] | None, list[str] | None]] = [
+        (None, None), (("mail",), None), (None, ["core.idx"]), (("default",), ["core.idx.other"]),
+    ]
+    for queues, types in cases:
+        expected = list(PersistentJob.objects.claimable(queues=queues, job_types=types)
+                        .values_list("id", flat=True))
+        with transaction.atomic(), connection.cursor() as cursor:
+            claimed = [j.id for j in store.claim(cursor, "r", 100, queues, types)]
+            transaction.set_rollback(True)
+        assert claimed == expected, (queues, types)
+    assert len(PersistentJob.objects.claimable()) == 5

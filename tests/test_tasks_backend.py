@@ -359,3 +359,18 @@ def test_the_task_api_comes_from_django_or_the_backport() -> None:
     expected = "django.tasks" if django.VERSION >= (6, 0) else "django_tasks"
     assert expected == TASKS_PACKAGE
     assert type(tasks.add).__mro__[1].__module__ == f"{expected}.base"
+
+
+def test_task_finished_is_sent_when_the_last_attempt_times_out(
+    start_runner: StartRunner, signals_seen: list[Any],
+) -> None:
+    """A timeout is recorded by the supervisor, not by the task's code: task_finished still
+    arrives, once, with the FAILED result."""
+    slow = tasks.too_slow.enqueue(30)  # timeout=1, max_retries=1: two timeouts, then FAILED
+    start_runner(concurrency=1)
+    finished(slow, timeout=60)
+    wait_for(lambda: any(s[0] == "finished" and s[1] == slow.id for s in signals_seen),
+             timeout=10, message="task_finished for the timed-out task")
+    of_slow = [(name, status) for name, rid, status in signals_seen if rid == slow.id]
+    assert of_slow == [("enqueued", "READY"), ("started", "RUNNING"), ("started", "RUNNING"),
+                       ("finished", "FAILED")]

@@ -12,6 +12,7 @@ with the ORM.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from .. import conf
 from ..context import JobContext
 from ..errors import DuplicateHandlerError, JobCancelledError, JobError
 from ..handlers import OPTION_INVALID, HandlerSpec, _check_options, _code_location, registry
+from ..signals import job_finished
 from .compat import (
     TASK_MAX_PRIORITY,
     TASK_MIN_PRIORITY,
@@ -341,6 +343,42 @@ def _adapter(task: AnyTask) -> Callable[[Any, JobContext], Any]:
 
     run_task.__qualname__ = f"run_task[{task.module_path}]"
     return run_task
+
+
+def _relay_final_ending(sender: Any, *, job_id: Any, job_type: str, status: str | None,
+                        outcome: str, **kwargs: Any) -> None:
+    """Send ``task_finished`` for a task whose last attempt ended outside the task's own code.
+
+    The adapter sees every ending the task raises; a timeout, a lost runner or worker, or a
+    charged hand-back is recorded by the runner's supervisor or by another runner instead, so
+    this receiver of our ``job_finished`` sends it. It reads the rows and calls receivers on a
+    short-lived thread of its own: users' receivers must never hold up the supervisor.
+    """
+    task = _tasks.get(job_type)
+    if task is None or status != "dead_lettered" or outcome == "dead_lettered":
+        return  # not a task, not final, or a failure the adapter already reported
+    if not task_finished.receivers:
+        return
+
+    def send() -> None:
+        from ..models import JobAttempt, PersistentJob
+
+        alias = _alias()
+        try:
+            backend = task.get_backend()
+            job = PersistentJob.objects.using(alias).get(pk=job_id)
+            attempts = list(JobAttempt.objects.using(alias).filter(job_id=job_id))
+            task_finished.send(sender=type(backend),
+                               task_result=build_result(backend, task, job, attempts))
+        except Exception:
+            logger.exception("could not send task_finished for job %s", job_id)
+        finally:
+            connections.close_all()
+
+    threading.Thread(target=send, name=f"task-finished-{job_id}", daemon=True).start()
+
+
+job_finished.connect(_relay_final_ending, weak=False, dispatch_uid="pj-task-final-ending")
 
 
 def _format(exc: BaseException) -> str:

@@ -11,20 +11,25 @@ imported here because Django finds an app's models in its ``models`` module.
 from ..api.tokens import ApiToken
 from .attempts import AttemptOutcome, JobAttempt
 from .jobs import (
+    DEDUP_ENFORCED,
     JOB_COLUMNS,
     JOB_COLUMNS_SQL,
+    RUNNING_DEDUP,
     WAITING_DEDUP,
     JobDashboard,
     JobStatus,
     PersistentJob,
+    PersistentJobQuerySet,
     job_from_row,
 )
 from .runners import JobRunnerRecord
 from .schedules import InactiveReason, JobSchedule, ScheduleSource, TickResult
 
 __all__ = [
+    "DEDUP_ENFORCED",
     "JOB_COLUMNS",
     "JOB_COLUMNS_SQL",
+    "RUNNING_DEDUP",
     "WAITING_DEDUP",
     "ApiToken",
     "AttemptOutcome",
@@ -35,6 +40,7 @@ __all__ = [
     "JobSchedule",
     "JobStatus",
     "PersistentJob",
+    "PersistentJobQuerySet",
     "ScheduleSource",
     "TickResult",
     "job_from_row",

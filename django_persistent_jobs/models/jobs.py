@@ -9,11 +9,13 @@ queries. Column names are therefore part of the contract with that SQL.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import models
-from django.db.models import Q
-from django.db.models.functions import Now
+from django.db.models import Exists, OuterRef, Q
+from django.db.models.expressions import BaseExpression, RawSQL
+from django.db.models.functions import Cast, Now
 
 from ..ids import uuid7
 from ..types import Dedup
@@ -46,6 +48,97 @@ class JobStatus(models.TextChoices):
 WAITING_DEDUP = (
     Q(status__in=["pending", "failed"]) & Q(dedup_key__isnull=False) & ~Q(dedup="enqueue")
 )
+#: A job whose dedup key is enforced (any status): the key is set and the strategy is not Enqueue.
+DEDUP_ENFORCED = Q(dedup_key__isnull=False) & ~Q(dedup="enqueue")
+#: A running job holding an enforced dedup key: a waiting job with the same key must wait for it.
+RUNNING_DEDUP = Q(status="running") & DEDUP_ENFORCED
+
+
+class _InArray(BaseExpression):
+    """``column = ANY(array)``: one array parameter whatever the number of values, so a prepared
+    statement keeps one text (``IN (%s, %s, ...)`` would make one per list length)."""
+
+    conditional = True
+
+    def __init__(self, column: str, values: Any, *, position: bool = False) -> None:
+        super().__init__(output_field=models.BooleanField())
+        self.column = column
+        # A list, not any iterable: client-side binding adapts a tuple as a record.
+        self.values = values if isinstance(values, list) else list(values)
+        self.position = position
+
+    def get_source_expressions(self) -> list[Any]:
+        return [self.column_expr, self.array_expr]
+
+    def set_source_expressions(self, exprs: Sequence[Any]) -> None:
+        self.column_expr, self.array_expr = exprs
+
+    def resolve_expression(self, query: Any = None, allow_joins: bool = True, reuse: Any = None,
+                           summarize: bool = False, for_save: bool = False) -> _InArray:
+        c = self.copy()
+        c.is_summary = summarize
+        c.column_expr = Cast(models.F(self.column), models.TextField()).resolve_expression(
+            query, allow_joins, reuse, summarize, for_save)
+        c.array_expr = RawSQL("%s::text[]", (self.values,), output_field=models.TextField())
+        return c
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
+        column_sql, column_params = compiler.compile(self.column_expr)
+        array_sql, array_params = compiler.compile(self.array_expr)
+        if self.position:
+            # As a filter rather than ``= ANY``: no index can serve ``array_position``, so the
+            # planner keeps walking the ordered claim index and stops at LIMIT instead of
+            # fetching every waiting job of those types from (job_type, status) for a sort.
+            text = f"array_position({array_sql}, {column_sql}) IS NOT NULL"
+            return text, (*array_params, *column_params)
+        return f"{column_sql} = ANY({array_sql})", (*column_params, *array_params)
+
+
+class _KeyAfter(BaseExpression):
+    """``priority = P AND (next_run_at, id) > (T, I)``: the jobs after a key of the claim order
+    within its priority, written so the claim index scan *starts* there (an index condition, not
+    a filter) instead of walking everything before it."""
+
+    conditional = True
+
+    def __init__(self, priority: Any, next_run_at: Any, job_id: Any) -> None:
+        super().__init__(output_field=models.BooleanField())
+        self.key = (priority, next_run_at, job_id)
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
+        table = connection.ops.quote_name(compiler.query.get_initial_alias())
+        return (f"{table}.\"priority\" = %s::smallint AND ({table}.\"next_run_at\", "
+                f"{table}.\"id\") > (%s::timestamptz, %s::uuid)", self.key)
+
+
+class PersistentJobQuerySet(models.QuerySet["PersistentJob"]):
+    def claimable(self, queues: Any = None, job_types: Any = None) -> PersistentJobQuerySet:
+        """Jobs a runner may claim now, in claim order: waiting, due by the database clock, not
+        blocked by a running job holding the same enforced dedup key; optionally only in
+        ``queues`` and of ``job_types`` (``None``: all).
+
+        The one definition of "due and claimable": the runner's claim statement is compiled from
+        it (``runner/store.py``), and the admin or stats can count or list exactly what a runner
+        would take next.
+        """
+        qs = self.filter(status__in=JobStatus.waiting(), next_run_at__lte=Now())
+        if queues is not None:
+            qs = qs.filter(_InArray("queue", queues))
+        if job_types is not None:
+            qs = qs.filter(_InArray("job_type", job_types, position=True))
+        blocker = PersistentJob.objects.filter(
+            RUNNING_DEDUP, job_type=OuterRef("job_type"), dedup_key=OuterRef("dedup_key"),
+        )
+        qs = qs.filter(Q(dedup_key__isnull=True) | Q(dedup="enqueue") | ~Exists(blocker))
+        return qs.order_by("-priority", "next_run_at", "id")
+
+    def after_key(self, priority: Any, next_run_at: Any, job_id: Any) -> PersistentJobQuerySet:
+        """Only jobs of ``priority`` after ``(next_run_at, job_id)`` in claim order: where a
+        claim that just took that job may resume (see ``runner/store.py``)."""
+        return self.filter(_KeyAfter(priority, next_run_at, job_id))
+
+
+PersistentJobManager = models.Manager.from_queryset(PersistentJobQuerySet)
 
 
 class PersistentJob(models.Model):
@@ -94,6 +187,8 @@ class PersistentJob(models.Model):
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(db_default=Now())
     finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = PersistentJobManager()
 
     class Meta:
         db_table = "persistent_jobs"

@@ -28,6 +28,7 @@ def claim_loop(runner: Runner) -> None:
     settings = runner.settings
     pool = runner.pool
     poll = settings.poll_interval
+    scan = store.ClaimScan()
     while not runner.stopping.is_set():
         free = pool.wait_for_free_slot(timeout=poll)
         if runner.stopping.is_set():
@@ -41,6 +42,8 @@ def claim_loop(runner: Runner) -> None:
                 runner.beaten.wait(poll)
             continue
         limit = min(free, settings.batch_size or free)
+        if runner.wake.is_set():
+            scan.forget()  # something was committed: it may sit before where the last claim ended
         runner.wake.clear()
 
         def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
@@ -49,8 +52,8 @@ def claim_loop(runner: Runner) -> None:
             # Only types this process has handlers for, read at each claim (a sorted list of a
             # few names): during a rolling deploy a type only the new release knows waits for a
             # new runner instead of being dead-lettered as unknown by an old one.
-            return store.claim(cursor, runner.runner_id, limit, settings.queues,
-                               job_types=registry.job_types())
+            return scan.claim(cursor, runner.runner_id, limit, settings.queues,
+                              job_types=registry.job_types())
 
         jobs = run_with_retry(runner.alias, do_claim, what="claiming jobs",
                               interrupt=runner.stopping)

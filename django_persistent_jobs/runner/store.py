@@ -8,15 +8,18 @@ handler's transaction, business writes included, rolls back.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Collection, Iterator
+import time
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
-from django.db import IntegrityError
+from django.db import IntegrityError, transaction
+from django.db.models import QuerySet
 
 from .. import conf
 
@@ -24,13 +27,6 @@ if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
 
 TransitionKind = Literal["retry", "dead", "cancel", "handback", "release"]
-
-_WAITING_SIBLING = (
-    "p.dedup_key IS NOT NULL AND NOT (p.dedup = 'enqueue') AND EXISTS (SELECT 1 FROM "
-    "persistent_jobs s WHERE s.job_type = p.job_type AND s.dedup_key = p.dedup_key AND "
-    "s.status IN ('pending', 'failed') AND NOT (s.dedup = 'enqueue') AND s.id <> p.id)"
-)
-
 
 @dataclass
 class ClaimedJob:
@@ -79,26 +75,79 @@ def prepared(cursor: Cursor) -> Iterator[psycopg.Cursor[Any]]:
         raw.close()
 
 
-def _claim_sql(with_queues: bool, with_types: bool = False) -> str:
-    queue_filter = "AND j.queue = ANY(%(queues)s)" if with_queues else ""
-    # Written so no index can serve it: ``job_type = ANY(...)`` would tempt the planner onto
-    # (job_type, status), which returns every waiting job of those types for a sort, a cost
-    # that grows with the backlog. As a filter it rides along the ordered pj_claim_idx scan,
-    # which stops at LIMIT; a runner normally handles nearly every type, so it drops little.
-    type_filter = ("AND array_position(%(types)s::text[], j.job_type::text) IS NOT NULL"
-                   if with_types else "")
+class _Placeholder(list[str]):
+    """Stands for a statement parameter while the ORM compiles the claim (see ``inline``)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, str):
+        return "'" + str(value).replace("'", "''").replace("%", "%%") + "'"
+    raise TypeError(f"cannot inline {value!r} into the claim statement")
+
+
+def inline(query_sql: str, params: Sequence[Any]) -> str:
+    """The ORM's ``(sql, params)`` as one text: constants as literals, placeholders named.
+
+    Constants must be literals, not parameters: the runner prepares the claim and PostgreSQL
+    settles on a generic plan, which can use the partial ``pj_claim_idx`` only if it can prove
+    ``status IN ('pending', 'failed')`` from the statement's text.
+    """
+    pieces = query_sql.split("%s")
+    if len(pieces) != len(params) + 1:
+        raise ValueError("unexpected %s in compiled SQL")
+    out = [pieces[0]]
+    for value, piece in zip(params, pieces[1:], strict=True):
+        out.append(f"%({value.name})s" if isinstance(value, _Placeholder) else _literal(value))
+        out.append(piece)
+    return "".join(out)
+
+
+def compile_queryset(qs: QuerySet[Any]) -> str:
+    """``inline`` applied to ``qs``; compiled inside a transaction because Django refuses to
+    compile ``select_for_update`` outside one (nothing is sent to the server)."""
+    with transaction.atomic(using=qs.db, savepoint=False):
+        query_sql, params = qs.query.sql_with_params()
+    return inline(query_sql, params)
+
+
+def picked_sql(limit: int, with_queues: bool = False, with_types: bool = False,
+               after: bool = False) -> str:
+    """The ``picked`` part of the claim: ``PersistentJob.objects.claimable()`` locked with
+    ``SKIP LOCKED`` and limited, as the ORM compiles it; with ``after``, only jobs after the key
+    in parameters ``after_priority``, ``after_at``, ``after_id`` (``ClaimKey``)."""
+    from ..models import PersistentJob
+
+    qs = PersistentJob.objects.claimable(
+        queues=_Placeholder("queues") if with_queues else None,
+        job_types=_Placeholder("types") if with_types else None,
+    )
+    if after:
+        qs = qs.after_key(_Placeholder("after_priority"), _Placeholder("after_at"),
+                          _Placeholder("after_id"))
+    return compile_queryset(qs.values("id").select_for_update(skip_locked=True)[: int(limit)])
+
+
+@functools.lru_cache(maxsize=64)
+def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False,
+              after: bool = False) -> str:
+    """The claim statement for ``limit`` jobs (parameters ``runner``, and ``queues`` and
+    ``types`` if asked): lock the picked jobs, insert their attempt rows, mark them running.
+
+    The LIMIT is a literal: with ``LIMIT $n`` PostgreSQL keeps re-planning instead of settling
+    on the generic plan of the prepared statement (a runner only ever uses a few values), so
+    there is one text per limit, compiled once.
+    """
     return f"""
 WITH picked AS (
-    SELECT j.id FROM persistent_jobs j
-    WHERE j.status IN ('pending', 'failed') AND j.next_run_at <= now() {queue_filter}
-      {type_filter}
-      AND (j.dedup_key IS NULL OR j.dedup = 'enqueue' OR NOT EXISTS (
-          SELECT 1 FROM persistent_jobs r WHERE r.status = 'running'
-            AND r.job_type = j.job_type AND r.dedup_key = j.dedup_key
-            AND NOT (r.dedup = 'enqueue')))
-    ORDER BY j.priority DESC, j.next_run_at, j.id
-    LIMIT {{limit}}
-    FOR UPDATE SKIP LOCKED
+    {picked_sql(limit, with_queues, with_types, after)}
 ), attempt AS (
     INSERT INTO persistent_jobs_attempts (job_id, attempt, runner_id)
     SELECT j.id, j.attempts + 1, %(runner)s FROM persistent_jobs j JOIN picked p ON p.id = j.id
@@ -112,19 +161,35 @@ RETURNING j.id, j.job_type, j.payload::text, j.attempts, j.max_retries, j.timeou
 """
 
 
-_CLAIM = {(queues, types): _claim_sql(queues, types)
-          for queues in (False, True) for types in (False, True)}
+def _where(qs: QuerySet[Any], alias: str) -> str:
+    """The WHERE clause the ORM compiles for ``qs``, constants inlined, columns on ``alias``."""
+    text = compile_queryset(qs.values("id").order_by())
+    return text.split(" WHERE ", 1)[1].replace('"persistent_jobs".', f"{alias}.")
 
 
-def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False) -> str:
-    """The claim statement for ``limit`` jobs (parameters ``runner``, and ``queues`` and
-    ``types`` if asked)."""
-    return _CLAIM[(with_queues, with_types)].replace("{limit}", str(int(limit)))
+@functools.cache
+def waiting_sibling_sql() -> str:
+    """Row ``p`` holds an enforced dedup key and another job waits with that key: settling ``p``
+    back to waiting would break the waiting-dedup unique index, so ``p`` is replaced instead.
+
+    Built from the same ``Q`` objects as the index (``models.WAITING_DEDUP``), so the two cannot
+    drift apart.
+    """
+    from ..models import DEDUP_ENFORCED, WAITING_DEDUP, PersistentJob
+
+    own = _where(PersistentJob.objects.filter(DEDUP_ENFORCED), "p")
+    sibling = _where(PersistentJob.objects.filter(WAITING_DEDUP), "s")
+    return (f"{own} AND EXISTS (SELECT 1 FROM persistent_jobs s WHERE {sibling} "
+            "AND s.job_type = p.job_type AND s.dedup_key = p.dedup_key AND s.id <> p.id)")
+
+
+ClaimKey = tuple[int, Any, Any]
+"""A job's place in claim order: ``(priority, next_run_at, id)``."""
 
 
 def claim(
     cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
-    job_types: Collection[str] | None = None,
+    job_types: Collection[str] | None = None, after: ClaimKey | None = None,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
 
@@ -132,18 +197,19 @@ def claim(
     retries and ends dead-lettered instead of looping forever. With ``job_types`` only jobs of
     those types are claimed: a runner passes the types it has handlers for, so during a rolling
     deploy a job type only the new release knows waits for a new runner instead of being
-    dead-lettered as unknown by an old one. ``None`` claims every type.
+    dead-lettered as unknown by an old one. ``None`` claims every type. With ``after`` only jobs
+    of its priority after it in claim order are considered (see ``ClaimScan``).
     """
-    # The LIMIT is a literal: with ``LIMIT $n`` PostgreSQL keeps re-planning instead of settling
-    # on the generic plan of the prepared statement (a runner only ever uses a few values).
     params: dict[str, Any] = {"runner": runner_id}
     if queues:
         params["queues"] = list(queues)
     if job_types is not None:
         params["types"] = list(job_types)
+    if after is not None:
+        params["after_priority"], params["after_at"], params["after_id"] = after
     with prepared(cursor) as fast:
-        fast.execute(claim_sql(limit, bool(queues), job_types is not None), params,
-                     prepare=True)
+        fast.execute(claim_sql(limit, bool(queues), job_types is not None, after is not None),
+                     params, prepare=True)
         rows = fast.fetchall()
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
     jobs = []
@@ -155,6 +221,48 @@ def claim(
             tenant=r[11], due_at=r[10], payload_error=problem,
         ))
     return jobs
+
+
+class ClaimScan:
+    """Where a runner's next claim starts: after the last job it claimed, with a full scan from
+    the head of the claim order at least every ``rescan`` seconds and whenever asked.
+
+    Every claimed job leaves a dead entry at the head of ``pj_claim_idx`` until a vacuum removes
+    it (and nothing can while any session holds an older snapshot), so a claim that starts at
+    the head walks further with every job drained: the cost per job grows with the backlog.
+    Resuming after the last claimed key starts the index scan past those entries. What the
+    resumed scan cannot see (a job committed late with an earlier key, a higher priority, a job
+    skipped while another session had it locked, a job handed back) is found by the next full
+    scan: at once when the runner is woken (every enqueue NOTIFYs on commit), otherwise within
+    ``rescan`` seconds, and whenever the resumed scan finds nothing. So no job is missed; a job
+    of a higher priority that becomes due without a wake-up waits at most ``rescan`` seconds.
+    """
+
+    def __init__(self, rescan: float = 0.25) -> None:
+        self.rescan = rescan
+        self.key: ClaimKey | None = None
+        self.full_at = 0.0
+
+    def forget(self) -> None:
+        """Make the next claim a full scan (call on every wake-up)."""
+        self.key = None
+
+    def claim(self, cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
+              job_types: Collection[str] | None = None) -> list[ClaimedJob]:
+        now = time.monotonic()
+        if self.key is not None and now - self.full_at < self.rescan:
+            jobs = claim(cursor, runner_id, limit, queues, job_types, after=self.key)
+            if jobs:
+                self.key = _key(jobs[-1])
+                return jobs
+        jobs = claim(cursor, runner_id, limit, queues, job_types)
+        self.full_at = now
+        self.key = _key(jobs[-1]) if jobs else None
+        return jobs
+
+
+def _key(job: ClaimedJob) -> ClaimKey:
+    return (job.priority, job.due_at, job.id)
 
 
 def _decode_payload(raw: Any) -> tuple[Any, str | None]:
@@ -240,14 +348,14 @@ def storable_delay(delay: Any) -> float:
     return min(max(value, 0.0), MAX_DELAY_SECONDS)
 
 
-_TRANSITION = f"""
+_TRANSITION = """
 WITH cur AS (
     SELECT p.id, p.charged, p.handbacks,
         CASE
             WHEN %(kind)s = 'cancel' OR p.cancel_requested THEN 'cancelled'
             WHEN %(kind)s = 'dead' OR (p.charged AND p.attempts >= p.max_retries + 1)
                 THEN 'dead_lettered'
-            WHEN {_WAITING_SIBLING} THEN 'replaced'
+            WHEN {waiting_sibling} THEN 'replaced'
             WHEN NOT p.charged THEN 'pending'
             ELSE 'failed'
         END AS verdict
@@ -301,6 +409,12 @@ RETURNING moved.status
 """
 
 
+@functools.cache
+def transition_sql() -> str:
+    """The settling statement, with the dedup predicate compiled from the models."""
+    return _TRANSITION.replace("{waiting_sibling}", waiting_sibling_sql())
+
+
 def transition(
     cursor: Cursor, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
@@ -336,7 +450,7 @@ def transition(
     }
     for round_ in range(DEDUP_CONFLICT_ROUNDS):
         try:
-            cursor.execute(_TRANSITION, params)
+            cursor.execute(transition_sql(), params)
             break
         except (IntegrityError, psycopg.errors.UniqueViolation) as exc:
             # A Replace enqueue of the same key committed its new waiting job while this
