@@ -8,8 +8,9 @@ submodule sets a package attribute of its name, which would shadow the export.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_getattr
 
 __version__ = "0.1.0.dev0"
 
@@ -34,16 +35,15 @@ _EXPORTS = {
     "retry_job": ".services",
     "cancel_job": ".services",
     "Runner": ".runner",
-    # recurring schedules (issue 3)
-    "add_schedule": ".schedule_services",
-    "update_schedule": ".schedule_services",
-    "remove_schedule": ".schedule_services",
-    "pause_schedule": ".schedule_services",
-    "resume_schedule": ".schedule_services",
-    "run_schedule_now": ".schedule_services",
-    "ScheduleNotFoundError": ".schedule_services",
-    "ScheduleError": ".schedules",
-    "next_tick": ".schedules",
+    "add_schedule": ".schedules.services",
+    "update_schedule": ".schedules.services",
+    "remove_schedule": ".schedules.services",
+    "pause_schedule": ".schedules.services",
+    "resume_schedule": ".schedules.services",
+    "run_schedule_now": ".schedules.services",
+    "ScheduleNotFoundError": ".schedules.services",
+    "ScheduleError": ".schedules.timing",
+    "next_tick": ".schedules.timing",
 }
 
 __all__ = [
@@ -95,7 +95,7 @@ if TYPE_CHECKING:
     )
     from .handlers import JobHandler, job_handler, registry
     from .runner import Runner
-    from .schedule_services import (
+    from .schedules.services import (
         ScheduleNotFoundError,
         add_schedule,
         pause_schedule,
@@ -104,15 +104,9 @@ if TYPE_CHECKING:
         run_schedule_now,
         update_schedule,
     )
-    from .schedules import ScheduleError, next_tick
+    from .schedules.timing import ScheduleError, next_tick
     from .services import cancel_job, retry_job
     from .types import Dedup
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -202,28 +202,27 @@ def _retention(key: str, value: Any) -> str | None:
 
 
 # ----------------------------------------------------------------------------- conversions
+def _imported(value: Any, key: str) -> Any:
+    """``value`` itself, or the object its dotted path names, with a message that names ``key``."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return import_string(value)
+    except ImportError as exc:
+        raise ConfigurationError(f"{_name(key)} = {value!r} cannot be imported: {exc}") from exc
+
+
 def resolve_callable(value: Any, key: str) -> Callable[..., Any]:
     """Turn a callable or its dotted path into the callable, with a message that names ``key``."""
-    if isinstance(value, str):
-        try:
-            value = import_string(value)
-        except ImportError as exc:
-            raise ConfigurationError(
-                f"{_name(key)} = {value!r} cannot be imported: {exc}"
-            ) from exc
+    value = _imported(value, key)
     if not callable(value):
         raise ConfigurationError(f"{_name(key)} must be callable, got {bounds.show(value)}.")
-    return value
+    resolved: Callable[..., Any] = value
+    return resolved
 
 
 def resolve_encoder(value: Any) -> type[json.JSONEncoder]:
-    if isinstance(value, str):
-        try:
-            value = import_string(value)
-        except ImportError as exc:
-            raise ConfigurationError(
-                f"PERSISTENT_JOBS['JSON_ENCODER'] = {value!r} cannot be imported: {exc}"
-            ) from exc
+    value = _imported(value, "JSON_ENCODER")
     if not (isinstance(value, type) and issubclass(value, json.JSONEncoder)):
         raise ConfigurationError(
             "PERSISTENT_JOBS['JSON_ENCODER'] must be a json.JSONEncoder subclass, got "
@@ -331,7 +330,8 @@ class Setting(Generic[T]):
         if instance is None:
             return self
         try:
-            return instance._cache[self.key]
+            cached: T = instance._cache[self.key]
+            return cached
         except KeyError:
             pass
         value = self.raw()

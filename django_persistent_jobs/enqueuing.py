@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
@@ -28,6 +28,9 @@ from .ids import uuid7
 from .models import JOB_COLUMNS_SQL, WAITING_DEDUP, PersistentJob, job_from_row
 from .payload import PayloadLimits, prepare_payload
 from .types import Dedup
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
 
 logger = logging.getLogger("django_persistent_jobs.enqueue")
 
@@ -197,7 +200,7 @@ def _values_sql() -> str:
     return f"%s, %s, %s::jsonb, %s, %s, %s, {_NEXT_RUN}, %s, %s, %s, %s::jsonb, %s"
 
 
-def _select_active(cursor: Any, job_type: str, dedup_key: str) -> tuple[Any, ...] | None:
+def _select_active(cursor: Cursor, job_type: str, dedup_key: str) -> tuple[Any, ...] | None:
     cursor.execute(
         f"SELECT {JOB_COLUMNS_SQL} FROM persistent_jobs WHERE job_type = %s AND dedup_key = %s "
         "AND status IN ('pending', 'failed', 'running') AND NOT (dedup = 'enqueue') "
@@ -208,7 +211,7 @@ def _select_active(cursor: Any, job_type: str, dedup_key: str) -> tuple[Any, ...
     return row
 
 
-def _insert_one(cursor: Any, job: _Prepared) -> tuple[Any, ...] | None:
+def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
     """Insert; ``None`` means a concurrent waiting duplicate won the unique index."""
     columns = ", ".join(_INSERT_COLUMNS)
     if job.dedup_key is None or job.dedup is Dedup.ENQUEUE:
@@ -222,7 +225,7 @@ def _insert_one(cursor: Any, job: _Prepared) -> tuple[Any, ...] | None:
     return row
 
 
-def _cancel_waiting_duplicates(cursor: Any, job_type: str, keys: list[str]) -> int:
+def _cancel_waiting_duplicates(cursor: Cursor, job_type: str, keys: list[str]) -> int:
     cursor.execute(
         "UPDATE persistent_jobs SET status = 'cancelled', last_error_code = 'REPLACED', "
         "last_error = 'replaced by a newer job with the same dedup key', finished_at = now(), "
@@ -233,7 +236,7 @@ def _cancel_waiting_duplicates(cursor: Any, job_type: str, keys: list[str]) -> i
     return int(cursor.rowcount)
 
 
-def lock_dedup_keys(cursor: Any, keys: Iterable[tuple[str, str]]) -> None:
+def lock_dedup_keys(cursor: Cursor, keys: Iterable[tuple[str, str]]) -> None:
     """Wait for the enqueue turn of each ``(job_type, dedup_key)`` and hold it until the
     transaction ends.
 
@@ -291,7 +294,7 @@ def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
         return _settle(cursor, job, alias)
 
 
-def _attempt(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
+def _attempt(cursor: Cursor, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
     """One round of Skip or Replace for a keyed job; ``None`` when another job with the key
     became waiting in between (the insert met it on the unique index)."""
     assert job.dedup_key is not None
@@ -309,7 +312,7 @@ def _is_deadlock(exc: BaseException) -> bool:
     return getattr(exc.__cause__, "sqlstate", None) == "40P01"
 
 
-def _round(cursor: Any | None, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
+def _round(cursor: Cursor | None, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
     """``_attempt`` in a savepoint (or a transaction of its own outside any); ``None`` (with
     nothing left behind) when it lost the race.
 
@@ -332,7 +335,7 @@ def _round(cursor: Any | None, job: _Prepared, alias: str) -> tuple[PersistentJo
         return None
 
 
-def _settle(cursor: Any, job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
+def _settle(cursor: Cursor, job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
     """Skip or Replace one keyed job while holding its key's turn, until it is done.
 
     Every enqueue that meets a conflict waits for the turn before trying again, so while this
@@ -387,8 +390,8 @@ def enqueue_scheduled_run(
 
     Like ``enqueue`` (same validation, handler dedup strategy, NOTIFY), plus the run's
     ``schedule`` JSON, and it reports whether a row was inserted: ``False`` means Skip dedup
-    returned the schedule's still-active previous run. Internal: schedule_services and
-    runner/scheduler call it; users call ``run_schedule_now``.
+    returned the schedule's still-active previous run. Internal: ``schedules.firing``
+    calls it (for the scheduler and ``run_schedule_now``); users call ``run_schedule_now``.
     """
     job = _prepare(job_type, payload, dedup_key=dedup_key, queue=queue, priority=priority,
                    tenant=tenant, schedule=schedule)
@@ -507,7 +510,7 @@ def _copy_insert(connection: Any, jobs: list[_Prepared]) -> None:
         cursor.close()
 
 
-def _bulk_insert_deduplicated(cursor: Any, jobs: list[_Prepared]) -> set[Any]:
+def _bulk_insert_deduplicated(cursor: Cursor, jobs: list[_Prepared]) -> set[Any]:
     """Insert in one statement, skipping jobs whose key an active job holds; return inserted ids.
 
     (Batches without dedup keys go through ``_copy_insert`` instead.)
@@ -535,7 +538,9 @@ def _bulk_insert_deduplicated(cursor: Any, jobs: list[_Prepared]) -> set[Any]:
     return {row[0] for row in cursor.fetchall()}
 
 
-def _enqueue_many_dedup(cursor: Any, prepared: list[_Prepared], alias: str) -> list[PersistentJob]:
+def _enqueue_many_dedup(
+    cursor: Cursor, prepared: list[_Prepared], alias: str
+) -> list[PersistentJob]:
     # Within one batch, Skip keeps the first item per key and Replace keeps the last.
     chosen: dict[tuple[str, str], _Prepared] = {}
     for job in prepared:

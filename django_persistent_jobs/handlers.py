@@ -245,15 +245,15 @@ def _check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[
     if spec.cron is not None and spec.interval is not None:
         schedule("give either cron or interval, not both.")
     if spec.cron is not None:
-        from .schedules import cron_problem
+        from .schedules.timing import cron_problem
 
         schedule(cron_problem(spec.cron))
     if spec.interval is not None:
-        from .schedules import interval_problem
+        from .schedules.timing import interval_problem
 
         schedule(interval_problem(spec.interval))
     if spec.timezone is not None:
-        from .schedules import timezone_problem
+        from .schedules.timing import timezone_problem
 
         schedule(timezone_problem(spec.timezone))
     if spec.tenant is not None:

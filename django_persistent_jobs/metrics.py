@@ -205,14 +205,14 @@ class DatabaseCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        alias = str(conf.get("DATABASE"))
+        alias = conf.settings.DATABASE
         up = GaugeMetricFamily(f"{NAMESPACE}_database_up",
                                "1 if the last scrape could read the job tables.")
         try:
             with connections[alias].cursor() as cursor:
                 cursor.execute(_ACTIVE_SQL)
                 active = cursor.fetchall()
-                cursor.execute(_RUNNERS_SQL, [conf.seconds(conf.get("STALE_LOCK_TIMEOUT"))])
+                cursor.execute(_RUNNERS_SQL, [conf.settings.STALE_LOCK_TIMEOUT])
                 runners = cursor.fetchall()
         except Exception as exc:
             logger.warning("metrics: cannot read the job tables: %s", exc,
@@ -286,7 +286,7 @@ def registry(*, close_connection: bool = False) -> Any:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 
-        multiprocess.MultiProcessCollector(reg)
+        multiprocess.MultiProcessCollector(reg)  # type: ignore[no-untyped-call]  # unannotated upstream
     else:
         reg.register(_EventsCollector())
     reg.register(DatabaseCollector(close_connection))

@@ -190,7 +190,7 @@ class Page:
 
 
 def jobs_queryset() -> QuerySet[PersistentJob]:
-    return PersistentJob.objects.using(str(conf.get("DATABASE")))
+    return PersistentJob.objects.using(conf.settings.DATABASE)
 
 
 def list_jobs(
@@ -248,4 +248,4 @@ def get_job(job_id: Any, *, tenant: str | None = None) -> PersistentJob:
 
 
 def attempts_of(job: PersistentJob) -> list[Any]:
-    return list(job.attempt_set.using(str(conf.get("DATABASE"))).order_by("attempt", "id"))
+    return list(job.attempt_set.using(conf.settings.DATABASE).order_by("attempt", "id"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from django.db import IntegrityError, connections, transaction
 from django.db.models import QuerySet
@@ -32,10 +32,10 @@ NOTIFY_CHANNEL = "persistent_jobs"
 
 
 def _alias() -> str:
-    return str(conf.get("DATABASE"))
+    return conf.settings.DATABASE
 
 
-def _load(job_id: Any) -> PersistentJob:
+def _load(job_id: uuid.UUID | str) -> PersistentJob:
     try:
         key = job_id if isinstance(job_id, uuid.UUID) else uuid.UUID(str(job_id))
     except (ValueError, AttributeError, TypeError):
@@ -64,7 +64,9 @@ def _by(actor: str | None) -> str:
     return f" by {actor}" if actor else " by operator"
 
 
-def retry_job(job_id: Any, mode: RetryMode = "now", *, actor: str | None = None) -> PersistentJob:
+def retry_job(
+    job_id: uuid.UUID | str, mode: RetryMode = "now", *, actor: str | None = None,
+) -> PersistentJob:
     """Put a failed, dead-lettered or cancelled job back in play and return it.
 
     ``now``: due immediately, attempt count kept; ``later``: due after the backoff for its
@@ -125,7 +127,7 @@ def retry_job(job_id: Any, mode: RetryMode = "now", *, actor: str | None = None)
     return result
 
 
-def cancel_job(job_id: Any, *, actor: str | None = None) -> PersistentJob:
+def cancel_job(job_id: uuid.UUID | str, *, actor: str | None = None) -> PersistentJob:
     """Cancel a waiting job, or ask a running job's handler to stop; return the job.
 
     A pending or failed job becomes ``cancelled`` at once. A running job keeps running but its

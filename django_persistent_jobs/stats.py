@@ -191,7 +191,7 @@ class DashboardStats(_Serializable):
 
 
 def _alias() -> str:
-    return str(conf.get("DATABASE"))
+    return conf.settings.DATABASE
 
 
 def _db_now(alias: str) -> datetime:
@@ -203,9 +203,9 @@ def _db_now(alias: str) -> datetime:
 
 def runner_thresholds() -> tuple[timedelta, timedelta]:
     """(late_after, stale_after) from the same settings the runners use to judge each other."""
-    stale = conf.seconds(conf.get("STALE_LOCK_TIMEOUT"))
-    heartbeat = conf.get("HEARTBEAT_INTERVAL")
-    beat = stale / 3 if heartbeat is None else conf.seconds(heartbeat)
+    stale = conf.settings.STALE_LOCK_TIMEOUT
+    heartbeat = conf.settings.HEARTBEAT_INTERVAL
+    beat = stale / 3 if heartbeat is None else heartbeat
     return timedelta(seconds=min(2 * beat, stale)), timedelta(seconds=stale)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,21 +13,11 @@ import pytest
 from django.db import connection
 
 from django_persistent_jobs.runner import Runner
+from tests.core_support import wait_for
+
+__all__ = ["wait_for"]  # re-exported for test modules that import it from conftest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-             message: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)
 
 
 @pytest.fixture

@@ -1,15 +1,53 @@
-"""Helpers for the API-level (non-fault) tests: settings overrides and extra connections."""
+"""Helpers every test module may use: polls with a deadline, the database clock, settings
+overrides and extra connections."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 from django.test import override_settings
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
+             message: str = "condition", *, reconnect: bool = False) -> Any:
+    """Poll ``predicate`` until it returns something truthy or ``timeout`` passes.
+
+    With ``reconnect`` a dropped database connection counts as "not yet": the connection is
+    closed so the next poll opens a new one (for scenarios that restart PostgreSQL).
+    """
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OperationalError, InterfaceError) as exc:
+            if not reconnect:
+                raise
+            last_error = exc
+            connection.close()
+        if time.monotonic() >= deadline:
+            extra = f" (last database error: {last_error})" if last_error else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}{extra}")
+        time.sleep(interval)
+
+
+def db_now(*, clock: bool = False) -> datetime:
+    """The database's time: ``now()`` (the current transaction's start, the time ``enqueue``
+    stamps on rows it writes in that transaction), or with ``clock`` the wall clock
+    (``clock_timestamp()``), for comparisons with rows other connections wrote."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()" if clock else "SELECT now()")
+        value: datetime = cursor.fetchone()[0]
+    return value
 
 
 def pj_settings(**overrides: Any) -> override_settings:

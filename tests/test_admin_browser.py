@@ -33,7 +33,7 @@ from django.test import Client
 
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
-from tests.conftest import wait_for
+from tests.core_support import wait_for
 
 # PJ_CHROMIUM / PJ_CHROMEDRIVER point elsewhere (other distributions install them elsewhere).
 CHROMIUM = os.environ.get("PJ_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"

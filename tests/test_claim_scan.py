@@ -19,8 +19,7 @@ from django.utils import timezone
 from django_persistent_jobs.enqueuing import enqueue_many
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner, store
-from tests.conftest import wait_for
-from tests.core_support import conninfo
+from tests.core_support import conninfo, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 

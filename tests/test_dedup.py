@@ -14,8 +14,7 @@ from django.db import connection, connections, transaction
 from django_persistent_jobs import Dedup, enqueue, enqueue_many, job_handler
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.conftest import wait_for
-from tests.core_support import blocked_backends, pj_settings, raw_connection
+from tests.core_support import blocked_backends, pj_settings, raw_connection, wait_for
 
 
 @job_handler("core.dedup.replace", dedup=Dedup.REPLACE)

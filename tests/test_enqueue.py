@@ -23,7 +23,7 @@ from django_persistent_jobs import (
 )
 from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.models import JobStatus, PersistentJob
-from tests.core_support import notifications_until_marker, pj_settings, raw_connection
+from tests.core_support import db_now, notifications_until_marker, pj_settings, raw_connection
 
 
 @job_handler("core.enq.configured", max_retries=5, timeout=12, queue="emails", priority=7,
@@ -35,11 +35,6 @@ def configured(payload: Any) -> None:
 class Rollback(Exception):
     pass
 
-
-def db_now() -> datetime:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        return cursor.fetchone()[0]
 
 
 @pytest.fixture

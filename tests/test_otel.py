@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from django_persistent_jobs import enqueue, job_handler, otel
 from django_persistent_jobs.models import JobStatus
 from django_persistent_jobs.runner import Runner
-from tests.conftest import wait_for
-from tests.test_runner_support import isolated_registry, wait_status
+from tests.core_support import wait_for
+from tests.runner_support import isolated_registry, wait_status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 

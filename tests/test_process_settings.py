@@ -16,7 +16,7 @@ from django_persistent_jobs import ConfigurationError, Runner, enqueue_many
 from django_persistent_jobs import conf as pj_conf
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from tests.core_support import pj_settings
-from tests.test_runner_support import OutputReader
+from tests.runner_support import OutputReader
 
 BAD = [
     ({"PROCESSES": -1}, "persistent_jobs.E031", "PROCESSES'] must be an integer >= 0"),

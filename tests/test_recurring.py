@@ -34,16 +34,19 @@ from django_persistent_jobs import (
     update_schedule,
 )
 from django_persistent_jobs.handlers import registry
-from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
-from django_persistent_jobs.runner.scheduler import fire_due
-from django_persistent_jobs.schedule_models import (
+from django_persistent_jobs.models import (
     InactiveReason,
+    JobAttempt,
     JobSchedule,
+    JobStatus,
+    PersistentJob,
     ScheduleSource,
     TickResult,
 )
-from django_persistent_jobs.schedule_services import db_now, insert_run, sync_code_schedules
-from tests.conftest import wait_for
+from django_persistent_jobs.runner.scheduler import fire_due
+from django_persistent_jobs.schedules.definition import db_now
+from django_persistent_jobs.schedules.firing import insert_run, sync_code_schedules
+from tests.core_support import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

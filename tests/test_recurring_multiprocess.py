@@ -17,7 +17,7 @@ import pytest
 
 from django_persistent_jobs import add_schedule, pause_schedule
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
-from tests.conftest import wait_for
+from tests.core_support import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -19,7 +19,7 @@ from django_persistent_jobs import ScheduleError, job_handler, next_tick
 from django_persistent_jobs.errors import ConfigurationError
 from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.runner import Runner
-from django_persistent_jobs.schedules import (
+from django_persistent_jobs.schedules.timing import (
     Timing,
     cron_problem,
     next_cron_tick,

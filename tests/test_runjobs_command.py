@@ -15,7 +15,7 @@ from django.core.management.base import CommandError
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
-from tests.test_runner_support import get_job
+from tests.runner_support import get_job
 from tests.testapp.models import LedgerEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]

@@ -14,7 +14,7 @@ import pytest
 from django_persistent_jobs.enqueuing import enqueue
 from django_persistent_jobs.models import JobAttempt, JobStatus
 from tests.conftest import db_clock, wait_handler_inside
-from tests.test_runner_support import attempts_of, get_job, wait_for, wait_status
+from tests.runner_support import attempts_of, get_job, wait_for, wait_status
 from tests.testapp.models import LedgerEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.test_runner_support import OutputReader
+from tests.runner_support import OutputReader
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -29,7 +29,7 @@ from django_persistent_jobs.errors import ConfigurationError
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.test_runner_support import (
+from tests.runner_support import (
     Gate,
     attempts_of,
     get_job,

@@ -12,7 +12,7 @@ from django.db import connection
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobStatus
 from django_persistent_jobs.runner import Runner, store
-from tests.test_runner_support import wait_status
+from tests.runner_support import wait_status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 

@@ -15,7 +15,7 @@ from django_persistent_jobs import enqueue_many, job_handler
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner
-from tests.test_runner_support import Gate, attempts_of, isolated_registry, wait_for
+from tests.runner_support import Gate, attempts_of, isolated_registry, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 __all__ = ["isolated_registry"]  # the fixture, re-exported for pytest

@@ -11,7 +11,7 @@ from django.db import transaction
 
 from django_persistent_jobs.enqueuing import enqueue_many
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
-from tests.test_runner_support import OutputReader, wait_for
+from tests.runner_support import OutputReader, wait_for
 from tests.testapp.models import LedgerEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]

@@ -18,7 +18,7 @@ from django_persistent_jobs import JobContext, enqueue, job_handler
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner, store
-from tests.test_runner_support import (
+from tests.runner_support import (
     Gate,
     OutputReader,
     attempts_of,
@@ -113,7 +113,7 @@ def test_a_live_runners_long_job_is_never_rescued(
         assert current.status == JobStatus.RUNNING and current.attempts == 1
         assert current.locked_by == owner.runner_id
         assert current.locked_at is not None
-        return db_now() - current.locked_at > timedelta(seconds=STALE + 4 * HEARTBEAT)
+        return db_now(clock=True) - current.locked_at > timedelta(seconds=STALE + 4 * HEARTBEAT)
 
     wait_for(long_enough, timeout=STALE + 20, interval=0.1,
              message="the job to run longer than STALE_LOCK_TIMEOUT")

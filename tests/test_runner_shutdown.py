@@ -16,7 +16,7 @@ from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus
 from django_persistent_jobs.runner import Runner
 from tests.conftest import db_clock, wait_handler_inside
-from tests.test_runner_support import (
+from tests.runner_support import (
     Gate,
     OutputReader,
     attempts_of,

@@ -14,7 +14,7 @@ from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobStatus
 from django_persistent_jobs.runner import Runner
-from tests.test_runner_support import (
+from tests.runner_support import (
     Gate,
     attempts_of,
     isolated_registry,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -25,8 +25,7 @@ from django_persistent_jobs import (
 from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner, store
-from tests.conftest import wait_for
-from tests.core_support import notifications_until_marker, raw_connection
+from tests.core_support import db_now, notifications_until_marker, raw_connection, wait_for
 
 STARTED = threading.Event()
 SAW_CANCEL: list[bool] = []
@@ -47,11 +46,6 @@ def cancellable(payload: dict[str, Any], ctx: JobContext) -> None:
     if cancelled:
         raise RuntimeError("ignored the cancellation and failed anyway")
 
-
-def db_now() -> datetime:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        return cursor.fetchone()[0]
 
 
 def claim_one() -> store.ClaimedJob:

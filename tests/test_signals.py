@@ -15,8 +15,8 @@ from django.db import connection, transaction
 from django_persistent_jobs import enqueue, enqueue_many, signals
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner, store
-from tests.conftest import wait_for
-from tests.test_runner_support import wait_status
+from tests.core_support import wait_for
+from tests.runner_support import wait_status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 

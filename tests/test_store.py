@@ -3,7 +3,7 @@ LOCKED seen from two connections, fenced completion and transitions, stale-lock 
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -13,13 +13,7 @@ from django.db import connection, transaction
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.core_support import conninfo, raw_connection
-
-
-def db_now() -> datetime:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        return cursor.fetchone()[0]
+from tests.core_support import conninfo, db_now, raw_connection
 
 
 def claim(runner: str = "r1", limit: int = 10,

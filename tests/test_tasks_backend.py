@@ -30,7 +30,7 @@ from django_persistent_jobs.backends.compat import (
 )
 from django_persistent_jobs.errors import PayloadError
 from django_persistent_jobs.runner import Runner
-from tests.conftest import wait_for
+from tests.core_support import wait_for
 from tests.testapp import tasks
 from tests.testapp.models import LedgerEntry, SideEffect
 from tests.testapp.tasks_compat import task
@@ -310,7 +310,7 @@ def test_a_recurring_task_is_a_schedule_run_by_the_runner(start_runner: StartRun
     from django_persistent_jobs import run_schedule_now
     from django_persistent_jobs.handlers import registry
     from django_persistent_jobs.models import JobSchedule
-    from django_persistent_jobs.schedule_services import sync_code_schedules
+    from django_persistent_jobs.schedules.firing import sync_code_schedules
 
     with registry.isolated():
         from tests.testapp import recurring_tasks

@@ -18,7 +18,7 @@ from django_persistent_jobs.backends.compat import (
     TaskResultStatus,
     task_backends,
 )
-from tests.conftest import wait_for
+from tests.core_support import wait_for
 from tests.testapp import inprocess_tasks as it
 from tests.testapp.tasks_compat import task
 

@@ -27,11 +27,10 @@ from django_persistent_jobs import (
 )
 from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.handlers import Registry, registry
-from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
+from django_persistent_jobs.models import JobAttempt, JobSchedule, JobStatus, PersistentJob
 from django_persistent_jobs.runner.scheduler import fire_due
-from django_persistent_jobs.schedule_models import JobSchedule
-from django_persistent_jobs.schedule_services import sync_code_schedules
-from tests.test_runner_support import isolated_registry, wait_status
+from django_persistent_jobs.schedules.firing import sync_code_schedules
+from tests.runner_support import isolated_registry, wait_status
 
 __all__ = ["isolated_registry"]  # a fixture, used by name
 

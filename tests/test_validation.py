@@ -40,8 +40,7 @@ from django_persistent_jobs import (
 )
 from django_persistent_jobs.checks import check_settings
 from django_persistent_jobs.handlers import registry
-from django_persistent_jobs.models import PersistentJob
-from django_persistent_jobs.schedule_models import JobSchedule
+from django_persistent_jobs.models import JobSchedule, PersistentJob
 from tests.core_support import pj_settings
 
 NUL, SURROGATE = "\x00", "\ud800"

@@ -23,7 +23,7 @@ REDACTED = "***"
 
 
 def db_now() -> datetime:
-    with connections[str(conf.get("DATABASE"))].cursor() as cursor:
+    with connections[conf.settings.DATABASE].cursor() as cursor:
         cursor.execute("SELECT now()")
         value: datetime = cursor.fetchone()[0]
     return value
@@ -91,7 +91,7 @@ def redact(value: Any, keys: Iterable[str] | None = None) -> Any:
     A key is secret-looking when it contains one of ``REDACT_KEYS`` (case-insensitive), at any
     depth, so ``{"auth": {"api_key": ...}}`` and ``{"db_password": ...}`` are both caught.
     """
-    patterns = [k.lower() for k in (conf.get("REDACT_KEYS") if keys is None else keys)]
+    patterns = [k.lower() for k in (conf.settings.REDACT_KEYS if keys is None else keys)]
 
     def walk(item: Any) -> Any:
         if isinstance(item, dict):

@@ -1,6 +1,6 @@
 """Django admin for recurring schedules: see when each fires and how it last went; steer it.
 
-Every write goes through ``schedule_services`` (the same validation and behaviour as the Python
+Every write goes through ``schedules.services`` (the same validation and behaviour as the Python
 API). Schedules declared in code are read-only here except for pause, resume and "run now":
 changing them belongs in the ``@job_handler`` decorator, where the next deploy would put them
 back anyway.
@@ -8,7 +8,7 @@ back anyway.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import urlencode
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -23,9 +23,9 @@ from django.utils.html import format_html
 
 from .. import conf
 from ..handlers import registry
-from ..models import PersistentJob
-from ..schedule_models import JobSchedule, TickResult
-from ..schedule_services import (
+from ..models import JobSchedule, PersistentJob, TickResult
+from ..schedules.definition import validate_definition
+from ..schedules.services import (
     ScheduleError,
     ScheduleNotFoundError,
     add_schedule,
@@ -34,9 +34,8 @@ from ..schedule_services import (
     resume_schedule,
     run_schedule_now,
     update_schedule,
-    validate_definition,
 )
-from ..schedules import default_timezone
+from ..schedules.timing import default_timezone
 
 if TYPE_CHECKING:
     _ScheduleAdminBase = admin.ModelAdmin[JobSchedule]
@@ -56,7 +55,8 @@ def _in_zone(value: Any, zone: str | None) -> str:
         tz = ZoneInfo(zone) if zone else dj_timezone.get_current_timezone()
     except (ZoneInfoNotFoundError, ValueError):
         tz = dj_timezone.get_current_timezone()
-    return value.astimezone(tz).strftime("%Y-%m-%d %H:%M:%S %Z")
+    shown: str = value.astimezone(tz).strftime("%Y-%m-%d %H:%M:%S %Z")
+    return shown
 
 
 def runs_url(name: str) -> str:
@@ -79,7 +79,13 @@ def schedule_link(job: PersistentJob) -> str:
     return format_html('<a href="{}">{}</a> (tick {})', url, name, when)
 
 
-class JobScheduleForm(forms.ModelForm):
+if TYPE_CHECKING:
+    _ScheduleFormBase: TypeAlias = forms.ModelForm[JobSchedule]
+else:  # ModelForm is not subscriptable at run time
+    _ScheduleFormBase = forms.ModelForm
+
+
+class JobScheduleForm(_ScheduleFormBase):
     """Validates with the same function the Python API uses, so the messages match."""
 
     class Meta:
@@ -88,7 +94,7 @@ class JobScheduleForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if "job_type" in self.fields and not conf.get("ALLOW_UNREGISTERED"):
+        if "job_type" in self.fields and not conf.settings.ALLOW_UNREGISTERED:
             choices = [(t, t) for t in registry.job_types()]
             self.fields["job_type"] = forms.ChoiceField(choices=choices, label="Job type")
         if "timezone" in self.fields:

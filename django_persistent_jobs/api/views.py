@@ -38,7 +38,7 @@ LIST_PARAMS = ("status", "job_type", "queue", "tenant", "error_code", "created_a
 
 
 def _alias() -> str:
-    return str(conf.get("DATABASE"))
+    return conf.settings.DATABASE
 
 
 def _not_found(exc: Exception) -> ApiError:

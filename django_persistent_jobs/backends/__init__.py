@@ -11,8 +11,9 @@ Django 5.2 without the ``django-tasks`` backport installed.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_getattr
 
 _EXPORTS = {
     "PersistentJobsBackend": ".persistent",
@@ -29,10 +30,4 @@ if TYPE_CHECKING:
     from .tasks import PersistentTask, ResultError
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -7,7 +7,7 @@ differently), so the backends import everything from here and work unchanged on 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import django
 
@@ -55,6 +55,12 @@ else:  # Django 5.2: the API comes from the ``django-tasks`` backport package.
     from django_tasks.utils import normalize_json
 
     TASKS_PACKAGE = "django_tasks"
+
+if TYPE_CHECKING:
+    # Tasks of any signature: the backends treat every task alike. For annotations only: the
+    # classes are not subscriptable at run time.
+    AnyTask: TypeAlias = Task[Any, Any]
+    AnyTaskResult: TypeAlias = TaskResult[Any, Any]
 
 __all__ = [
     "DEFAULT_TASK_PRIORITY",

@@ -22,7 +22,7 @@ import time
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core import checks
 from django.db import close_old_connections, connections, transaction
@@ -35,7 +35,6 @@ from ..ids import uuid7
 from .compat import (
     BaseTaskBackend,
     InvalidTask,
-    Task,
     TaskContext,
     TaskError,
     TaskResult,
@@ -49,7 +48,8 @@ from .tasks import PersistentTask, encode_arguments, encode_result, refuse_gener
 
 logger = logging.getLogger("django_persistent_jobs.tasks")
 
-AnyTask = Task
+if TYPE_CHECKING:
+    from .compat import AnyTask, AnyTaskResult
 
 
 @dataclass(order=True)
@@ -169,12 +169,12 @@ class InProcessBackend(BaseTaskBackend):
 
     # --- enqueue and results --------------------------------------------------------------
     def _alias(self) -> str:
-        return str(self.options.get("DATABASE") or conf.get("DATABASE"))
+        return str(self.options.get("DATABASE") or conf.settings.DATABASE)
 
-    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> TaskResult:
+    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> AnyTaskResult:
         self.validate_task(task)
         payload = encode_arguments(task, args, kwargs)
-        result: TaskResult = TaskResult(
+        result: AnyTaskResult = TaskResult(
             task=task, id=str(uuid7()), status=TaskResultStatus.READY, enqueued_at=None,
             started_at=None, finished_at=None, last_attempted_at=None, args=payload["args"],
             kwargs=payload["kwargs"], backend=self.alias, errors=[], worker_ids=[],
@@ -192,12 +192,13 @@ class InProcessBackend(BaseTaskBackend):
         transaction.on_commit(release, using=self._alias())
         return result
 
-    def get_result(self, result_id: str) -> TaskResult:
+    def get_result(self, result_id: str) -> AnyTaskResult:
         with self._e.lock:
             result = self._e.results.get(str(result_id))
         if result is None:
             raise TaskResultDoesNotExist(result_id)
-        return result
+        found: AnyTaskResult = result
+        return found
 
     def _remember(self, result: Any) -> None:
         self._e.results[result.id] = result

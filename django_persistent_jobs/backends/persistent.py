@@ -15,7 +15,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core import checks
 from django.db import connections, transaction
@@ -54,7 +54,8 @@ from .tasks import (
 
 logger = logging.getLogger("django_persistent_jobs.tasks")
 
-AnyTask = Task
+if TYPE_CHECKING:
+    from .compat import AnyTask, AnyTaskResult
 
 #: Job status -> TaskResult status. A failed attempt awaiting its retry is READY again.
 STATUS_MAP: dict[str, Any] = {
@@ -80,7 +81,7 @@ _tasks: dict[str, AnyTask] = {}
 
 
 def _alias() -> str:
-    return str(conf.get("DATABASE"))
+    return conf.settings.DATABASE
 
 
 def job_type_of(task: AnyTask) -> str:
@@ -220,7 +221,7 @@ class PersistentJobsBackend(BaseTaskBackend):
         return messages
 
     # --- enqueue -----------------------------------------------------------------------------
-    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> TaskResult:
+    def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> AnyTaskResult:
         """Insert the task's job in the caller's transaction (rollback: no task, no wake-up)."""
         from ..enqueuing import enqueue
 
@@ -231,7 +232,7 @@ class PersistentJobsBackend(BaseTaskBackend):
             priority=task.priority,
             dedup_key=dedup_key_for(task, payload["args"], payload["kwargs"]),
         )
-        result: TaskResult = TaskResult(
+        result: AnyTaskResult = TaskResult(
             task=task, id=str(job.id), status=STATUS_MAP.get(job.status, TaskResultStatus.READY),
             enqueued_at=job.__dict__.get("created_at"), started_at=None, finished_at=None,
             last_attempted_at=None, args=payload["args"], kwargs=payload["kwargs"],
@@ -245,7 +246,7 @@ class PersistentJobsBackend(BaseTaskBackend):
         return result
 
     # --- results -----------------------------------------------------------------------------
-    def get_result(self, result_id: str) -> TaskResult:
+    def get_result(self, result_id: str) -> AnyTaskResult:
         from ..models import PersistentJob
 
         try:
@@ -270,7 +271,7 @@ def _attempt_error(attempt: Any) -> TaskError:
 
 def build_result(
     backend: BaseTaskBackend, task: AnyTask, job: Any, attempts: list[Any],
-) -> TaskResult:
+) -> AnyTaskResult:
     """A TaskResult from a job row and its attempt rows."""
     try:
         shown = task.using(priority=_clamp_priority(job.priority), queue_name=job.queue,
@@ -279,7 +280,7 @@ def build_result(
         shown = task
     counted = [a for a in attempts if a.outcome != "interrupted"]
     status = STATUS_MAP.get(job.status, TaskResultStatus.READY)
-    result: TaskResult = TaskResult(
+    result: AnyTaskResult = TaskResult(
         task=shown, id=str(job.id), status=status, enqueued_at=job.created_at,
         started_at=counted[0].started_at if counted else None,
         finished_at=job.finished_at if status in (

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PayloadError, PermanentJobError
 from ..payload import PayloadLimits, prepare_payload
@@ -32,8 +32,15 @@ class ResultError(PermanentJobError):
     default_code = "RESULT_INVALID"
 
 
+if TYPE_CHECKING:
+    from .compat import AnyTask
+    from .compat import AnyTask as _TaskBase
+else:  # not subscriptable at run time
+    _TaskBase = Task
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PersistentTask(Task):
+class PersistentTask(_TaskBase):
     """A ``django.tasks`` Task with django-persistent-jobs' options.
 
     ``max_retries``, ``timeout`` (seconds), ``backoff`` (``attempt -> seconds``) and ``dedup``
@@ -70,14 +77,14 @@ class PersistentTask(Task):
         return {name: getattr(self, name) for name in OPTION_NAMES}
 
 
-def task_options(task: Task) -> dict[str, Any]:
+def task_options(task: AnyTask) -> dict[str, Any]:
     """Our options of any Task (a plain ``Task`` has none set)."""
     if isinstance(task, PersistentTask):
         return task.options()
     return dict.fromkeys(OPTION_NAMES)
 
 
-def required_parameters(task: Task) -> list[str]:
+def required_parameters(task: AnyTask) -> list[str]:
     """Parameters a caller must pass (the ``context`` of a context-taking task excluded)."""
     params = list(inspect.signature(task.func).parameters.values())
     if task.takes_context and params:
@@ -88,7 +95,7 @@ def required_parameters(task: Task) -> list[str]:
     ]
 
 
-def refuse_generators(task: Task) -> None:
+def refuse_generators(task: AnyTask) -> None:
     if inspect.isgeneratorfunction(task.func) or inspect.isasyncgenfunction(task.func):
         raise InvalidTask(
             f"Task {task.module_path} is a generator function: its body would not run. "
@@ -96,7 +103,7 @@ def refuse_generators(task: Task) -> None:
         )
 
 
-def encode_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
+def encode_arguments(task: AnyTask, args: Any, kwargs: Any) -> dict[str, Any]:
     """The job payload for a call: Django's JSON normalisation, then our payload checks.
 
     Django normalises arguments (a tuple becomes a list) before a task sees them; values JSON
@@ -116,7 +123,9 @@ def encode_arguments(task: Task, args: Any, kwargs: Any) -> dict[str, Any]:
     return payload
 
 
-def encode_result(task: Task, value: Any, limits: PayloadLimits | None = None) -> tuple[Any, str]:
+def encode_result(
+    task: AnyTask, value: Any, limits: PayloadLimits | None = None
+) -> tuple[Any, str]:
     """``(stored value, JSON text)`` for a task's return value, or ``ResultError``.
 
     Validated like a payload (size, depth, keys, strings PostgreSQL can store) after Django's
@@ -136,7 +145,7 @@ def encode_result(task: Task, value: Any, limits: PayloadLimits | None = None) -
         raise ResultError(f"task {task.module_path}: {message}") from exc
 
 
-def dedup_key_for(task: Task, args: list[Any], kwargs: dict[str, Any]) -> str | None:
+def dedup_key_for(task: AnyTask, args: list[Any], kwargs: dict[str, Any]) -> str | None:
     key = task_options(task)["dedup_key"]
     if key is None or isinstance(key, str):
         return key

@@ -17,6 +17,8 @@ from .db import run_with_retry
 from .heartbeat import heartbeat_fresh
 
 if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
+
     from .supervisor import Runner
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -49,7 +51,7 @@ def claim_loop(runner: Runner) -> None:
         # snapshot: the claim misses its follow-up jobs although the pool is empty afterwards.
         idle_before_claim = pool.busy == 0
 
-        def do_claim(cursor: Any, limit: int = limit) -> list[store.ClaimedJob]:
+        def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(runner):
                 return []  # the database came back after a long while: beat first (see above)
             # Only types this process has handlers for, read at each claim (a sorted list of a

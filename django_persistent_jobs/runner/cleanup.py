@@ -14,6 +14,8 @@ from . import store
 from .db import run_with_retry
 
 if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
+
     from .supervisor import Runner
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -24,7 +26,7 @@ def cleanup_once(alias: str, interrupt: Any = None) -> int:
     for status, keep in conf.retention().items():
         if keep is None:
             continue
-        def delete_batch(cursor: Any, status: str = status, keep: float = keep) -> int:
+        def delete_batch(cursor: Cursor, status: str = status, keep: float = keep) -> int:
             return store.cleanup(cursor, status, keep)
 
         while True:

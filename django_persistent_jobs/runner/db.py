@@ -7,10 +7,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import psycopg
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -108,7 +111,7 @@ T = TypeVar("T")  # no PEP 695 generics: Python 3.11 (Django 5.2) is supported
 
 
 def run_with_retry(
-    alias: str, fn: Callable[[Any], T], *, what: str, interrupt: threading.Event | None = None,
+    alias: str, fn: Callable[[Cursor], T], *, what: str, interrupt: threading.Event | None = None,
     backoff: Backoff | None = None,
 ) -> T | None:
     """Run ``fn(cursor)`` in autocommit, retrying while the database is unreachable or reports
@@ -163,7 +166,7 @@ class NotNow(Exception):
 
 
 def run_bounded(
-    alias: str, fn: Callable[[Any], T], *, what: str,
+    alias: str, fn: Callable[[Cursor], T], *, what: str,
     lock_timeout: float = ROW_LOCK_TIMEOUT_SECONDS,
 ) -> T:
     """Run ``fn(cursor)`` once, in a transaction that waits at most ``lock_timeout`` for a lock.

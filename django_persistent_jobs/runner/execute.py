@@ -37,6 +37,8 @@ from .db import (
 )
 
 if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
+
     from .store import ClaimedJob, TransitionKind
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -179,7 +181,7 @@ def _settle(
     charge_delay = (_backoff_for(registry.get(job.job_type), job.attempt)
                     if outcome.kind == "handback" else 0.0)
 
-    def apply(cursor: Any) -> str | None:
+    def apply(cursor: Cursor) -> str | None:
         return store.transition(
             cursor, job.id, job.token, kind=outcome.kind, code=outcome.code,
             message=outcome.message, traceback=outcome.traceback, delay=outcome.delay,
@@ -250,7 +252,7 @@ def record_outcome(
     if status is None:
         # Not ours any more: rescued, taken over, or (after a connection failure at COMMIT)
         # completed by this very attempt. Say which, for the operator reading the log.
-        def read(cursor: Any) -> str | None:
+        def read(cursor: Cursor) -> str | None:
             return store.attempt_outcome(cursor, job.token)
 
         what = f"reading the outcome of job {job.id}"

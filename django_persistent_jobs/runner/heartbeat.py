@@ -31,6 +31,8 @@ from .db import Backoff, NotNow, run_bounded, run_with_retry
 from .execute import Outcome, _backoff_for, log_transition
 
 if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
+
     from .supervisor import Runner
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -97,7 +99,7 @@ def heartbeat_fresh(runner: Runner) -> bool:
 
 
 def beat(runner: Runner) -> None:
-    def do(cursor: Any) -> bool:
+    def do(cursor: Cursor) -> bool:
         alive = store.heartbeat(cursor, runner.runner_id)
         if not alive:
             runner.register(cursor)
@@ -160,7 +162,7 @@ def _rescue_job(runner: Runner, job_id: Any, token: int, job_type: str, attempts
     outcome = Outcome("retry", "RUNNER_LOST", message,
                       delay=_backoff_for(registry.get(job_type), attempts))
 
-    def apply(cursor: Any) -> str | None:
+    def apply(cursor: Cursor) -> str | None:
         return store.transition(
             cursor, job_id, token, kind="retry", code=outcome.code,
             message=outcome.message, delay=outcome.delay, outcome="rescued",

@@ -33,7 +33,7 @@ from ..handlers import registry
 from .db import is_connection_error, run_with_retry
 
 if TYPE_CHECKING:
-    from ..schedule_models import JobSchedule
+    from ..models import JobSchedule
     from .supervisor import Runner
 
 logger = logging.getLogger("django_persistent_jobs.scheduler")
@@ -70,16 +70,16 @@ class PassReport:
 def _type_filter() -> tuple[str, list[Any]]:
     """Only fire schedules this process has a handler for (unless ALLOW_UNREGISTERED): during a
     rolling deploy an old runner leaves a new schedule to the runners that can run it."""
-    if conf.get("ALLOW_UNREGISTERED"):
+    if conf.settings.ALLOW_UNREGISTERED:
         return "", []
     return "AND job_type = ANY(%s)", [registry.job_types()]
 
 
 def fire_due(runner_id: str | None = None, limit: int = BATCH) -> PassReport:
     """Fire every due schedule this process may fire (up to ``limit``) in one transaction."""
-    from ..schedule_models import JobSchedule
+    from ..models import JobSchedule
 
-    alias = str(conf.get("DATABASE"))
+    alias = conf.settings.DATABASE
     report = PassReport()
     types_sql, types_params = _type_filter()
     with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
@@ -99,8 +99,8 @@ def fire_due(runner_id: str | None = None, limit: int = BATCH) -> PassReport:
 
 def _fire_one(schedule: JobSchedule, now: datetime, runner_id: str | None,
               report: PassReport) -> None:
-    from ..schedule_services import deactivate_invalid, insert_run, record_result
-    from ..schedules import ScheduleError, Timing
+    from ..schedules.firing import deactivate_invalid, insert_run, record_result
+    from ..schedules.timing import ScheduleError, Timing
 
     tick = schedule.next_run_at
     assert tick is not None  # the due query only returns rows with a next_run_at
@@ -149,7 +149,7 @@ def scheduler_loop(runner: Runner) -> None:
     It sleeps until the earliest next tick, at most ``SCHEDULER_INTERVAL`` (a schedule added or
     resumed meanwhile is noticed within that). In burst mode it fires what is due once and ends.
     """
-    from ..schedule_services import sync_code_schedules
+    from ..schedules.firing import sync_code_schedules
 
     alias = runner.alias
     interval = runner.settings.scheduler_interval

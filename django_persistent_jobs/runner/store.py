@@ -15,13 +15,16 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 
 from .. import conf
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
 
 TransitionKind = Literal["retry", "dead", "cancel", "handback", "release"]
 
@@ -46,7 +49,7 @@ class ClaimedJob:
 
 
 @contextmanager
-def prepared(cursor: Any) -> Iterator[psycopg.Cursor[Any]]:
+def prepared(cursor: Cursor) -> Iterator[psycopg.Cursor[Any]]:
     """A server-side-binding cursor on the same connection (so the same transaction).
 
     Django binds parameters client-side, so PostgreSQL parses and plans every statement again;
@@ -185,7 +188,7 @@ ClaimKey = tuple[int, Any, Any]
 
 
 def claim(
-    cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None,
+    cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
     job_types: Collection[str] | None = None, after: ClaimKey | None = None,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
@@ -244,7 +247,7 @@ class ClaimScan:
         """Make the next claim a full scan (call on every wake-up)."""
         self.key = None
 
-    def claim(self, cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None,
+    def claim(self, cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
               job_types: Collection[str] | None = None) -> list[ClaimedJob]:
         now = time.monotonic()
         if self.key is not None and now - self.full_at < self.rescan:
@@ -293,7 +296,7 @@ RETURNING a.id
 """
 
 
-def complete(cursor: Any, job: ClaimedJob, result: str | None = None) -> bool:
+def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool:
     """Mark the job completed inside the handler's transaction; False if the claim was lost.
 
     ``result`` is the handler's return value as JSON text (django.tasks results), or None.
@@ -305,13 +308,10 @@ def complete(cursor: Any, job: ClaimedJob, result: str | None = None) -> bool:
 
 def configured_handback_limit() -> int:
     """``HANDBACK_LIMIT`` as the settling statement needs it (validated when a runner starts)."""
-    value = conf.get("HANDBACK_LIMIT")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return int(conf.DEFAULTS["HANDBACK_LIMIT"])
-    return value
+    return conf.settings.HANDBACK_LIMIT
 
 
-#: Column widths the settling statement writes into (see models.py).
+#: Column widths the settling statement writes into (see models/jobs.py and models/attempts.py).
 CODE_MAX_LENGTH = 64
 MESSAGE_MAX_LENGTH = 10_000
 TRACEBACK_MAX_LENGTH = 50_000
@@ -327,15 +327,14 @@ def storable_text(text: Any, limit: int) -> str:
     decoded with surrogateescape, bytes quoted in a message). Both are written as backslash
     escapes (``\\x00``, ``\\udcff``) so the stored text still says what the error said.
     """
-    if not isinstance(text, str):
-        text = str(text)
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
+    value: str = text if isinstance(text, str) else str(text)
+    if "\x00" in value:
+        value = value.replace("\x00", "\\x00")
     try:
-        text.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError:
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text[:limit]
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value[:limit]
 
 
 def storable_delay(delay: Any) -> float:
@@ -417,7 +416,7 @@ def transition_sql() -> str:
 
 
 def transition(
-    cursor: Any, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
+    cursor: Cursor, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
     handback_limit: int | None = None, charge_delay: float = 0.0,
     error_class: str = "",
@@ -480,7 +479,7 @@ def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
 
 
 def register_runner(
-    cursor: Any, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
+    cursor: Cursor, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
     concurrency: int, version: str, name: str = "",
 ) -> None:
     cursor.execute(
@@ -493,7 +492,7 @@ def register_runner(
 
 
 def live_namesakes(
-    cursor: Any, runner_id: str, name: str, stale_seconds: float,
+    cursor: Cursor, runner_id: str, name: str, stale_seconds: float,
 ) -> list[tuple[str, str, int]]:
     """Other runners registered under ``name`` whose heartbeat is fresh: ``(id, host, pid)``."""
     cursor.execute(
@@ -504,7 +503,7 @@ def live_namesakes(
     return [(row[0], row[1], row[2]) for row in cursor.fetchall()]
 
 
-def heartbeat(cursor: Any, runner_id: str) -> bool:
+def heartbeat(cursor: Cursor, runner_id: str) -> bool:
     """Refresh the heartbeat; False means another runner declared us dead and removed our row."""
     cursor.execute(
         "UPDATE persistent_jobs_runners SET heartbeat_at = now() WHERE id = %s", [runner_id]
@@ -512,11 +511,11 @@ def heartbeat(cursor: Any, runner_id: str) -> bool:
     return bool(cursor.rowcount)
 
 
-def unregister_runner(cursor: Any, runner_id: str) -> None:
+def unregister_runner(cursor: Cursor, runner_id: str) -> None:
     cursor.execute("DELETE FROM persistent_jobs_runners WHERE id = %s", [runner_id])
 
 
-def cancel_requests(cursor: Any, runner_id: str) -> list[Any]:
+def cancel_requests(cursor: Cursor, runner_id: str) -> list[Any]:
     cursor.execute(
         "SELECT id FROM persistent_jobs WHERE locked_by = %s AND status = 'running' "
         "AND cancel_requested",
@@ -525,7 +524,7 @@ def cancel_requests(cursor: Any, runner_id: str) -> list[Any]:
     return [row[0] for row in cursor.fetchall()]
 
 
-def reap_dead_runners(cursor: Any, stale_seconds: float) -> list[tuple[str, Any]]:
+def reap_dead_runners(cursor: Cursor, stale_seconds: float) -> list[tuple[str, Any]]:
     """Delete runners whose heartbeat is older than ``stale_seconds`` by the database clock."""
     cursor.execute(
         "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %s * interval "
@@ -535,7 +534,7 @@ def reap_dead_runners(cursor: Any, stale_seconds: float) -> list[tuple[str, Any]
     return [(row[0], row[1]) for row in cursor.fetchall()]
 
 
-def orphaned_jobs(cursor: Any, limit: int = 1000) -> list[tuple[Any, int, str, int, str | None]]:
+def orphaned_jobs(cursor: Cursor, limit: int = 1000) -> list[tuple[Any, int, str, int, str | None]]:
     """Running jobs whose runner row is gone: ``(id, token, job_type, attempts, locked_by)``.
 
     Runners insert their row before they claim anything and delete it only on exit, so a running
@@ -550,7 +549,7 @@ def orphaned_jobs(cursor: Any, limit: int = 1000) -> list[tuple[Any, int, str, i
     return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
 
 
-def running_jobs_of(cursor: Any, runner_id: str) -> list[tuple[Any, int, str, int, str | None]]:
+def running_jobs_of(cursor: Cursor, runner_id: str) -> list[tuple[Any, int, str, int, str | None]]:
     """Running jobs locked by ``runner_id``: ``(id, token, job_type, attempts, locked_by)``."""
     cursor.execute(
         "SELECT id, lock_token, job_type, attempts, locked_by FROM persistent_jobs "
@@ -560,7 +559,7 @@ def running_jobs_of(cursor: Any, runner_id: str) -> list[tuple[Any, int, str, in
     return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
 
 
-def cleanup(cursor: Any, status: str, older_than_seconds: float, batch: int = 5000) -> int:
+def cleanup(cursor: Cursor, status: str, older_than_seconds: float, batch: int = 5000) -> int:
     """Delete one batch of ``status`` jobs finished more than ``older_than_seconds`` ago."""
     cursor.execute(
         """
@@ -578,7 +577,7 @@ def cleanup(cursor: Any, status: str, older_than_seconds: float, batch: int = 50
     return int(cursor.rowcount)
 
 
-def terminate_backend(cursor: Any, pid: int, backend_start: Any = None) -> bool:
+def terminate_backend(cursor: Cursor, pid: int, backend_start: Any = None) -> bool:
     """Terminate one server session. With ``backend_start``, only if the pid still belongs to
     the session that started then: the OS recycles pids, and after a restart or a dropped
     connection the same number may be someone else's backend."""
@@ -593,14 +592,14 @@ def terminate_backend(cursor: Any, pid: int, backend_start: Any = None) -> bool:
     return bool(row and row[0])
 
 
-def attempt_outcome(cursor: Any, token: int) -> str | None:
+def attempt_outcome(cursor: Cursor, token: int) -> str | None:
     """The recorded outcome of one attempt (its id is the job's fencing token)."""
     cursor.execute("SELECT outcome FROM persistent_jobs_attempts WHERE id = %s", [token])
     row = cursor.fetchone()
     return None if row is None else str(row[0])
 
 
-def report_progress(cursor: Any, job_id: Any, token: int, progress: Any) -> bool:
+def report_progress(cursor: Cursor, job_id: Any, token: int, progress: Any) -> bool:
     cursor.execute(
         "UPDATE persistent_jobs SET progress = %s::jsonb, updated_at = now() "
         "WHERE id = %s AND lock_token = %s AND status = 'running'",

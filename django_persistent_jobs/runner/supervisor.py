@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import ProgrammingError, connections
 
@@ -54,6 +54,9 @@ from .heartbeat import heartbeat_loop, rescue_loop
 from .listener import listen_loop
 from .loop import Loop
 from .threads import ThreadExecutor
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -378,7 +381,7 @@ class Runner:
             extra={"event": "runner_started", "runner_id": self.runner_id},
         )
 
-    def register(self, cursor: Any) -> None:
+    def register(self, cursor: Cursor) -> None:
         store.register_runner(
             cursor, self.runner_id, socket.gethostname(), os.getpid(), self.settings.queues,
             self.settings.concurrency, VERSION, self.name,

@@ -62,6 +62,6 @@ from tests.faults import process_handlers as _process_handlers  # noqa: E402, F4
 # Handlers for the operator-console tests (admin, dashboard, browser).
 from tests.testapp import console_jobs as _console_jobs  # noqa: E402, F401
 
-# Handlers for the recurring-schedule tests (issue 3), and for the settling tests that run real
+# Handlers for the recurring-schedule tests, and for the settling tests that run real
 # runjobs processes.
 from tests.testapp import recurring_jobs, settle_jobs  # noqa: E402,F401

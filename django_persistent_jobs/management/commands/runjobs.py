@@ -65,7 +65,7 @@ class Command(BaseCommand):
             logging.DEBUG if options["verbosity"] >= 3 else logging.INFO
             if options["verbosity"] >= 1 else logging.WARNING
         )
-        if not _has_handler(package_logger):
+        if not package_logger.hasHandlers():
             # No LOGGING configured for us: a silent runner is worse than a plain one.
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter(
@@ -91,12 +91,3 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         if code:
             sys.exit(code)
-
-
-def _has_handler(logger: logging.Logger) -> bool:
-    current: logging.Logger | None = logger
-    while current is not None:
-        if current.handlers:
-            return True
-        current = current.parent if current.propagate else None
-    return False

@@ -63,7 +63,7 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
     package_logger = logging.getLogger("django_persistent_jobs")
     if options.get("log_level") is not None:
         package_logger.setLevel(options["log_level"])
-    if options.get("log_to_stderr") or not _has_handler(package_logger):
+    if options.get("log_to_stderr") or not package_logger.hasHandlers():
         # As runjobs does in the supervisor: a silent worker is worse than a plain one.
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(
@@ -71,14 +71,6 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
         package_logger.addHandler(handler)
     Worker(conn, options).serve()
 
-
-def _has_handler(logger: logging.Logger) -> bool:
-    current: logging.Logger | None = logger
-    while current is not None:
-        if current.handlers:
-            return True
-        current = current.parent if current.propagate else None
-    return False
 
 
 class Worker:

@@ -22,8 +22,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from django_persistent_jobs import enqueue, run_schedule_now
-from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
-from django_persistent_jobs.schedule_models import JobSchedule
+from django_persistent_jobs.models import JobAttempt, JobSchedule, JobStatus, PersistentJob
 from example_project.demo.tasks import order_total
 
 MANAGE = Path(__file__).resolve().parents[4] / "manage.py"

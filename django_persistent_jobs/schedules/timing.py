@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
-from . import bounds
-from .errors import EnqueueError
+from .. import bounds
+from ..errors import EnqueueError
 
 #: croniter candidates examined in one computation before we call the expression unusable.
 MAX_SCAN = 100_000

@@ -7,15 +7,13 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
 from typing import Any
 
 import pytest
-from django.db import connection
 
 from django_persistent_jobs.handlers import Registry, registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
-from tests.conftest import wait_for
+from tests.core_support import db_now, wait_for
 
 __all__ = [
     "Gate",
@@ -47,13 +45,6 @@ def get_job(job_id: Any) -> PersistentJob:
 
 def attempts_of(job_id: Any) -> list[JobAttempt]:
     return list(JobAttempt.objects.filter(job_id=job_id).order_by("attempt", "id"))
-
-
-def db_now() -> datetime:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT clock_timestamp()")
-        value: datetime = cursor.fetchone()[0]
-    return value
 
 
 def wait_status(job_id: Any, *statuses: str, timeout: float = 15.0) -> PersistentJob:

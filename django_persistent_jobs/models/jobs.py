@@ -1,4 +1,5 @@
-"""The tables: jobs, one row per attempt, and live runners.
+"""The jobs table (``persistent_jobs``): one row per job, and the raw-row helpers the hand-written
+SQL uses.
 
 The runner's hot paths (claim, complete, fail, rescue) use hand-written SQL in ``runner/store.py``
 against these tables; the ORM models exist for the admin, the operator services and users' own
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from django.db import models
@@ -17,8 +17,8 @@ from django.db.models import Exists, OuterRef, Q
 from django.db.models.expressions import BaseExpression, RawSQL
 from django.db.models.functions import Cast, Now
 
-from .ids import uuid7
-from .types import Dedup
+from ..ids import uuid7
+from ..types import Dedup
 
 
 class JobStatus(models.TextChoices):
@@ -43,17 +43,6 @@ class JobStatus(models.TextChoices):
     @classmethod
     def active(cls) -> tuple[str, ...]:
         return (cls.PENDING, cls.FAILED, cls.RUNNING)
-
-
-class AttemptOutcome(models.TextChoices):
-    RUNNING = "running", "Running"
-    COMPLETED = "completed", "Completed"
-    FAILED = "failed", "Failed (will retry)"
-    DEAD_LETTERED = "dead_lettered", "Failed (dead-lettered)"
-    TIMED_OUT = "timed_out", "Timed out"
-    RESCUED = "rescued", "Runner lost; rescued"
-    INTERRUPTED = "interrupted", "Handed back at shutdown"
-    CANCELLED = "cancelled", "Cancelled"
 
 
 WAITING_DEDUP = (
@@ -255,73 +244,6 @@ class PersistentJob(models.Model):
         return self
 
 
-class JobAttempt(models.Model):
-    """One execution attempt. Its id is the fencing token the attempt's completion must present."""
-
-    id = models.BigAutoField(primary_key=True)
-    job = models.ForeignKey(PersistentJob, on_delete=models.CASCADE, related_name="attempt_set")
-    attempt = models.PositiveIntegerField()
-    runner_id = models.CharField(max_length=200)
-    started_at = models.DateTimeField(db_default=Now())
-    finished_at = models.DateTimeField(null=True, blank=True)
-    duration = models.DurationField(null=True, blank=True)
-    outcome = models.CharField(
-        max_length=20, choices=AttemptOutcome.choices, default=AttemptOutcome.RUNNING,
-        db_default=AttemptOutcome.RUNNING,
-    )
-    error_code = models.CharField(max_length=64, blank=True, default="", db_default="")
-    error_message = models.TextField(blank=True, default="", db_default="")
-    traceback = models.TextField(blank=True, default="", db_default="")
-    error_class = models.CharField(
-        max_length=255, blank=True, default="", db_default="",
-        help_text="Dotted path of the exception class that ended the attempt, if any.",
-    )
-
-    class Meta:
-        db_table = "persistent_jobs_attempts"
-        ordering = ["job_id", "attempt", "id"]
-        indexes = [
-            models.Index(fields=["job", "attempt"], name="pj_attempt_job_idx"),
-            # Failures by time, for the dashboard's charts and failure groups; completed
-            # attempts (the vast majority) never enter it, so it costs the hot path nothing.
-            models.Index(fields=["finished_at"], name="pj_attempt_failed_idx",
-                         condition=Q(outcome__in=["failed", "dead_lettered", "timed_out",
-                                                  "rescued"])),
-        ]
-
-    def __str__(self) -> str:
-        return f"attempt {self.attempt} of {self.job_id}: {self.outcome}"
-
-    @property
-    def duration_seconds(self) -> float | None:
-        return self.duration.total_seconds() if isinstance(self.duration, timedelta) else None
-
-
-class JobRunnerRecord(models.Model):
-    """A live runner process and its heartbeat. Rescue trusts this table, not elapsed time."""
-
-    #: The fencing identity (``locked_by`` of its jobs): unique per process lifetime.
-    id = models.CharField(max_length=200, primary_key=True)
-    #: What the operator called it (``runjobs --name``), or ``host:pid``; several runners may
-    #: share a name, never an id.
-    name = models.CharField(max_length=180, blank=True, default="", db_default="")
-    hostname = models.CharField(max_length=255)
-    pid = models.PositiveIntegerField()
-    started_at = models.DateTimeField(db_default=Now())
-    heartbeat_at = models.DateTimeField(db_default=Now())
-    queues = models.JSONField(null=True, blank=True)
-    concurrency = models.PositiveIntegerField(default=1)
-    version = models.CharField(max_length=50, blank=True, default="")
-
-    class Meta:
-        db_table = "persistent_jobs_runners"
-        verbose_name = "job runner"
-        ordering = ["id"]
-
-    def __str__(self) -> str:
-        return self.id
-
-
 class JobDashboard(PersistentJob):
     """No data of its own: gives the operator dashboard a row on the admin index.
 
@@ -355,9 +277,3 @@ def job_from_row(row: tuple[Any, ...] | list[Any], db: str = "default") -> Persi
         if isinstance(values[i], str):
             values[i] = json.loads(values[i])
     return PersistentJob.from_db(db, JOB_COLUMNS, values)
-
-
-# Recurring schedules live in their own module (issue 3); imported here so Django sees the model.
-# API tokens live with the API; imported here so Django sees the model.
-from .api.tokens import ApiToken  # noqa: E402,F401
-from .schedule_models import JobSchedule  # noqa: E402,F401

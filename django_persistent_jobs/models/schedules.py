@@ -1,7 +1,7 @@
 """The schedules table: one row per recurring schedule, declared in code or added at runtime.
 
-A schedule never *is* a job: each tick inserts a new ``persistent_jobs`` row (the PRD keeps run
-history that way), and ``next_run_at`` here says when the next one is due. Exactly one run per
+A schedule never *is* a job: each tick inserts a new ``persistent_jobs`` row (so each run keeps
+its own history), and ``next_run_at`` here says when the next one is due. Exactly one run per
 tick is enforced by the database: the scheduler locks a due row with ``FOR UPDATE SKIP LOCKED``
 and advances ``next_run_at`` in the same transaction as the insert, and a unique index on the
 runs' ``(schedule->>'name', schedule->>'tick')`` (migration 0003) refuses a second run for a tick
@@ -13,6 +13,8 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
+
+from ..schedules.timing import Timing
 
 
 class ScheduleSource(models.TextChoices):
@@ -123,6 +125,4 @@ class JobSchedule(models.Model):
 
     def describe(self) -> str:
         """``cron 0 2 * * * (Europe/Berlin)`` or ``every 30s``."""
-        from .schedules import Timing
-
         return Timing.of(self).describe()

@@ -1,0 +1,233 @@
+"""The runner-facing side of recurring schedules: inserting a tick's run, recording what a tick
+did, syncing the schedules declared in code into the table, and stopping a schedule whose
+stored definition cannot be computed. The runner's scheduler loop (``runner/scheduler.py``) and
+``run_schedule_now`` call these; users do not.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import IntegrityError, connections, transaction
+from django.db.models.functions import Now
+
+from .. import conf
+from ..enqueuing import enqueue_scheduled_run
+from ..errors import ConfigurationError, EnqueueError
+from ..handlers import HandlerSpec, registry
+from ..models import InactiveReason, JobSchedule, PersistentJob, ScheduleSource, TickResult
+from ..payload import prepare_payload
+from .definition import Definition, _alias, db_now
+from .timing import Timing, default_timezone, tick_label
+
+logger = logging.getLogger("django_persistent_jobs.scheduler")
+
+__all__ = ["SyncReport", "deactivate_invalid", "insert_run", "record_result",
+           "sync_code_schedules"]
+
+#: Serialises concurrent syncs by runners that start together (an advisory lock, held only for
+#: the sync's own short transaction).
+_SYNC_LOCK_KEY = "django_persistent_jobs.sync_schedules"
+_TICK_INDEX = "pj_schedule_tick_uniq"
+
+
+def insert_run(
+    schedule: JobSchedule, *, tick: datetime | None, coalesced: int, fired_by: str | None,
+) -> tuple[PersistentJob | None, str, str]:
+    """Insert one run of ``schedule`` in a savepoint; return ``(job, result, error)``.
+
+    ``job`` is the inserted run, or the active run Skip dedup deferred to, or ``None`` on error.
+    A second run for the same tick is refused by the unique index and reported as skipped:
+    that can only mean another runner already fired this tick.
+    """
+    info: dict[str, Any] = {
+        "name": schedule.name,
+        "trigger": "tick" if tick is not None else "manual",
+        "tick": tick_label(tick) if tick is not None else None,
+        **Timing.of(schedule).as_json(),
+        "coalesced_ticks": coalesced,
+        "fired_by": fired_by,
+    }
+    alias = _alias()
+    try:
+        with transaction.atomic(using=alias):
+            job, created = enqueue_scheduled_run(
+                schedule.job_type, schedule.payload, schedule=info, dedup_key=schedule.name,
+                queue=schedule.queue, priority=schedule.priority, tenant=schedule.tenant,
+            )
+    except IntegrityError as exc:
+        if _TICK_INDEX not in str(exc):
+            raise
+        logger.warning("schedule %s: tick %s already has a run; not inserting another",
+                       schedule.name, info["tick"],
+                       extra={"event": "schedule_tick_duplicate", "schedule": schedule.name})
+        return None, TickResult.SKIPPED, f"tick {info['tick']} already has a run"
+    except (EnqueueError, ConfigurationError) as exc:
+        return None, TickResult.ERROR, str(exc)
+    return job, TickResult.ENQUEUED if created else TickResult.SKIPPED, ""
+
+
+def record_result(
+    schedule: JobSchedule, now: datetime, job: PersistentJob | None, result: str, error: str,
+    next_run_at: datetime | None = None,
+) -> None:
+    """Store what a tick (or "run now") did on the schedule row."""
+    values: dict[str, Any] = {
+        "last_run_at": now, "last_result": result, "last_error": error, "updated_at": Now(),
+    }
+    if job is not None:
+        values["last_job_id"] = job.id
+    if next_run_at is not None:
+        values["next_run_at"] = next_run_at
+    JobSchedule.objects.using(_alias()).filter(pk=schedule.pk).update(**values)
+
+
+# ----------------------------------------------------------------------------- code sync
+@dataclass
+class SyncReport:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    deactivated: list[str] = field(default_factory=list)
+    reactivated: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+
+
+def _code_definition(spec: HandlerSpec) -> Definition:
+    interval = spec.interval.total_seconds() if spec.interval is not None else None
+    stored, _ = prepare_payload({} if spec.schedule_payload is None else spec.schedule_payload)
+    if spec.validator is not None:
+        spec.validator(stored)
+    return Definition(spec.job_type, spec.cron, interval, spec.timezone or default_timezone(),
+                      stored, None, None, spec.tenant)
+
+
+def sync_code_schedules() -> SyncReport:
+    """Make the table match the schedules declared with ``@job_handler`` in this process.
+
+    Upserts each declared schedule (a changed timing restarts it from the next tick; an unchanged
+    one keeps its ``next_run_at``, so a deploy neither skips nor repeats a run). Code schedules
+    no longer declared are deactivated, and so are runtime schedules whose job type has no
+    handler here: a schedule without a handler would only fill the dead letters. Those come back
+    by themselves once a runner with the handler starts. With ``ALLOW_UNREGISTERED`` (another
+    service runs some job types) schedules of unknown types are left alone.
+    """
+    report = SyncReport()
+    alias = _alias()
+    known = set(registry.job_types())
+    allow_unknown = conf.settings.ALLOW_UNREGISTERED
+    declared = {spec.job_type: spec for spec in registry if spec.is_recurring}
+    with transaction.atomic(using=alias):
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [_SYNC_LOCK_KEY])
+        now = db_now()
+        existing = {s.name: s for s in JobSchedule.objects.using(alias)}
+        for name, spec in declared.items():
+            if spec.errors:
+                continue  # the system check reports it; the runner refuses to start
+            _sync_one(name, spec, existing.get(name), now, report)
+        for schedule in existing.values():
+            _check_handler(schedule, declared, known, allow_unknown, now, report)
+    for name in report.created + report.updated:
+        logger.info("schedule %s synced from code", name,
+                    extra={"event": "schedule_synced", "schedule": name})
+    return report
+
+
+def _sync_one(name: str, spec: HandlerSpec, row: JobSchedule | None, now: datetime,
+              report: SyncReport) -> None:
+    alias = _alias()
+    try:
+        definition = _code_definition(spec)
+    except Exception as exc:
+        message = f"the schedule payload of {name!r} is unusable: {exc}"
+        logger.error("schedule %s: %s", name, message,
+                     extra={"event": "schedule_invalid", "schedule": name})
+        if row is not None and row.is_code:
+            JobSchedule.objects.using(alias).filter(pk=row.pk).update(
+                active=False, inactive_reason=InactiveReason.INVALID, last_error=message,
+                updated_at=Now())
+        return
+    if row is None:
+        try:
+            with transaction.atomic(using=alias):
+                JobSchedule.objects.using(alias).create(
+                    name=name, job_type=definition.job_type, cron=definition.cron,
+                    interval_seconds=definition.interval_seconds, timezone=definition.timezone,
+                    payload=definition.payload, tenant=definition.tenant,
+                    source=ScheduleSource.CODE,
+                    next_run_at=definition.timing.first_after(now),
+                )
+        except IntegrityError:  # added at runtime a moment ago: treat as a conflict below
+            row = JobSchedule.objects.using(alias).get(name=name)
+        else:
+            report.created.append(name)
+            return
+    if not row.is_code:
+        report.conflicts.append(name)
+        logger.warning(
+            "schedule %s is declared in code on %s, but a runtime schedule with that name "
+            "exists; the runtime one stays in charge until it is removed", name, spec.origin,
+            extra={"event": "schedule_conflict", "schedule": name})
+        return
+    values: dict[str, Any] = {}
+    for column in ("job_type", "cron", "interval_seconds", "timezone", "payload", "queue",
+                   "priority", "tenant"):
+        if getattr(row, column) != getattr(definition, column):
+            values[column] = getattr(definition, column)
+    if not row.active:
+        values.update(active=True, inactive_reason=InactiveReason.NONE, last_error="")
+        report.reactivated.append(name)
+    if Timing.of(row) != definition.timing or not row.active or row.next_run_at is None:
+        values["next_run_at"] = definition.timing.first_after(now)
+    if values:
+        JobSchedule.objects.using(alias).filter(pk=row.pk).update(**values, updated_at=Now())
+        report.updated.append(name)
+
+
+def _check_handler(schedule: JobSchedule, declared: dict[str, HandlerSpec], known: set[str],
+                   allow_unknown: bool, now: datetime, report: SyncReport) -> None:
+    alias = _alias()
+    has_handler = schedule.job_type in known
+    if schedule.is_code:
+        if schedule.name in declared or not schedule.active:
+            return
+        if not has_handler and allow_unknown:
+            return  # another service may declare it
+        reason = InactiveReason.REMOVED_FROM_CODE if has_handler else (
+            InactiveReason.HANDLER_MISSING)
+    elif schedule.active and not has_handler and not allow_unknown:
+        reason = InactiveReason.HANDLER_MISSING
+    elif (not schedule.active and has_handler
+          and schedule.inactive_reason == InactiveReason.HANDLER_MISSING):
+        timing = Timing.of(schedule)
+        JobSchedule.objects.using(alias).filter(pk=schedule.pk).update(
+            active=True, inactive_reason=InactiveReason.NONE,
+            next_run_at=timing.next_after(now, anchor=schedule.next_run_at), updated_at=Now())
+        report.reactivated.append(schedule.name)
+        logger.info("schedule %s reactivated: a handler for %r is registered again",
+                    schedule.name, schedule.job_type,
+                    extra={"event": "schedule_reactivated", "schedule": schedule.name})
+        return
+    else:
+        return
+    JobSchedule.objects.using(alias).filter(pk=schedule.pk).update(
+        active=False, inactive_reason=reason, updated_at=Now())
+    report.deactivated.append(schedule.name)
+    logger.warning(
+        "schedule %s deactivated: %s (job type %r)", schedule.name,
+        InactiveReason(reason).label.lower(), schedule.job_type,
+        extra={"event": "schedule_deactivated", "schedule": schedule.name, "reason": reason})
+
+
+def deactivate_invalid(schedule: JobSchedule, message: str) -> None:
+    """Stop a schedule whose stored definition cannot be computed (say, a zone this host's
+    tzdata lacks) instead of failing on it every tick."""
+    JobSchedule.objects.using(_alias()).filter(pk=schedule.pk).update(
+        active=False, inactive_reason=InactiveReason.INVALID, last_result=TickResult.ERROR,
+        last_error=message, updated_at=Now())
+    logger.error("schedule %s deactivated: %s", schedule.name, message,
+                 extra={"event": "schedule_deactivated", "schedule": schedule.name,
+                        "reason": InactiveReason.INVALID})
