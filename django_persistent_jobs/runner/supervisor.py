@@ -62,6 +62,8 @@ logger = logging.getLogger("django_persistent_jobs.runner")
 
 VERSION = "0.1.0"
 SUPERVISOR_TICK = 0.05
+#: How often the signal relay looks at the signal count (a stop request waits at most this).
+SIGNAL_POLL = 0.02
 #: How often the supervisor tells the liveness sidecar that this process still runs Python code
 #: and enforces its deadlines (see ``sidecar.py``); the sidecar steps in only when that stops.
 VOUCH_SECONDS = 0.25
@@ -186,6 +188,7 @@ class Runner:
         self._side_lock = threading.Lock()
         self._side: Any = None
         self._stop_requested_at: float | None = None
+        self._signals_received = 0  # written only by the signal handler (see below)
         self._extra_loops: list[tuple[str, Callable[[Runner], None]]] = []
 
     # ---------------------------------------------------------------- public API
@@ -318,18 +321,32 @@ class Runner:
             ), None)
 
     def _install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT ask for a graceful stop; a second one forces it.
+
+        A Python signal handler runs in the main thread between two bytecodes, possibly while
+        that thread holds the internal lock of an ``Event`` (inside ``wait`` or ``set``, or
+        inside the first signal's handler): setting an ``Event`` from the handler can then
+        deadlock the main thread for good. So the handler only counts, and a relay thread turns
+        the count into ``request_stop`` / ``force_stop`` from ordinary thread context.
+        """
         def handler(signum: int, frame: FrameType | None) -> None:
-            # ``_stop_requested_at`` is set first thing by the first signal's handler, which a
-            # second signal can interrupt before ``stopping`` is set.
-            if self.stopping.is_set() or self._stop_requested_at is not None:
-                logger.warning("second signal: stopping now; handing running jobs back",
-                               extra={"event": "force_stop"})
-                self.force_stop()
-            else:
-                self.request_stop()
+            self._signals_received += 1
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+        threading.Thread(target=self._relay_signals, name="pj-signals", daemon=True).start()
+
+    def _relay_signals(self) -> None:
+        handled = 0
+        while not self.finished.wait(SIGNAL_POLL):
+            while handled < self._signals_received:
+                handled += 1
+                if self.stopping.is_set() or self._stop_requested_at is not None:
+                    logger.warning("second signal: stopping now; handing running jobs back",
+                                   extra={"event": "force_stop"})
+                    self.force_stop()
+                else:
+                    self.request_stop()
 
     def _boot(self) -> None:
         self._wait_for_database()
