@@ -235,6 +235,10 @@ class Fleet:
             with suppress(subprocess.TimeoutExpired):
                 runner.proc.wait(10)
             runner._reader.join(5)
+            # What the runner left in its process group (a liveness sidecar or a worker frozen
+            # by SIGSTOP when the runner itself was SIGKILLed) must not outlive the scenario.
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(runner.pid, signal.SIGKILL)
 
     def logs(self) -> str:
         return "\n".join(f"--- {r.name} (pid {r.pid}, exit {r.proc.returncode})\n{r.tail(60)}"
