@@ -8,7 +8,9 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING, Any
 
+from django import forms
 from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
@@ -21,14 +23,36 @@ else:  # the admin classes are not subscriptable at run time
     _Base = admin.ModelAdmin
 
 
+class ApiTokenForm(forms.ModelForm):  # type: ignore[type-arg]
+    """Chooses the token's user from the user model (the token stores only its primary key)."""
+
+    user = forms.ModelChoiceField(
+        queryset=get_user_model()._default_manager.all(),
+        help_text="The token acts as this user and has exactly this user's permissions.")
+
+    class Meta:
+        model = ApiToken
+        fields = ("name", "tenant")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None and "user" in self.fields:
+            self.fields["user"].initial = self.instance.user
+
+    def save(self, commit: bool = True) -> ApiToken:
+        if "user" in self.cleaned_data:
+            self.instance.user = self.cleaned_data["user"]
+        return super().save(commit)  # type: ignore[no-any-return]
+
+
 @admin.register(ApiToken)
 class ApiTokenAdmin(_Base):
+    form = ApiTokenForm
     list_display = ("name", "key_prefix", "user", "tenant", "created_at", "last_used_at",
                     "revoked_at")
     list_filter = ("revoked_at",)
-    search_fields = ("name", "key_prefix", "user__username", "tenant")
+    search_fields = ("name", "key_prefix", "user_pk", "tenant")
     readonly_fields = ("key_prefix", "created_at", "last_used_at", "revoked_at")
-    raw_id_fields = ("user",)
     actions = ("revoke_tokens",)
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> Any:
@@ -37,6 +61,11 @@ class ApiTokenAdmin(_Base):
         if obj is not None:
             return (*self.readonly_fields, "user", "tenant")
         return self.readonly_fields
+
+    def get_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> Any:
+        if obj is None:
+            return ("name", "user", "tenant")
+        return ("name", "user", "tenant", *self.readonly_fields)
 
     def save_model(self, request: HttpRequest, obj: ApiToken, form: Any, change: bool) -> None:
         if not change:

@@ -2,7 +2,12 @@
 
 A token acts as the Django user it belongs to (it carries exactly that user's permissions, so
 revoking a permission from the user revokes it from every token), optionally confined to one
-tenant. Only a SHA-256 digest of the secret is stored: the secret is 32 random bytes, so a slow
+tenant. The user is referenced by primary key, not by a foreign key: a foreign key would make the
+app's migrations depend on ``django.contrib.auth``, and the job system itself must install in a
+project without it (a worker-only service). A token whose user is gone or inactive authenticates
+nobody, and deleting a user deletes its tokens (``apps.py``).
+
+Only a SHA-256 digest of the secret is stored: the secret is 32 random bytes, so a slow
 password hash would add nothing against guessing and would cost a hash per request, while a
 leaked table still cannot be replayed.
 """
@@ -14,7 +19,7 @@ import hmac
 import secrets
 from typing import Any
 
-from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -35,7 +40,7 @@ class ApiTokenManager(models.Manager["ApiToken"]):
     ) -> tuple[ApiToken, str]:
         """Create a token and return it with its secret, which is shown this once only."""
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        token = self.create(user=user, name=name, tenant=tenant or None,
+        token = self.create(user_pk=str(user.pk), name=name, tenant=tenant or None,
                             key_prefix=secret[:DISPLAY_CHARS], key_hash=hash_token(secret))
         return token, secret
 
@@ -44,13 +49,13 @@ class ApiTokenManager(models.Manager["ApiToken"]):
         if not secret.startswith(TOKEN_PREFIX) or len(secret) > 200:
             return None
         digest = hash_token(secret)
-        token = (self.select_related("user").filter(key_hash=digest, revoked_at__isnull=True)
-                 .first())
+        token = self.filter(key_hash=digest, revoked_at__isnull=True).first()
         # The lookup already matched the digest; the constant-time compare keeps a timing
         # difference in the index lookup from mattering should the query ever change.
         if token is None or not hmac.compare_digest(token.key_hash, digest):
             return None
-        if not token.user.is_active:
+        user = token.user
+        if user is None or not user.is_active:
             return None
         return token
 
@@ -59,9 +64,10 @@ class ApiToken(models.Model):
     """A bearer token for the operator API."""
 
     name = models.CharField(max_length=100, help_text="What the token is for (who uses it).")
-    user = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="persistent_job_tokens",
-        help_text="The token acts as this user and has exactly this user's permissions.",
+    user_pk = models.CharField(
+        max_length=255, db_index=True,
+        help_text="Primary key of the user the token acts as; it has exactly that user's "
+                  "permissions.",
     )
     tenant = models.CharField(
         max_length=200, null=True, blank=True,
@@ -85,6 +91,21 @@ class ApiToken(models.Model):
         return f"{self.name} ({self.key_prefix}…)"
 
     @property
+    def user(self) -> Any:
+        """The user this token acts as, or None once that user is deleted."""
+        cached = self.__dict__.get("_user")
+        if cached is None or str(cached.pk) != self.user_pk:
+            model = get_user_model()
+            cached = model._default_manager.filter(pk=self.user_pk).first()
+            self.__dict__["_user"] = cached
+        return cached
+
+    @user.setter
+    def user(self, value: Any) -> None:
+        self.user_pk = str(value.pk)
+        self.__dict__["_user"] = value
+
+    @property
     def is_active(self) -> bool:
         return self.revoked_at is None
 
@@ -100,3 +121,16 @@ class ApiToken(models.Model):
         if self.last_used_at is None or (now - self.last_used_at).total_seconds() >= 60:
             self.last_used_at = now
             type(self).objects.filter(pk=self.pk).update(last_used_at=now)
+
+
+def _delete_tokens_of(sender: Any, instance: Any, **kwargs: Any) -> None:
+    ApiToken.objects.filter(user_pk=str(instance.pk)).delete()
+
+
+def connect_user_cleanup() -> None:
+    """Delete a user's tokens with the user, as a foreign key's cascade would have."""
+    from django.conf import settings
+
+    models.signals.post_delete.connect(
+        _delete_tokens_of, sender=settings.AUTH_USER_MODEL,
+        dispatch_uid="django_persistent_jobs.api.tokens.delete_tokens_of_user")
