@@ -77,7 +77,7 @@ def status_badge(status: str) -> SafeString:
                        if status in JobStatus.values else "inherit", label)
 
 
-def job_url(job_id: Any) -> str:
+def job_url(job_id: uuid.UUID | str) -> str:
     return reverse("admin:django_persistent_jobs_persistentjob_change", args=[job_id])
 
 
