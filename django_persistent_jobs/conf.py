@@ -435,30 +435,9 @@ def _settings_changed(*, setting: str, **kwargs: Any) -> None:
     if setting in ("PERSISTENT_JOBS", "DATABASES"):
         settings.clear()
 
+
 #: Every key accepted in ``settings.PERSISTENT_JOBS`` with its default.
 DEFAULTS: dict[str, Any] = {key: s.default for key, s in _SETTINGS.items()}
-
-
-def get(key: str) -> Any:
-    """The value of one setting as configured (falling back to its default), checked first.
-
-    The older untyped accessor, kept for callers not yet moved to ``settings.KEY``; it raises
-    ``ConfigurationError`` for an invalid value just as the typed attributes do.
-    """
-    setting = _SETTINGS.get(key)
-    if setting is None:
-        raise KeyError(f"Unknown PERSISTENT_JOBS setting {key!r}")
-    value = setting.raw()
-    problem = setting.check(key, value)
-    if problem is not None:
-        raise ConfigurationError(problem)
-    return value
-
-
-def retention(conf: dict[str, Any] | None = None) -> dict[str, float | None]:
-    """Seconds to keep each terminal status (``None`` keeps forever)."""
-    return _retention_of((_raw() if conf is None else conf).get("RETENTION",
-                                                               DEFAULTS["RETENTION"]))
 
 
 # ----------------------------------------------------------------------------- the problems

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -30,6 +31,7 @@ from .payload import PayloadLimits, prepare_payload
 from .types import Dedup
 
 if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
     from django.db.backends.utils import CursorWrapper as Cursor
 
 logger = logging.getLogger("django_persistent_jobs.enqueue")
@@ -75,7 +77,7 @@ _LOCK_KEYS = (
 class _Prepared:
     """One validated job, ready to insert."""
 
-    id: Any
+    id: uuid.UUID
     job_type: str
     payload: Any
     payload_json: str
@@ -482,7 +484,7 @@ def enqueue_many(items: Iterable[Any], **common: Any) -> list[PersistentJob]:
     return signals.enqueued_many([_instance(p, alias) for p in prepared], None, alias)
 
 
-def _copy_insert(connection: Any, jobs: list[_Prepared]) -> None:
+def _copy_insert(connection: BaseDatabaseWrapper, jobs: list[_Prepared]) -> None:
     """Insert with binary-free text COPY: several times faster than a bound multi-row INSERT.
 
     ``next_run_at`` is computed from the database's ``now()`` (the transaction's start, the same

@@ -231,7 +231,7 @@ def iter_matching(job_filter: JobFilter, *, tenant: str | None = None,
         after = ids[-1]
 
 
-def get_job(job_id: Any, *, tenant: str | None = None) -> PersistentJob:
+def get_job(job_id: uuid.UUID | str, *, tenant: str | None = None) -> PersistentJob:
     """One job by id; another tenant's job is reported as missing, not as forbidden, so a
     tenant-bound caller learns nothing about jobs it may not see."""
     try:

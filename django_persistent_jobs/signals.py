@@ -29,11 +29,16 @@ from __future__ import annotations
 
 import logging
 import time
-from types import SimpleNamespace
-from typing import Any
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from django.db import transaction
 from django.dispatch import Signal
+
+if TYPE_CHECKING:
+    from .models import PersistentJob
 
 logger = logging.getLogger("django_persistent_jobs.signals")
 
@@ -49,10 +54,32 @@ _OUTCOME_FOR_STATUS = {
 }
 
 
-_SENDER: Any = None
+class Attempt(Protocol):
+    """What the runner-side signals need of an attempt: a runner's ``ClaimedJob`` (which also
+    has ``queue``, ``tenant`` and ``due_at``) or a rescued attempt (which does not)."""
+
+    @property
+    def id(self) -> uuid.UUID: ...
+    @property
+    def job_type(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def token(self) -> int: ...
 
 
-def _sender() -> Any:
+@dataclass(frozen=True)
+class _RescuedAttempt:
+    id: uuid.UUID
+    token: int
+    job_type: str
+    attempt: int
+
+
+_SENDER: type[PersistentJob] | None = None
+
+
+def _sender() -> type[PersistentJob]:
     global _SENDER
     if _SENDER is None:
         from .models import PersistentJob
@@ -68,7 +95,7 @@ def _send(signal: Signal, **kwargs: Any) -> None:
                          exc_info=result, extra={"event": "signal_receiver_failed"})
 
 
-def enqueued(job: Any, using: str) -> None:
+def enqueued(job: PersistentJob, using: str) -> None:
     """Arrange ``job_enqueued`` for after the caller's transaction commits (or now, in
     autocommit). Called by ``enqueue`` for every job it inserted."""
     if not job_enqueued.receivers:
@@ -78,15 +105,16 @@ def enqueued(job: Any, using: str) -> None:
 
 #: When each attempt this process is running started (monotonic), by fencing token, so
 #: ``job_finished`` can report a duration whichever code path settles the attempt.
-_started_at: dict[Any, float] = {}
+_started_at: dict[int, float] = {}
 
 
-def enqueued_many(jobs: list[Any], inserted_ids: set[Any] | None, using: str) -> list[Any]:
+def enqueued_many(jobs: list[PersistentJob], inserted_ids: Collection[uuid.UUID] | None,
+                  using: str) -> list[PersistentJob]:
     """``enqueued`` for each job of a batch that was inserted (``inserted_ids`` None: all of
     them; otherwise a job returned by Skip dedup has an id the batch did not generate).
     Returns ``jobs`` so the caller can pass its result through."""
     if job_enqueued.receivers:
-        seen: set[Any] = set()
+        seen: set[uuid.UUID] = set()
         for job in jobs:
             if (inserted_ids is None or job.id in inserted_ids) and job.id not in seen:
                 seen.add(job.id)
@@ -94,7 +122,7 @@ def enqueued_many(jobs: list[Any], inserted_ids: set[Any] | None, using: str) ->
     return jobs
 
 
-def _job_fields(job: Any) -> dict[str, Any]:
+def _job_fields(job: Attempt) -> dict[str, Any]:
     """The common arguments, from a runner's ``ClaimedJob``."""
     return {
         "job_id": job.id, "job_type": job.job_type, "queue": getattr(job, "queue", None),
@@ -108,7 +136,7 @@ def _listening() -> bool:
                 or job_dead_lettered.receivers)
 
 
-def started(job: Any, runner_id: str) -> None:
+def started(job: Attempt, runner_id: str) -> None:
     """The runner is about to run ``job`` (a ``ClaimedJob``)."""
     if not _listening():
         return
@@ -118,7 +146,7 @@ def started(job: Any, runner_id: str) -> None:
 
 
 def finished(
-    job: Any, runner_id: str, *, status: str | None, code: str = "", message: str = "",
+    job: Attempt, runner_id: str, *, status: str | None, code: str = "", message: str = "",
     attempt_outcome: str | None = None,
 ) -> None:
     """An attempt of ``job`` (a ``ClaimedJob``) was settled with job status ``status``.
@@ -126,7 +154,7 @@ def finished(
     ``status`` None means this process did not settle it (the claim was already lost): whoever
     settled the attempt sends the signals for it, so nothing is sent here.
     """
-    began = _started_at.pop(getattr(job, "token", None), None)
+    began = _started_at.pop(job.token, None)
     if status is None or not _listening():
         return
     outcome = attempt_outcome or _OUTCOME_FOR_STATUS.get(status, status)
@@ -141,12 +169,12 @@ def finished(
               attempt=job.attempt, error_code=code, error_message=message)
 
 
-def rescued(job_id: Any, token: Any, job_type: str, attempt: int, runner_id: str, status: str,
-            code: str, message: str) -> None:
+def rescued(job_id: uuid.UUID, token: int, job_type: str, attempt: int, runner_id: str,
+            status: str, code: str, message: str) -> None:
     """Another runner's attempt was settled by ``runner_id`` after that runner died (outcome
     ``rescued``; queue and tenant are not known on this path and are sent as None)."""
     if not _listening():
         return
-    job = SimpleNamespace(id=job_id, token=token, job_type=job_type, attempt=attempt)
+    job = _RescuedAttempt(id=job_id, token=token, job_type=job_type, attempt=attempt)
     finished(job, runner_id, status=status, code=code, message=message,
              attempt_outcome="rescued")

@@ -1,10 +1,11 @@
 """Every number the operator console shows, computed in one place.
 
-The admin dashboard, the HTTP API's ``stats`` endpoint and the Prometheus metrics all read
+The admin dashboard, the HTTP API's ``stats`` endpoint and ``manage.py jobs stats`` all read
 ``dashboard_stats()`` so that they can never disagree about what "stuck", "stale" or "failed"
-means. Each figure answers one of an operator's questions: what failed and how often (the time
-series and the failure groups), is it stuck (queues, stuck jobs, runners) and who owns it
-(tenants). The database clock decides "now", as it does for the runner.
+means (the Prometheus scrape reads its few gauges with one cheaper statement, ``metrics.py``).
+Each figure answers one of an operator's questions: what failed and how often (the time series
+and the failure groups), is it stuck (queues, stuck jobs, runners) and who owns it (tenants).
+The database clock decides "now", as it does for the runner.
 
 Definitions, kept here rather than in templates:
 
@@ -12,6 +13,11 @@ Definitions, kept here rather than in templates:
   intervals), **late** until ``STALE_LOCK_TIMEOUT`` and **dead** beyond it (another runner will
   reap it and rescue its jobs). Late and dead runners are flagged ``stale``. A live or late
   runner still serves its queues.
+- A job is **due** when ``models.due(now)`` says so: what ``PersistentJob.objects.claimable()``
+  lists plus the jobs ``models.held_by_dedup()`` holds back behind a running job with their
+  dedup key. Those count here (in a queue's ``due``, its oldest due job, and as "unclaimed"
+  once late) because they are late work all the same: each runs as soon as its blocker ends,
+  and a blocker that never ends is exactly what an operator must see.
 - Time series: *completed* and *dead-lettered* count jobs by the time they finished (their
   current status), *failed* counts attempts that ended in an error (failed, timed out, rescued
   or dead-lettered), so a job retried three times counts three failures.
@@ -43,7 +49,7 @@ from django.db.models.functions import Trunc
 
 from . import conf
 from .handlers import registry
-from .models import AttemptOutcome, JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
+from .models import AttemptOutcome, JobAttempt, JobRunnerRecord, JobStatus, PersistentJob, due
 
 #: Attempt outcomes that count as a failure in the time series and the failure groups.
 FAILED_OUTCOMES: tuple[str, ...] = (
@@ -94,7 +100,7 @@ def _as_plain(value: Any) -> Any:
 class QueueStats(_Serializable):
     queue: str
     waiting: int  #: pending or failed (retry scheduled), due or not
-    due: int  #: waiting and due now
+    due: int  #: due now (``models.due``), dedup-held jobs included
     running: int
     oldest_due_at: datetime | None
     oldest_due_wait: timedelta | None  #: how long the oldest due job has been due
@@ -281,14 +287,14 @@ def _counts(jobs: QuerySet[PersistentJob]) -> tuple[dict[str, int], list[JobType
 def _queues(
     jobs: QuerySet[PersistentJob], now: datetime, serving: dict[str, list[str] | None],
 ) -> list[QueueStats]:
-    waiting = Q(status__in=JobStatus.waiting())
-    due = waiting & Q(next_run_at__lte=now)
+    due_now = due(now)
     rows = {
         row["queue"]: row for row in jobs.filter(status__in=JobStatus.active()).order_by()
         .values("queue").annotate(
-            waiting=Count("id", filter=waiting), due=Count("id", filter=due),
+            waiting=Count("id", filter=Q(status__in=JobStatus.waiting())),
+            due=Count("id", filter=due_now),
             running=Count("id", filter=Q(status=JobStatus.RUNNING)),
-            oldest_due=Min("next_run_at", filter=due),
+            oldest_due=Min("next_run_at", filter=due_now),
         )
     }
     names = set(rows) | {spec.effective_queue() for spec in registry}
@@ -415,14 +421,14 @@ def _stuck(
 ) -> tuple[list[StuckJob], dict[str, int]]:
     stale_ids = [r.id for r in runners if r.state in ("dead", "gone")]
     running = Q(status=JobStatus.RUNNING)
-    due = Q(status__in=JobStatus.waiting(), next_run_at__lte=now)
+    due_now = due(now)
     timeout = Func(F("timeout_seconds"), template="make_interval(secs => %(expressions)s)")
     jobs = jobs.alias(timeout_at=ExpressionWrapper(F("locked_at") + timeout,
                                                    output_field=DateTimeField()))
     past_timeout = running & Q(timeout_at__lt=now)
     stale_runner = running & Q(locked_by__in=stale_ids)
-    unclaimed = due & Q(next_run_at__lt=now - unclaimed_after)
-    unserved = due & ~Q(queue__in=served_queues)
+    unclaimed = due_now & Q(next_run_at__lt=now - unclaimed_after)
+    unserved = due_now & ~Q(queue__in=served_queues)
     kinds = {"past_timeout": past_timeout, "stale_runner": stale_runner,
              "unclaimed": unclaimed, "unserved_queue": unserved}
     # Every kind concerns running or waiting jobs: the partial indexes hold exactly those, so

@@ -1,12 +1,14 @@
 """Helpers every test module may use: polls with a deadline, the database clock, settings
-overrides and extra connections."""
+overrides, extra connections and the environment of subprocesses."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -14,9 +16,12 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 from django.test import override_settings
 
+#: The repository's root (where ``manage.py`` is), the working directory of subprocesses.
+ROOT = Path(__file__).resolve().parent.parent
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-             message: str = "condition", *, reconnect: bool = False) -> Any:
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, message: str = "condition",
+             *, interval: float = 0.02, reconnect: bool = False) -> Any:
     """Poll ``predicate`` until it returns something truthy or ``timeout`` passes.
 
     With ``reconnect`` a dropped database connection counts as "not yet": the connection is
@@ -102,3 +107,17 @@ def notifications_until_marker(
             return payloads
         payloads.append(note.payload)
     raise AssertionError(f"marker notification not received within {timeout}s; got {payloads}")
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for ``manage.py`` subprocesses: the suite's settings, pointed at the test
+    database (which exists only while the tests run, under its test name)."""
+    settings_dict = connection.settings_dict
+    url = (f"postgres://{settings_dict['USER'] or 'postgres'}"
+           f"{':' + settings_dict['PASSWORD'] if settings_dict['PASSWORD'] else ''}"
+           f"@{settings_dict['HOST'] or '127.0.0.1'}:{settings_dict['PORT'] or 5432}"
+           f"/{settings_dict['NAME']}")
+    env = dict(os.environ)
+    env.update({"DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "tests.settings",
+                "PYTHONUNBUFFERED": "1", "TEST_DATABASE_NAME": settings_dict["NAME"]})
+    return env

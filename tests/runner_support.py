@@ -7,9 +7,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
+from django.db import connection
 
 from django_persistent_jobs.handlers import Registry, registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
@@ -24,6 +26,7 @@ __all__ = [
     "get_job",
     "isolated_registry",
     "wait_for",
+    "wait_handler_inside",
     "wait_status",
 ]
 
@@ -170,3 +173,26 @@ class OutputReader:
                                  f"{self.text()}") from None
         self.thread.join(5)
         return code, self.text()
+
+
+def wait_handler_inside(since: datetime, timeout: float = 60.0, message: str = "a handler") -> None:
+    """Wait until a runner process's handler is inside its job, past its first statement.
+
+    A claimed job is ``running`` (with a ``running`` attempt) before a worker starts it, and a
+    runner stopping hands back an unstarted job unlike one that started; tests about the
+    latter must wait for the start. The handlers they use first insert a ``SideEffect`` row in
+    their job's transaction: uncommitted, it shows only as a connection idle in a transaction
+    whose last statement was that insert. ``since`` (``db_now(clock=True)`` before the runner
+    was spawned) excludes connections of runners that were already gone.
+    """
+
+    def inside() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                " AND pid <> pg_backend_pid() AND backend_start >= %s"
+                " AND state = 'idle in transaction'"
+                " AND query LIKE 'INSERT INTO \"testapp_sideeffect\"%%'", [since])
+            return cursor.fetchone() is not None
+
+    wait_for(inside, timeout, message=f"{message} to start")

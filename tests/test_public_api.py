@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 import django_persistent_jobs
@@ -31,3 +32,14 @@ def test_the_package_declares_its_annotations() -> None:
     package = Path(django_persistent_jobs.__file__).parent
     assert (package / "py.typed").is_file()
     assert '"py.typed"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_every_package_and_backend_name_is_in_the_index_and_the_reference() -> None:
+    index = (ROOT / "docs" / "index.md").read_text()
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    backends = importlib.import_module("django_persistent_jobs.backends")
+    for name in django_persistent_jobs.__all__:
+        assert re.search(rf"\b{name}\b", index), f"{name} is missing from docs/index.md"
+    for name in backends.__all__:
+        assert re.search(rf"\b{name}\b", index), f"{name} is missing from docs/index.md"
+        assert f"backends.{name}`" in reference, f"{name} is missing from docs/reference.md"

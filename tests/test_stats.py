@@ -7,11 +7,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from django.db import connection
 
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, PersistentJob
 from django_persistent_jobs.stats import dashboard_stats
+from tests.core_support import db_now
 
 
 @job_handler("stats.mail", queue="mail")
@@ -22,13 +22,6 @@ def mail(payload: Any) -> None:
 @job_handler("stats.report", queue="reports")
 def report(payload: Any) -> None:
     return None
-
-
-def db_now() -> datetime:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        value: datetime = cursor.fetchone()[0]
-    return value
 
 
 def job(job_type: str = "stats.mail", tenant: str | None = None, **fields: Any) -> PersistentJob:

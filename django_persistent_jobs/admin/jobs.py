@@ -77,7 +77,7 @@ def status_badge(status: str) -> SafeString:
                        if status in JobStatus.values else "inherit", label)
 
 
-def job_url(job_id: Any) -> str:
+def job_url(job_id: uuid.UUID | str) -> str:
     return reverse("admin:django_persistent_jobs_persistentjob_change", args=[job_id])
 
 
@@ -192,7 +192,7 @@ class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
             line = format_html("ended {}", display.when(obj.finished_at or obj.updated_at, now))
         elif obj.status == JobStatus.RUNNING:
             line = format_html("started {}", display.when(obj.locked_at, now))
-        elif obj.next_run_at <= now:
+        elif obj.is_due(now):
             line = format_html("due {}", display.when(obj.next_run_at, now))
         else:
             line = format_html("runs {}", display.when(obj.next_run_at, now))

@@ -345,7 +345,7 @@ def _adapter(task: AnyTask) -> Callable[[Any, JobContext], Any]:
     return run_task
 
 
-def _relay_final_ending(sender: Any, *, job_id: Any, job_type: str, status: str | None,
+def _relay_final_ending(sender: Any, *, job_id: uuid.UUID, job_type: str, status: str | None,
                         outcome: str, **kwargs: Any) -> None:
     """Send ``task_finished`` for a task whose last attempt ended outside the task's own code.
 

@@ -20,6 +20,8 @@ from .jobs import (
     JobStatus,
     PersistentJob,
     PersistentJobQuerySet,
+    due,
+    held_by_dedup,
     job_from_row,
 )
 from .runners import JobRunnerRecord
@@ -43,5 +45,7 @@ __all__ = [
     "PersistentJobQuerySet",
     "ScheduleSource",
     "TickResult",
+    "due",
+    "held_by_dedup",
     "job_from_row",
 ]

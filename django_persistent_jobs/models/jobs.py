@@ -9,7 +9,8 @@ queries. Column names are therefore part of the contract with that SQL.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from datetime import datetime
 from typing import Any
 
 from django.db import models
@@ -45,6 +46,8 @@ class JobStatus(models.TextChoices):
         return (cls.PENDING, cls.FAILED, cls.RUNNING)
 
 
+#: A waiting job holding an enforced dedup key: the condition of the unique index that makes
+#: ``enqueue``'s ``ON CONFLICT`` find the job a new one duplicates.
 WAITING_DEDUP = (
     Q(status__in=["pending", "failed"]) & Q(dedup_key__isnull=False) & ~Q(dedup="enqueue")
 )
@@ -111,25 +114,51 @@ class _KeyAfter(BaseExpression):
                 f"{table}.\"id\") > (%s::timestamptz, %s::uuid)", self.key)
 
 
+def due(now: datetime | None = None) -> Q:
+    """Waiting (pending, or failed with a retry scheduled) and due by ``now``; ``None`` means the
+    database clock, which is what decides for the claim.
+
+    A due job is claimable unless ``held_by_dedup()``: ``claimable()`` is ``due()`` minus those.
+    The operator views count "due" this way, blocked jobs included, because a job held back by a
+    running job with its key is still late work: it runs as soon as that job ends.
+    """
+    return Q(status__in=JobStatus.waiting(), next_run_at__lte=Now() if now is None else now)
+
+
+def held_by_dedup() -> Q:
+    """Holds an enforced dedup key that a running job of the same type holds too: no runner may
+    claim it until that job ends, so one job per key runs at a time.
+
+    Written as the negation of the form the claim filters on, whose first two alternatives let
+    PostgreSQL skip the ``EXISTS`` for the (usual) job without an enforced key.
+    """
+    return ~_free_of_dedup()
+
+
+def _free_of_dedup() -> Q:
+    blocker = PersistentJob.objects.filter(
+        RUNNING_DEDUP, job_type=OuterRef("job_type"), dedup_key=OuterRef("dedup_key"),
+    )
+    return Q(dedup_key__isnull=True) | Q(dedup="enqueue") | Q(~Exists(blocker))
+
+
 class PersistentJobQuerySet(models.QuerySet["PersistentJob"]):
-    def claimable(self, queues: Any = None, job_types: Any = None) -> PersistentJobQuerySet:
-        """Jobs a runner may claim now, in claim order: waiting, due by the database clock, not
-        blocked by a running job holding the same enforced dedup key; optionally only in
-        ``queues`` and of ``job_types`` (``None``: all).
+    def claimable(
+        self, queues: Collection[str] | None = None, job_types: Collection[str] | None = None,
+    ) -> PersistentJobQuerySet:
+        """Jobs a runner may claim now, in claim order: ``due()`` by the database clock and not
+        ``held_by_dedup()``; optionally only in ``queues`` and of ``job_types`` (``None``: all).
 
         The one definition of "due and claimable": the runner's claim statement is compiled from
         it (``runner/store.py``), and the admin or stats can count or list exactly what a runner
         would take next.
         """
-        qs = self.filter(status__in=JobStatus.waiting(), next_run_at__lte=Now())
+        qs = self.filter(due())
         if queues is not None:
             qs = qs.filter(_InArray("queue", queues))
         if job_types is not None:
             qs = qs.filter(_InArray("job_type", job_types, position=True))
-        blocker = PersistentJob.objects.filter(
-            RUNNING_DEDUP, job_type=OuterRef("job_type"), dedup_key=OuterRef("dedup_key"),
-        )
-        qs = qs.filter(Q(dedup_key__isnull=True) | Q(dedup="enqueue") | ~Exists(blocker))
+        qs = qs.filter(_free_of_dedup())
         return qs.order_by("-priority", "next_run_at", "id")
 
     def after_key(self, priority: Any, next_run_at: Any, job_id: Any) -> PersistentJobQuerySet:
@@ -237,6 +266,10 @@ class PersistentJob(models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.status in JobStatus.terminal()
+
+    def is_due(self, now: datetime) -> bool:
+        """``due(now)`` for this row as loaded (for display, without another query)."""
+        return self.status in JobStatus.waiting() and self.next_run_at <= now
 
     def refresh(self) -> PersistentJob:
         """Reload from the database and return self (handy in tests and shells)."""

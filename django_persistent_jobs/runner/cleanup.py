@@ -23,7 +23,7 @@ logger = logging.getLogger("django_persistent_jobs.runner")
 
 def cleanup_once(alias: str, interrupt: Any = None) -> int:
     total = 0
-    for status, keep in conf.retention().items():
+    for status, keep in conf.settings.RETENTION.items():
         if keep is None:
             continue
         def delete_batch(cursor: Cursor, status: str = status, keep: float = keep) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from .. import signals
@@ -157,7 +158,7 @@ def rescue(runner: Runner) -> int:
     return rescued
 
 
-def _rescue_job(runner: Runner, job_id: Any, token: int, job_type: str, attempts: int,
+def _rescue_job(runner: Runner, job_id: uuid.UUID, token: int, job_type: str, attempts: int,
                 locked_by: str | None, message: str) -> bool:
     outcome = Outcome("retry", "RUNNER_LOST", message,
                       delay=_backoff_for(registry.get(job_type), attempts))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from django.db import connection
 
-from tests.conftest import ROOT, test_database_env
+from tests.core_support import ROOT, subprocess_env
 
 
 def _postgres_bindir() -> Path | None:
@@ -125,7 +125,7 @@ class PrivateCluster:
 
 def migrate(database_url: str) -> None:
     """``manage.py migrate`` against another database, as a deployment would."""
-    env = test_database_env()
+    env = subprocess_env()
     env["DATABASE_URL"] = database_url
     result = subprocess.run([sys.executable, str(ROOT / "manage.py"), "migrate", "--noinput",
                              "-v", "0"], cwd=ROOT, env=env, capture_output=True, text=True,

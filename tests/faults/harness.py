@@ -10,11 +10,15 @@ The machinery lives in one module per concern; this module gathers the names sce
 
 - ``runners``: runner subprocesses (start, freeze, kill, wait for log lines) and their sessions;
 - ``sql``: test-side queries that survive a server restart, the suite's jobs, polls;
+- ``tests.core_support.wait_for``: every poll, called with ``reconnect=True`` here: a scenario
+  may restart PostgreSQL under the test, and a dropped connection then counts as "not yet";
 - ``invariants``: the end-of-scenario checks (``verify``) and the numbers a scenario reports;
 - ``cluster``: a private PostgreSQL cluster the scenarios may stop and restart.
 """
 
 from __future__ import annotations
+
+from tests.core_support import wait_for
 
 from .cluster import PrivateCluster, migrate, using_database
 from .invariants import Attempt, Verdict, attempts_of, ledger_of, report, verify
@@ -47,7 +51,6 @@ from .sql import (
     status_counts,
     wait_all_terminal,
     wait_status,
-    wait_until,
 )
 
 __all__ = [
@@ -85,6 +88,6 @@ __all__ = [
     "using_database",
     "verify",
     "wait_all_terminal",
+    "wait_for",
     "wait_status",
-    "wait_until",
 ]

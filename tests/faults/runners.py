@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from tests.conftest import ROOT, test_database_env
+from tests.core_support import ROOT, subprocess_env
 
 from .sql import sql, sql_value
 
@@ -174,7 +174,7 @@ class Fleet:
         self._count = 0
 
     def database_url(self, name: str, base: str | None = None) -> str:
-        url = base or test_database_env()["DATABASE_URL"]
+        url = base or subprocess_env()["DATABASE_URL"]
         separator = "&" if "?" in url else "?"
         return f"{url}{separator}application_name={quote(APP_PREFIX + name)}"
 
@@ -192,7 +192,7 @@ class Fleet:
         """
         self._count += 1
         name = name or f"r{self._count}"
-        env = test_database_env()
+        env = subprocess_env()
         env.update({
             "DATABASE_URL": self.database_url(name, database_url),
             "PJ_TEST_SETTINGS": json.dumps({**FAST_SETTINGS, **(settings or {})}),
@@ -247,7 +247,7 @@ class Fleet:
 
 def database_url() -> str:
     """The URL of the database this test process uses (the shared server's test database)."""
-    return test_database_env()["DATABASE_URL"]
+    return subprocess_env()["DATABASE_URL"]
 
 
 def runner_pid_from_id(runner_id: str) -> int:

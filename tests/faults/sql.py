@@ -42,13 +42,6 @@ def sql_value(query: str, params: Sequence[Any] | dict[str, Any] | None = None) 
     return rows[0][0] if rows else None
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, message: str,
-               interval: float = 0.05) -> Any:
-    """``wait_for`` where a dropped connection counts as "not yet" (the scenarios restart
-    PostgreSQL under the test's feet)."""
-    return wait_for(predicate, timeout, interval, message, reconnect=True)
-
-
 def create_ledger() -> None:
     """The ledger table (no unique constraint, on purpose; see handlers.py), emptied per test."""
     with connection.cursor() as cursor:
@@ -92,8 +85,8 @@ def job_row(job_id: Any) -> dict[str, Any]:
 def wait_status(job_id: Any, statuses: str | Iterable[str],
                 timeout: float = 20.0) -> dict[str, Any]:
     wanted = (statuses,) if isinstance(statuses, str) else tuple(statuses)
-    return wait_until(lambda: (row := job_row(job_id))["status"] in wanted and row,
-                      timeout, f"job {job_id} to be {'/'.join(wanted)}")
+    return wait_for(lambda: (row := job_row(job_id))["status"] in wanted and row,
+                    timeout, f"job {job_id} to be {'/'.join(wanted)}", reconnect=True)
 
 
 def wait_all_terminal(ids: Sequence[Any], timeout: float) -> Counter[str]:
@@ -102,8 +95,8 @@ def wait_all_terminal(ids: Sequence[Any], timeout: float) -> Counter[str]:
         return counts if sum(counts[s] for s in TERMINAL) == len(ids) else None
 
     try:
-        return wait_until(done, timeout, f"{len(ids)} jobs to reach a terminal state",
-                          interval=0.2)
+        return wait_for(done, timeout, f"{len(ids)} jobs to reach a terminal state",
+                        interval=0.2, reconnect=True)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; statuses: {dict(db_retrying(lambda: status_counts(ids)))}") \
             from None

@@ -25,8 +25,8 @@ from .harness import (
     terminate,
     verify,
     wait_all_terminal,
+    wait_for,
     wait_status,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
@@ -38,8 +38,8 @@ LISTENING = "(query LIKE 'LISTEN %%' OR query = 'SELECT 1')"
 def test_worker_connection_killed_mid_job(fleet: Fleet) -> None:
     runner = fleet.spawn("worker", concurrency=2)
     job = enqueue_one({"report_pid": True, "sleep": 1.0, "upto": 1})
-    progress = wait_until(lambda: (job_row(job)["progress"] or {}).get("backend_pid"),
-                          timeout=15, message="the handler to report its connection")
+    progress = wait_for(lambda: (job_row(job)["progress"] or {}).get("backend_pid"),
+                        timeout=15, message="the handler to report its connection", reconnect=True)
     assert terminate(progress)
     done = wait_status(job, "completed", timeout=15)
     assert done["attempts"] == 2
@@ -65,8 +65,8 @@ def _pickup_seconds() -> float:
 def test_listen_connection_killed_while_idle(fleet: Fleet) -> None:
     poll = 5.0  # slow polling, so a quick pickup can only be NOTIFY's doing
     fleet.spawn("listener", concurrency=2, settings={"POLL_INTERVAL": poll})
-    old = wait_until(lambda: backends("listener", LISTENING), timeout=10,
-                     message="the LISTEN connection")
+    old = wait_for(lambda: backends("listener", LISTENING), timeout=10,
+                   message="the LISTEN connection", reconnect=True)
     assert len(old) == 1
     before = [_pickup_seconds() for _ in range(3)]
     assert max(before) < 1.0, before
@@ -76,16 +76,16 @@ def test_listen_connection_killed_while_idle(fleet: Fleet) -> None:
     # and polling would find it anyway.
     orphan_notify = _pickup_seconds()
     assert orphan_notify < poll + 2, orphan_notify
-    renewed = wait_until(lambda: [b for b in backends("listener", LISTENING) if b[0] != old[0][0]],
-                         timeout=5, message="LISTEN to be re-established")
+    renewed = wait_for(lambda: [b for b in backends("listener", LISTENING) if b[0] != old[0][0]],
+                       timeout=5, message="LISTEN to be re-established", reconnect=True)
     assert len(renewed) == 1
     after = [_pickup_seconds() for _ in range(3)]
     assert max(after) < 1.0, after  # NOTIFY-driven again, far below the 5 s poll
 
     # Terminated a second time (a fresh connection each time), it recovers again.
     assert terminate(renewed[0][0])
-    wait_until(lambda: [b for b in backends("listener", LISTENING) if b[0] != renewed[0][0]],
-               timeout=5, message="LISTEN to be re-established again")
+    wait_for(lambda: [b for b in backends("listener", LISTENING) if b[0] != renewed[0][0]],
+             timeout=5, message="LISTEN to be re-established again", reconnect=True)
     again = [_pickup_seconds() for _ in range(3)]
     assert max(again) < 1.0, again
     jobs = [row[0] for row in sql("SELECT id FROM persistent_jobs")]

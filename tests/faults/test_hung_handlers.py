@@ -21,7 +21,7 @@ from .harness import (
     sql,
     verify,
     wait_all_terminal,
-    wait_until,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
@@ -71,13 +71,13 @@ def test_hung_handlers_time_out_and_give_their_slots_back(fleet: Fleet) -> None:
 
     # Slots came back: both run at once again...
     pair = enqueue_jobs(CONCURRENCY, {"sleep": 1.5})
-    wait_until(lambda: sql("SELECT count(*) FROM persistent_jobs WHERE id = ANY(%s) AND "
-                           "status = 'running'", [pair])[0][0] == CONCURRENCY,
-               timeout=10, message="all slots busy at once")
+    wait_for(lambda: sql("SELECT count(*) FROM persistent_jobs WHERE id = ANY(%s) AND "
+                         "status = 'running'", [pair])[0][0] == CONCURRENCY,
+             timeout=10, message="all slots busy at once", reconnect=True)
     wait_all_terminal(pair, timeout=15)
     # ...nothing burns CPU while idle (a spinning zombie thread would burn a core)...
-    wait_until(lambda: runner.find(r"abandoned worker for job .* exited"), timeout=5,
-               message="abandoned workers to exit")
+    wait_for(lambda: runner.find(r"abandoned worker for job .* exited"), timeout=5,
+             message="abandoned workers to exit", reconnect=True)
     cpu_before = cpu_seconds(runner.pid)
     idle_started = time.monotonic()
     time.sleep(1.0)  # measuring CPU use over an idle second, not waiting for anything

@@ -22,7 +22,7 @@ from .harness import (
     sql,
     status_counts,
     verify,
-    wait_until,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
@@ -68,8 +68,9 @@ def test_sigkill_soak(fleet: Fleet) -> None:
                           and _running_jobs(r.runner_id)]
             return rng.choice(candidates) if candidates else None
 
-        target: RunnerProcess | None = wait_until(
-            lambda: victim() or drained(), timeout=30, message="a runner with jobs in flight")
+        target: RunnerProcess | None = wait_for(
+            lambda: victim() or drained(), timeout=30, message="a runner with jobs in flight",
+            reconnect=True)
         if not isinstance(target, RunnerProcess):
             break
         assert target.runner_id is not None
@@ -77,8 +78,8 @@ def test_sigkill_soak(fleet: Fleet) -> None:
         # Post mortem, once the server has finished with the dead runner's sessions (a COMMIT
         # it sent just before dying still completes): what it holds now must be rescued.
         victim_name = target.name
-        wait_until(lambda: not backends(victim_name), timeout=10,  # noqa: B023 (used at once)
-                   message=f"runner {victim_name}'s sessions to end")
+        wait_for(lambda: not backends(victim_name), timeout=10,  # noqa: B023 (used at once)
+                 message=f"runner {victim_name}'s sessions to end", reconnect=True)
         kills.append((target.runner_id, target.pid, _running_jobs(target.runner_id)))
         runners[runners.index(target)] = fleet.spawn(wait_started=False,
                                                      concurrency=CONCURRENCY)
@@ -100,9 +101,9 @@ def test_sigkill_soak(fleet: Fleet) -> None:
     assert len(kills) >= 4, f"only {len(kills)} kills: the soak was too short to mean much"
     assert held, "no kill caught a job in flight"
     # Dead runners are eventually forgotten; the live ones are still registered.
-    wait_until(lambda: not sql("SELECT id FROM persistent_jobs_runners WHERE id = ANY(%s)",
-                               [list(killed_ids)]),
-               timeout=10, message="killed runners to be reaped")
+    wait_for(lambda: not sql("SELECT id FROM persistent_jobs_runners WHERE id = ANY(%s)",
+                             [list(killed_ids)]),
+             timeout=10, message="killed runners to be reaped", reconnect=True)
     assert all(r.alive for r in runners)
     report("sigkill_soak", jobs=JOBS, runners=RUNNERS, concurrency=CONCURRENCY, kills=len(kills),
            jobs_in_flight_at_kills=len(held), rescued_attempts=len(lost),

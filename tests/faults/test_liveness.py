@@ -29,8 +29,8 @@ from .harness import (
     sql,
     verify,
     wait_all_terminal,
+    wait_for,
     wait_status,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
@@ -92,8 +92,9 @@ def test_long_jobs_on_a_live_runner_are_never_rescued(fleet: Fleet) -> None:
     duration = 3 * STALE
     # One waits (GIL released), one computes in pure Python (GIL held as much as it can).
     jobs = {kind: enqueue_one({kind: duration}, timeout=60) for kind in ("sleep", "spin")}
-    wait_until(lambda: all(job_row(job)["locked_by"] == owner.runner_id
-                           for job in jobs.values()), timeout=15, message="both jobs running")
+    wait_for(lambda: all(job_row(job)["locked_by"] == owner.runner_id
+                         for job in jobs.values()), timeout=15, message="both jobs running",
+             reconnect=True)
     # Another live runner, heartbeating and rescuing throughout, that would take the jobs if
     # rescue went by elapsed time.
     watcher = fleet.spawn("watcher", concurrency=1)
@@ -164,4 +165,5 @@ def test_restarted_runner_with_the_same_fixed_id_gets_predecessors_jobs_rescued(
     assert [(o, c) for _, _, o, c in _outcomes(job)] == [("rescued", "RUNNER_LOST"),
                                                          ("completed", "")]
     verify([job])
-    wait_until(lambda: second.alive, timeout=1, message="the restarted runner to stay up")
+    wait_for(lambda: second.alive, timeout=1, message="the restarted runner to stay up",
+             reconnect=True)

@@ -32,8 +32,8 @@ from .harness import (
     sql,
     sql_value,
     verify,
+    wait_for,
     wait_status,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
@@ -90,8 +90,8 @@ def test_a_rescue_blocked_by_a_row_lock_stalls_neither_heartbeat_nor_claims(
     frozen = fleet.spawn("frozen", concurrency=1)
     job = probe({"lock_self": True, "sleep": 120, "upto": 1}, timeout=600)
     assert wait_status(job, "running")["locked_by"] == frozen.runner_id
-    wait_until(lambda: backends("frozen", "state = 'idle in transaction'"), timeout=15,
-               message="the handler to hold its own job's row lock")
+    wait_for(lambda: backends("frozen", "state = 'idle in transaction'"), timeout=15,
+             message="the handler to hold its own job's row lock", reconnect=True)
     rescuer = fleet.spawn("rescuer", concurrency=2)
     frozen.send(signal.SIGSTOP)
     # The rescuer declares the frozen runner dead, then cannot take the job's row: the frozen
@@ -187,9 +187,9 @@ def test_two_live_runners_with_one_name_have_their_own_identities(fleet: Fleet) 
     first.kill()
     killed_at = time.monotonic()
     # The dead twin's sidecar follows it at once instead of vouching for a dead runner.
-    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and
-                               "Z" not in _state(pid) for pid in sidecars),
-               timeout=10, message="the killed runner's sidecar to exit")
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and
+                             "Z" not in _state(pid) for pid in sidecars),
+             timeout=10, message="the killed runner's sidecar to exit", reconnect=True)
     wait_status(job, "completed", timeout=2 * STALE + 20)
     assert [(a, r, o, c) for a, r, o, c, _ in attempts(job)] == [
         (1, first.runner_id, "rescued", "RUNNER_LOST"),

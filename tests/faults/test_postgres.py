@@ -32,8 +32,8 @@ from .harness import (
     using_database,
     verify,
     wait_all_terminal,
+    wait_for,
     wait_status,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
@@ -71,7 +71,7 @@ def _busy_then_queued(queued: int, sleep: float) -> tuple[list[object], list[obj
     """Fill every slot of the fleet with a job that sleeps (on attempt 1), then queue more."""
     slots = 3 * CONCURRENCY
     busy = enqueue_jobs(slots, {"sleep": sleep, "upto": 1})
-    wait_until(lambda: _running(busy) == slots, timeout=20, message="every slot busy")
+    wait_for(lambda: _running(busy) == slots, timeout=20, message="every slot busy", reconnect=True)
     waiting = enqueue_jobs(queued)
     assert status_counts(waiting) == {"pending": queued}
     return busy, waiting
@@ -156,8 +156,8 @@ def test_commit_that_succeeds_while_its_connection_dies(private_db: str, fleet: 
     """
     runner = fleet.spawn("syncrep", concurrency=2, database_url=private_db)
     job = enqueue_one({"sync_commit": True, "upto": 1})
-    waiting = wait_until(lambda: backends("syncrep", "wait_event = 'SyncRep'"), timeout=15,
-                         message="the COMMIT to wait for the standby")
+    waiting = wait_for(lambda: backends("syncrep", "wait_event = 'SyncRep'"), timeout=15,
+                       message="the COMMIT to wait for the standby", reconnect=True)
     assert terminate(waiting[0][0])
     runner.wait_line(rf"job {job}: .*committed", timeout=15)
     row = job_row(job)

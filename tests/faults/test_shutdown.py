@@ -26,8 +26,8 @@ from .harness import (
     status_counts,
     verify,
     wait_all_terminal,
+    wait_for,
     wait_status,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
@@ -89,9 +89,9 @@ def test_sigterm_during_a_claim_hands_the_claimed_jobs_back(fleet: Fleet) -> Non
         blocker.execute("LOCK TABLE persistent_jobs_attempts IN EXCLUSIVE MODE")
         jobs = enqueue_jobs(2)
         runner = fleet.spawn("claiming", concurrency=2, settings={"SHUTDOWN_GRACE": 5})
-        wait_until(lambda: backends("claiming", "wait_event_type = 'Lock' AND "
-                                    "query LIKE '%%WITH picked AS%%'"),
-                   timeout=10, message="the claim to block on the lock")
+        wait_for(lambda: backends("claiming", "wait_event_type = 'Lock' AND "
+                                  "query LIKE '%%WITH picked AS%%'"),
+                 timeout=10, message="the claim to block on the lock", reconnect=True)
         mark = runner.mark()
         runner.send(signal.SIGTERM)
         runner.wait_line(r"stopping: no new claims", since=mark)

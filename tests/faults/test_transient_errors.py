@@ -31,8 +31,8 @@ from .harness import (
     sql_value,
     verify,
     wait_all_terminal,
+    wait_for,
     wait_status,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
@@ -97,7 +97,8 @@ def test_transient_error_at_completion_is_retried_then_the_job_reruns(
     job = enqueue_one({"db_fault": True})
     others = enqueue_jobs(30, {"work": 0.02})
     # The completion failed, then recording the failure failed at least twice more.
-    wait_until(lambda: _hits() - start >= 3, timeout=30, message="the runner to hit the fault")
+    wait_for(lambda: _hits() - start >= 3, timeout=30, message="the runner to hit the fault",
+             reconnect=True)
     row = job_row(job)
     assert (row["status"], row["locked_by"]) == ("running", runner.runner_id)
     wait_all_terminal(others, timeout=30)  # the runner serves other jobs meanwhile

@@ -30,8 +30,8 @@ from .harness import (
     sql_value,
     verify,
     wait_all_terminal,
+    wait_for,
     wait_status,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
@@ -68,7 +68,7 @@ def enqueue_typed(job_type: str, payload: dict[str, Any] | None = None, **option
 
 def test_two_workers_drain_exactly_once_and_sigterm_exits_zero(fleet: Fleet) -> None:
     runner = fleet.spawn(args=["--processes", "2"], concurrency=3)
-    wait_until(lambda: len(worker_pids(runner)) == 2, 30, "two workers")
+    wait_for(lambda: len(worker_pids(runner)) == 2, 30, "two workers", reconnect=True)
     assert set(worker_pids(runner)) <= set(children(runner.pid))
     ids = enqueue_jobs(300)
     wait_all_terminal(ids, timeout=90)
@@ -82,7 +82,7 @@ def test_two_workers_drain_exactly_once_and_sigterm_exits_zero(fleet: Fleet) -> 
     workers = worker_pids(runner)
     runner.send(signal.SIGTERM)
     assert runner.wait_exit(30) == 0
-    wait_until(lambda: not any(_alive(pid) for pid in workers), 10, "workers to exit")
+    wait_for(lambda: not any(_alive(pid) for pid in workers), 10, "workers to exit", reconnect=True)
 
 
 def _ledger_pids(ids: list[Any]) -> list[tuple[Any, ...]]:
@@ -114,10 +114,11 @@ def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_repl
     grace = 3.0
     runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
                          settings={"TIMEOUT_GRACE": grace})
-    wait_until(lambda: worker_pids(runner), 30, "a worker")
+    wait_for(lambda: worker_pids(runner), 30, "a worker", reconnect=True)
     (stuck_worker,) = worker_pids(runner)
     blocked = enqueue_typed("procs.c_sleep", {"report": True})
-    progress = wait_until(lambda: job_row(blocked)["progress"], 20, "the handler to start")
+    progress = wait_for(lambda: job_row(blocked)["progress"], 20, "the handler to start",
+                        reconnect=True)
     started = time.monotonic()
     follower = enqueue_jobs(1)[0]  # waits for the only slot
     row = wait_status(blocked, "dead_lettered", timeout=10)
@@ -125,15 +126,16 @@ def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_repl
     assert row["code"] == "TIMEOUT"
     assert freed <= 1.0 + grace + 1.0, freed
     # Its database session was terminated at the timeout: nothing it does can commit.
-    wait_until(lambda: not sql_value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
-                                     [progress["backend"]]), 1.5, "the session to be terminated")
+    wait_for(lambda: not sql_value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                   [progress["backend"]]), 1.5, "the session to be terminated",
+             reconnect=True)
     wait_status(follower, "completed", timeout=10)
     # The stuck thread never returns, so its process goes: killed after the grace, replaced.
     runner.wait_line(r"recycling worker 1 .*did not return", timeout=10)
-    wait_until(lambda: not _alive(stuck_worker), 10, "the stuck worker to be killed")
+    wait_for(lambda: not _alive(stuck_worker), 10, "the stuck worker to be killed", reconnect=True)
     killed_after = time.monotonic() - started
     assert killed_after <= 1.0 + 2 * grace + 3.0, killed_after
-    wait_until(lambda: len(worker_pids(runner)) == 1, 30, "a replacement worker")
+    wait_for(lambda: len(worker_pids(runner)) == 1, 30, "a replacement worker", reconnect=True)
     assert worker_pids(runner) != [stuck_worker]
     later = enqueue_jobs(3)
     wait_all_terminal(later, timeout=30)
@@ -146,21 +148,21 @@ def test_sigkill_of_a_worker_settles_its_jobs_within_a_second_and_draining_goes_
     fleet: Fleet,
 ) -> None:
     runner = fleet.spawn(args=["--processes", "2"], concurrency=2)
-    wait_until(lambda: len(worker_pids(runner)) == 2, 30, "two workers")
+    wait_for(lambda: len(worker_pids(runner)) == 2, 30, "two workers", reconnect=True)
     ids = [enqueue_typed("procs.pid", {"sleep": 6}) for _ in range(4)]
 
     def pids_running() -> dict[Any, int] | None:
         rows = {job_id: (job_row(job_id)["progress"] or {}).get("pid") for job_id in ids}
         return rows if all(rows.values()) else None
 
-    where = wait_until(pids_running, 30, "four jobs running")
+    where = wait_for(pids_running, 30, "four jobs running", reconnect=True)
     victim = next(iter(where.values()))
     victims = [job_id for job_id, pid in where.items() if pid == victim]
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
-    wait_until(lambda: all(job_row(j)["status"] != "running" or job_row(j)["attempts"] > 1
-                           for j in victims), 5, "the dead worker's jobs to be settled",
-               interval=0.02)
+    wait_for(lambda: all(job_row(j)["status"] != "running" or job_row(j)["attempts"] > 1
+                         for j in victims), 5, "the dead worker's jobs to be settled",
+             interval=0.02, reconnect=True)
     settled = time.monotonic() - killed
     assert settled <= 1.0, settled
     lost = [a for a in attempts_of(victims) if a.attempt == 1]
@@ -190,12 +192,14 @@ def test_a_poison_pill_that_gets_its_worker_oom_killed_is_dead_lettered(fleet: F
 
 def test_sigkill_of_the_supervisor_leaves_no_worker_running(fleet: Fleet) -> None:
     runner = fleet.spawn(args=["--processes", "2"], concurrency=2)
-    wait_until(lambda: len(worker_pids(runner)) == 2, 30, "two workers")
+    wait_for(lambda: len(worker_pids(runner)) == 2, 30, "two workers", reconnect=True)
     workers = worker_pids(runner)
     job_id = enqueue_typed("procs.pid", {"sleep": 30})
-    wait_until(lambda: (job_row(job_id)["progress"] or {}).get("pid"), 20, "the job to start")
+    wait_for(lambda: (job_row(job_id)["progress"] or {}).get("pid"), 20, "the job to start",
+             reconnect=True)
     runner.kill()
-    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to die")
+    wait_for(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to die",
+             reconnect=True)
     assert ledger_of(job_id) == []
 
 
@@ -204,11 +208,12 @@ def test_sigterm_lets_jobs_finish_within_the_grace_hands_back_the_rest_and_exits
 ) -> None:
     runner = fleet.spawn(args=["--processes", "1"], concurrency=2,
                          settings={"SHUTDOWN_GRACE": 3})
-    workers = wait_until(lambda: worker_pids(runner), 30, "a worker")
+    workers = wait_for(lambda: worker_pids(runner), 30, "a worker", reconnect=True)
     short = enqueue_typed("procs.pid", {"sleep": 1})
     long = enqueue_typed("procs.pid", {"sleep": 60})
     for job_id in (short, long):
-        wait_until(lambda job_id=job_id: job_row(job_id)["progress"], 20, "both jobs to start")
+        wait_for(lambda job_id=job_id: job_row(job_id)["progress"], 20, "both jobs to start",
+                 reconnect=True)
     runner.send(signal.SIGTERM)
     assert runner.wait_exit(20) == 0
     assert job_row(short)["status"] == "completed"
@@ -216,21 +221,23 @@ def test_sigterm_lets_jobs_finish_within_the_grace_hands_back_the_rest_and_exits
     assert handed["status"] == "pending" and handed["attempts"] == 0
     assert [a.outcome for a in attempts_of([long])] == ["interrupted"]
     assert ledger_of(long) == []
-    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
+    wait_for(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit",
+             reconnect=True)
 
 
 def test_a_second_signal_stops_at_once(fleet: Fleet) -> None:
     runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
                          settings={"SHUTDOWN_GRACE": 60})
-    workers = wait_until(lambda: worker_pids(runner), 30, "a worker")
+    workers = wait_for(lambda: worker_pids(runner), 30, "a worker", reconnect=True)
     job_id = enqueue_typed("procs.pid", {"sleep": 60})
-    wait_until(lambda: job_row(job_id)["progress"], 20, "the job to start")
+    wait_for(lambda: job_row(job_id)["progress"], 20, "the job to start", reconnect=True)
     runner.send(signal.SIGTERM)
     runner.wait_line("stopping", timeout=10)
     runner.send(signal.SIGTERM)
     assert runner.wait_exit(15) == 1
     assert job_row(job_id)["status"] == "pending"
-    wait_until(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
+    wait_for(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit",
+             reconnect=True)
 
 
 def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> None:
@@ -244,7 +251,7 @@ def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> Non
     # A replacement worker is the supervisor's like the first: a shutdown gives its job the
     # grace period (it is not killed when the claim loop stops).
     last = enqueue_typed("procs.pid", {"sleep": 1.5})
-    wait_until(lambda: job_row(last)["progress"], 20, "the job to start")
+    wait_for(lambda: job_row(last)["progress"], 20, "the job to start", reconnect=True)
     runner.send(signal.SIGTERM)
     assert runner.wait_exit(20) == 0
     assert job_row(last)["status"] == "completed"
@@ -261,7 +268,7 @@ def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> Non
 def test_cancel_reaches_a_handler_in_a_worker(fleet: Fleet) -> None:
     runner = fleet.spawn(args=["--processes", "1"], concurrency=2)
     job_id = enqueue_typed("procs.pid", {"sleep": 60})
-    wait_until(lambda: job_row(job_id)["progress"], 20, "the job to start")
+    wait_for(lambda: job_row(job_id)["progress"], 20, "the job to start", reconnect=True)
     started = time.monotonic()
     cancel_job(job_id)
     wait_status(job_id, "cancelled", timeout=10)

@@ -13,6 +13,17 @@ from typing import Any
 
 from django_persistent_jobs import JobContext, PermanentJobError, TransientJobError, job_handler
 from django_persistent_jobs.backoff import constant
+
+# Autodiscovery imports each installed app's ``jobs`` module, so importing the other handler
+# modules of the suite here registers them in every runner subprocess too: the fault suite's
+# (kept with the suite), the operator console's, the recurring schedules' and the settling
+# tests' that run real ``runjobs`` processes.
+from tests.faults import handlers as _fault_handlers  # noqa: F401
+from tests.faults import liveness_handlers as _liveness_handlers  # noqa: F401
+from tests.faults import process_handlers as _process_handlers  # noqa: F401
+from tests.testapp import console_jobs as _console_jobs  # noqa: F401
+from tests.testapp import recurring_jobs as _recurring_jobs  # noqa: F401
+from tests.testapp import settle_jobs as _settle_jobs  # noqa: F401
 from tests.testapp.models import LedgerEntry, SideEffect
 
 
@@ -51,17 +62,3 @@ def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
     if ctx.attempt == 1:
         time.sleep(float(payload.get("sleep", 60)))
     LedgerEntry.objects.create(job_id=ctx.job_id, note="hang_first")
-
-
-# The fault-injection suite's handler lives with the suite; importing it here registers it in
-# every runner subprocess (autodiscovery imports each installed app's ``jobs`` module).
-from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
-from tests.faults import liveness_handlers as _liveness_handlers  # noqa: E402, F401
-from tests.faults import process_handlers as _process_handlers  # noqa: E402, F401
-
-# Handlers for the operator-console tests (admin, dashboard, browser).
-from tests.testapp import console_jobs as _console_jobs  # noqa: E402, F401
-
-# Handlers for the recurring-schedule tests, and for the settling tests that run real
-# runjobs processes.
-from tests.testapp import recurring_jobs, settle_jobs  # noqa: E402,F401

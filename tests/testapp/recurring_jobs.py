@@ -1,4 +1,4 @@
-"""Handlers for the recurring-schedule tests (tests/test_recurring*.py).
+"""Handlers for the recurring-schedule tests (tests/schedules/test_firing*.py).
 
 They declare no schedule themselves: a code-declared schedule here would fire in every test that
 starts a runner. The tests add schedules at runtime (``add_schedule``) or declare them inside

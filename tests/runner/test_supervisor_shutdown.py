@@ -15,13 +15,14 @@ from django_persistent_jobs import JobContext, enqueue, job_handler
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus
 from django_persistent_jobs.runner import Runner
-from tests.conftest import db_clock, wait_handler_inside
 from tests.runner_support import (
     Gate,
     OutputReader,
     attempts_of,
+    db_now,
     get_job,
     isolated_registry,
+    wait_handler_inside,
     wait_status,
 )
 from tests.testapp.models import LedgerEntry, SideEffect
@@ -124,7 +125,7 @@ STOPPING = "stopping: no new claims"
 
 def test_sigterm_lets_in_flight_job_finish_and_exits_zero(spawn_runner: Spawn) -> None:
     job = enqueue("test.ledger", {"sleep": 3, "note": "in flight"})
-    since = db_clock()
+    since = db_now(clock=True)
     runner = OutputReader(spawn_runner("--concurrency", "2", env=LOG_ENV))
     wait_handler_inside(since)  # claimed is not started: an unstarted job is handed back
     runner.proc.send_signal(signal.SIGTERM)
@@ -144,7 +145,7 @@ def test_sigterm_lets_in_flight_job_finish_and_exits_zero(spawn_runner: Spawn) -
 def test_second_signal_forces_exit_and_hands_the_job_back(spawn_runner: Spawn) -> None:
     """SIGINT (Ctrl-C) starts the graceful stop like SIGTERM; a SIGTERM after it forces."""
     job = enqueue("test.hang_first", {"sleep": 120})
-    since = db_clock()
+    since = db_now(clock=True)
     runner = OutputReader(spawn_runner("--concurrency", "1", "--grace", "60", env=LOG_ENV))
     wait_handler_inside(since)  # claimed is not started: an unstarted job is handed back
     runner.proc.send_signal(signal.SIGINT)

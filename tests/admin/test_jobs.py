@@ -17,6 +17,7 @@ from django.urls import reverse
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.models import JobAttempt, PersistentJob
+from tests.core_support import db_now
 
 CHANGELIST = "admin:django_persistent_jobs_persistentjob_changelist"
 
@@ -49,9 +50,7 @@ def _set(job: PersistentJob, **fields: Any) -> PersistentJob:
 
 @pytest.fixture
 def jobs() -> Jobs:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        now = cursor.fetchone()[0]
+    now = db_now()
     failed = _set(enqueue("core.adm.alpha", {"n": 1}), status="failed", attempts=1,
                   last_error_code="TIMEOUT", last_error="too slow",
                   next_run_at=now + timedelta(hours=1))

@@ -30,11 +30,12 @@ def test_three_runner_processes_fire_each_second_tick_exactly_once(
 ) -> None:
     for _ in range(3):
         spawn_runner("--concurrency", "2", env={"PJ_TEST_SETTINGS": RUNNER_SETTINGS})
-    wait_for(lambda: JobRunnerRecord.objects.count() == 3, 60, 0.1, "three runners to register")
+    wait_for(lambda: JobRunnerRecord.objects.count() == 3, 60, "three runners to register",
+             interval=0.1)
 
     add_schedule("every-second", "test.recurring.tick", cron="* * * * * *")
     runs = PersistentJob.objects.filter(schedule__name="every-second")
-    wait_for(lambda: runs.count() >= TICKS, 30, 0.1, f"{TICKS} ticks")
+    wait_for(lambda: runs.count() >= TICKS, 30, f"{TICKS} ticks", interval=0.1)
     # Pausing waits for any pass holding the row; after it returns no runner fires again.
     pause_schedule("every-second")
     rows = list(runs.values_list("schedule", flat=True))
@@ -47,5 +48,5 @@ def test_three_runner_processes_fire_each_second_tick_exactly_once(
     assert all(row["coalesced_ticks"] == 0 for row in rows)
     firers = Counter(row["fired_by"] for row in rows)
     print(f"{len(rows)} ticks fired by {len(firers)} runner(s): {dict(firers)}")
-    wait_for(lambda: runs.filter(status=JobStatus.COMPLETED).count() == len(rows), 20, 0.1,
-             "every run to complete")
+    wait_for(lambda: runs.filter(status=JobStatus.COMPLETED).count() == len(rows), 20,
+             "every run to complete", interval=0.1)

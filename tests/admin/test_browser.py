@@ -28,12 +28,11 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
-from django.db import connection
 from django.test import Client
 
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
-from tests.core_support import wait_for
+from tests.core_support import db_now, wait_for
 
 # PJ_CHROMIUM / PJ_CHROMEDRIVER point elsewhere (other distributions install them elsewhere).
 CHROMIUM = os.environ.get("PJ_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -171,12 +170,6 @@ def _stale(element: Any) -> bool:
     return False
 
 
-def _db_now() -> Any:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        return cursor.fetchone()[0]
-
-
 def stage(spawn_runner: Spawn) -> dict[str, Any]:
     """Build the broken production the operator must diagnose; return what to look for."""
     # 1. A runner killed mid-job: it claims a hung transcode (timeout 4 s) and a long reindex.
@@ -207,14 +200,14 @@ def stage(spawn_runner: Spawn) -> dict[str, Any]:
 
     # 3. A job on a queue no runner serves, due for ten minutes already.
     unserved = enqueue("exports.nightly", {"day": "2026-11-22"},
-                                   run_at=_db_now() - timedelta(minutes=10), tenant="initech")
+                                   run_at=db_now() - timedelta(minutes=10), tenant="initech")
 
     # The killed runner's heartbeat must be stale (3 s in the test settings) and the hung job
     # past its 4 s timeout, by the database clock.
     def broken_enough() -> bool:
         job = PersistentJob.objects.get(id=hung.id)
         runner = JobRunnerRecord.objects.get(id=killed_runner)
-        now = _db_now()
+        now = db_now()
         return (job.locked_at is not None and now - job.locked_at > timedelta(seconds=5)
                 and now - runner.heartbeat_at > timedelta(seconds=4))
 

@@ -11,7 +11,7 @@ import pytest
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from django_persistent_jobs.models import PersistentJob
+from django_persistent_jobs.models import PersistentJob, due, held_by_dedup
 from django_persistent_jobs.runner import store
 
 SEQ_SCAN_ON_JOBS = re.compile(r"Seq Scan on persistent_jobs(?!_)")
@@ -213,3 +213,26 @@ def test_claimable_lists_what_the_claim_takes_in_order() -> None:
             transaction.set_rollback(True)
         assert claimed == expected, (queues, types)
     assert len(PersistentJob.objects.claimable()) == 5
+
+
+@pytest.mark.django_db
+def test_due_is_claimable_plus_the_jobs_held_by_dedup() -> None:
+    """The operator views count as due what a claim would take plus the jobs a running job with
+    their dedup key holds back, and nothing else (``models.due``, ``models.held_by_dedup``)."""
+    past = timezone.now() - timedelta(hours=1)
+    row(status="pending", next_run_at=past)
+    row(status="failed", next_run_at=past)
+    row(status="pending", next_run_at=timezone.now() + timedelta(hours=1))  # not due
+    row(status="completed")
+    row(status="running", dedup_key="busy", lock_token=1)
+    held = row(status="pending", dedup_key="busy", next_run_at=past)
+    row(status="pending", dedup_key="busy", dedup="enqueue", job_type="core.idx.other")
+    jobs = PersistentJob.objects
+    due_now = set(jobs.filter(due()).values_list("id", flat=True))
+    claimable = set(jobs.claimable().values_list("id", flat=True))
+    held_back = set(jobs.filter(due(), held_by_dedup()).values_list("id", flat=True))
+    assert held_back == {held.id}
+    assert due_now == claimable | held_back and not claimable & held_back
+    assert len(due_now) == 4
+    earlier = set(jobs.filter(due(past - timedelta(minutes=1))).values_list("id", flat=True))
+    assert earlier == set()

@@ -13,8 +13,14 @@ import pytest
 
 from django_persistent_jobs.enqueuing import enqueue
 from django_persistent_jobs.models import JobAttempt, JobStatus
-from tests.conftest import db_clock, wait_handler_inside
-from tests.runner_support import attempts_of, get_job, wait_for, wait_status
+from tests.runner_support import (
+    attempts_of,
+    db_now,
+    get_job,
+    wait_for,
+    wait_handler_inside,
+    wait_status,
+)
 from tests.testapp.models import LedgerEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
@@ -45,7 +51,7 @@ def test_sigterm_handbacks_are_counted_then_charged(spawn_runner: Spawn) -> None
     env = {"PJ_TEST_SETTINGS": json.dumps({"HANDBACK_LIMIT": 1, "SHUTDOWN_GRACE": 0.2})}
     seen: list[tuple[str, int, int, str]] = []
     for round_ in range(2):
-        since = db_clock()
+        since = db_now(clock=True)
         proc = spawn_runner(env=env)
         wait_for(lambda round_=round_: JobAttempt.objects.filter(
             job_id=job.id, outcome="running").exists(), 60, message=f"run {round_ + 1}")

@@ -14,16 +14,16 @@ import pytest
 from django.utils import timezone
 
 from django_persistent_jobs.models import PersistentJob
-from tests import conftest
 from tests.api_support import stage
+from tests.core_support import ROOT, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
 
 def jobs(*args: str) -> tuple[int, str, str]:
     proc = subprocess.run(
-        [sys.executable, str(conftest.ROOT / "manage.py"), "jobs", *args], cwd=conftest.ROOT,
-        env=conftest.test_database_env(), capture_output=True, text=True, timeout=60,
+        [sys.executable, str(ROOT / "manage.py"), "jobs", *args], cwd=ROOT,
+        env=subprocess_env(), capture_output=True, text=True, timeout=60,
     )
     return proc.returncode, proc.stdout, proc.stderr
 

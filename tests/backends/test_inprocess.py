@@ -164,7 +164,7 @@ def test_a_hung_task_does_not_keep_the_process_from_exiting() -> None:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT, test_database_env
+    from tests.core_support import ROOT, subprocess_env
 
     script = (
         "import django, sys, time; django.setup()\n"
@@ -174,7 +174,7 @@ def test_a_hung_task_does_not_keep_the_process_from_exiting() -> None:
         "print('running', flush=True)\n"
     )
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=test_database_env(),
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, timeout=30)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip() == "running"

@@ -13,12 +13,12 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.core.checks import run_checks
-from django.db import connection
 from django.test import Client, override_settings
 from django.urls import reverse
 
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
+from tests.core_support import db_now
 
 JOBS = "admin:django_persistent_jobs_persistentjob_changelist"
 DASHBOARD = "admin:django_persistent_jobs_jobdashboard_changelist"
@@ -35,12 +35,6 @@ def console_a(payload: Any) -> None:
 @job_handler("console.b")
 def console_b(payload: Any) -> None:
     return None
-
-
-def db_now() -> Any:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        return cursor.fetchone()[0]
 
 
 def job(job_type: str, tenant: str | None = None, payload: Any = None, **fields: Any,

@@ -177,12 +177,13 @@ def test_valid_alternatives_are_accepted() -> None:
                      "DjangoJSONEncoder", HEARTBEAT_INTERVAL=None, SHUTDOWN_GRACE=0,
                      ALLOW_UNREGISTERED=True, BATCH_SIZE=50, MAX_RETRIES=0):
         assert pj_errors() == []
-        assert pj_conf.retention() == {"completed": 86400.0, "cancelled": 86400.0,
+        assert pj_conf.settings.RETENTION == {"completed": 86400.0, "cancelled": 86400.0,
                                        "dead_lettered": None}
         loaded = pj_conf.RunnerSettings.load()
         assert loaded.queues == ("a", "b") and loaded.heartbeat_interval == 1.0
     with pj_settings(RETENTION=None):
-        assert pj_conf.retention() == dict.fromkeys(("completed", "cancelled", "dead_lettered"))
+        retention = pj_conf.settings.RETENTION
+        assert retention == dict.fromkeys(("completed", "cancelled", "dead_lettered"))
 
 
 # ------------------------------------------------------------------ handler checks
