@@ -1,0 +1,72 @@
+"""api/tokens.py: tokens name their user by primary key, so the job system needs no auth app."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import psycopg
+import pytest
+from django.contrib.auth import get_user_model
+
+from django_persistent_jobs.api.tokens import ApiToken
+from tests.core_support import ROOT, conninfo, subprocess_env
+
+pytestmark = pytest.mark.django_db
+
+
+def test_a_token_acts_as_its_user_and_dies_with_it():
+    user = get_user_model().objects.create_user("ops-bot", password="x")
+    token, secret = ApiToken.objects.create_token(user=user, name="grafana")
+
+    authenticated = ApiToken.objects.authenticate(secret)
+    assert authenticated == token and authenticated.user == user
+
+    user.delete()
+    assert not ApiToken.objects.filter(pk=token.pk).exists()
+    assert ApiToken.objects.authenticate(secret) is None
+
+
+def test_a_token_whose_user_is_gone_or_inactive_authenticates_nobody():
+    user = get_user_model().objects.create_user("ops-bot", password="x")
+    _, secret = ApiToken.objects.create_token(user=user, name="grafana")
+    user.is_active = False
+    user.save()
+    assert ApiToken.objects.authenticate(secret) is None
+
+    orphan = ApiToken.objects.create(name="orphan", user_pk="987654321", key_prefix="pjt_x",
+                                     key_hash="0" * 64)
+    assert orphan.user is None
+
+
+def _manage(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"manage.py {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_only_project_without_contrib_apps_migrates_checks_and_runs_jobs():
+    args = conninfo()
+    name = f"{args['dbname']}_worker_only"
+    admin_args = {**args, "dbname": "postgres"}
+    with psycopg.connect(**admin_args, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        env = subprocess_env()
+        env["DATABASE_URL"] = env["DATABASE_URL"].rsplit("/", 1)[0] + "/" + name
+        env["DJANGO_SETTINGS_MODULE"] = "tests.settings_worker_only"
+        _manage(env, "migrate", "-v", "0")
+        _manage(env, "check", "--fail-level", "WARNING")
+        _manage(env, "makemigrations", "--check", "--dry-run", "django_persistent_jobs")
+        _manage(env, "shell", "-c",
+                "from django_persistent_jobs import enqueue; enqueue('test.noop', {})")
+        _manage(env, "runjobs", "--burst", "--processes", "0")
+        with psycopg.connect(**{**args, "dbname": name}) as conn:
+            rows = conn.execute("SELECT status FROM persistent_jobs").fetchall()
+        assert rows == [("completed",)]
+    finally:
+        with psycopg.connect(**admin_args, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
