@@ -33,9 +33,6 @@ from . import bounds
 RUNJOBS_DEFAULT_PROCESSES = 1
 
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
-#: Kept for callers that imported them from here; ``bounds`` owns them.
-MAX_RETRIES_LIMIT = bounds.MAX_RETRIES_LIMIT
-DEDUP_CHOICES = bounds.DEDUP_CHOICES
 #: Retention must fit PostgreSQL's interval arithmetic; timedelta's own maximum does.
 _MAX_RETENTION_SECONDS = timedelta.max.total_seconds()
 
@@ -490,17 +487,6 @@ def problems(raw: dict[str, Any] | None = None) -> list[Problem]:
                 "(django.db.backends.postgresql).",
             ))
     return found
-
-
-def validate(raw: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
-    """``(check_id, message, hint)`` for every problem; the shape older callers expect."""
-    from .checks import setting_check
-
-    result = []
-    for problem in problems(raw):
-        check_id, hint = setting_check(problem.condition)
-        result.append((check_id, problem.message, hint))
-    return result
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from django.db.models import QuerySet
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from . import conf
+from . import bounds, conf
 from .errors import JobNotFoundError
 from .models import JobStatus, PersistentJob
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
 #: Longest accepted filter value; longer than any column it is compared with.
-_MAX_TEXT = 255
+FILTER_TEXT_MAX_LENGTH = 255
 
 
 class QueryError(ValueError):
@@ -77,17 +77,6 @@ class JobFilter:
                     or self.error_codes or self.created_after or self.created_before)
 
 
-def storable(text: str) -> bool:
-    """Whether PostgreSQL can take ``text`` as a parameter (no NUL, valid UTF-8)."""
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _texts(name: str, values: Iterable[str]) -> tuple[str, ...]:
     """Accept repeated values and comma-separated lists alike (``status=a,b`` = ``a`` + ``b``)."""
     out: list[str] = []
@@ -98,9 +87,9 @@ def _texts(name: str, values: Iterable[str]) -> tuple[str, ...]:
             part = part.strip()
             if not part:
                 continue
-            if len(part) > _MAX_TEXT or not storable(part):
-                raise QueryError(name, f"{name} values must be 1..{_MAX_TEXT} characters "
-                                       "without NUL bytes or lone surrogates.")
+            if len(part) > FILTER_TEXT_MAX_LENGTH or bounds.text_problem(part) is not None:
+                raise QueryError(name, f"{name} values must be 1..{FILTER_TEXT_MAX_LENGTH} "
+                                       "characters without NUL bytes or lone surrogates.")
             out.append(part)
     return tuple(dict.fromkeys(out))
 

@@ -12,9 +12,18 @@ from datetime import datetime, timedelta
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from ..errors import MAX_RETRY_AFTER as MAX_SECONDS
+from ..bounds import (
+    DEDUP_KEY_MAX_LENGTH,
+    JOB_TYPE_MAX_LENGTH,
+    MAX_RETRIES_LIMIT,
+    MAX_SECONDS,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    QUEUE_MAX_LENGTH,
+    TENANT_MAX_LENGTH,
+)
 from ..models import AttemptOutcome, JobStatus
-from ..queries import DEFAULT_LIMIT, MAX_LIMIT
+from ..queries import DEFAULT_LIMIT, FILTER_TEXT_MAX_LENGTH, MAX_LIMIT
 from ..types import Dedup
 
 OPENAPI_VERSION = "3.1.0"
@@ -85,7 +94,7 @@ _FILTER_PARAMETERS: list[dict[str, Any]] = [
      "schema": {"type": "array", "items": {"type": "string", "enum": list(JobStatus.values)}}},
     *({"name": name, "in": "query", "style": "form", "explode": True, "description": text,
        "schema": {"type": "array", "items": {"type": "string", "minLength": 1,
-                                             "maxLength": 255}}}
+                                             "maxLength": FILTER_TEXT_MAX_LENGTH}}}
       for name, text in (("job_type", "Only these job types."), ("queue", "Only these queues."),
                          ("tenant", "Only these tenants (a tenant-bound token sees only its own "
                                     "whatever this says)."),
@@ -260,21 +269,23 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                 "EnqueueRequest": {
                     "type": "object", "additionalProperties": False, "required": ["job_type"],
                     "properties": {
-                        "job_type": {"type": "string", "minLength": 1, "maxLength": 200},
+                        "job_type": {"type": "string", "minLength": 1,
+                                     "maxLength": JOB_TYPE_MAX_LENGTH},
                         "payload": _ANY,
                         "run_at": _TIME_OR_NULL,
                         "delay": {"type": ["number", "null"], "minimum": 0,
                                   "maximum": MAX_SECONDS},
                         "dedup_key": {"type": ["string", "null"], "minLength": 1,
-                                      "maxLength": 255},
+                                      "maxLength": DEDUP_KEY_MAX_LENGTH},
                         "dedup": {"enum": [*(d.value for d in Dedup), None]},
-                        "priority": {"type": ["integer", "null"], "minimum": -32768,
-                                     "maximum": 32767},
-                        "queue": {"type": ["string", "null"], "minLength": 1, "maxLength": 100},
+                        "priority": {"type": ["integer", "null"], "minimum": PRIORITY_MIN,
+                                     "maximum": PRIORITY_MAX},
+                        "queue": {"type": ["string", "null"], "minLength": 1,
+                                  "maxLength": QUEUE_MAX_LENGTH},
                         "tenant": {"type": ["string", "null"], "minLength": 1,
-                                   "maxLength": 200},
+                                   "maxLength": TENANT_MAX_LENGTH},
                         "max_retries": {"type": ["integer", "null"], "minimum": 0,
-                                        "maximum": 1_000_000},
+                                        "maximum": MAX_RETRIES_LIMIT},
                         "timeout": {"type": ["number", "null"], "exclusiveMinimum": 0,
                                     "maximum": MAX_SECONDS},
                     },

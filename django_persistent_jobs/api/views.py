@@ -15,10 +15,9 @@ from typing import Any
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 
-from .. import conf, queries, services
+from .. import bounds, conf, queries, services
 from ..enqueuing import enqueue
 from ..errors import (
-    MAX_RETRY_AFTER,
     ConfigurationError,
     EnqueueError,
     InvalidJobStateError,
@@ -49,7 +48,8 @@ def _text(data: dict[str, Any], name: str, low: int, high: int) -> str | None:
     value = data.get(name)
     if value is None:
         return None
-    if not isinstance(value, str) or not low <= len(value) <= high or not queries.storable(value):
+    if (not isinstance(value, str) or not low <= len(value) <= high
+            or bounds.text_problem(value) is not None):
         raise bad_request(name, f"{name} must be a string of {low}..{high} characters without "
                                 "NUL bytes or lone surrogates.")
     return value
@@ -70,9 +70,9 @@ def _seconds(data: dict[str, Any], name: str, *, positive: bool) -> float | None
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise bad_request(name, f"{name} must be a number of seconds.")
-    if value < 0 or (positive and value == 0) or value > MAX_RETRY_AFTER:
+    if value < 0 or (positive and value == 0) or value > bounds.MAX_SECONDS:
         bound = "> 0" if positive else ">= 0"
-        raise bad_request(name, f"{name} must be {bound} and at most {MAX_RETRY_AFTER:.0f} "
+        raise bad_request(name, f"{name} must be {bound} and at most {bounds.MAX_SECONDS:.0f} "
                                 "seconds.")
     return float(value)
 
@@ -102,14 +102,14 @@ def _enqueue(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
     if unknown:
         raise bad_request(unknown[0], f"Unknown field {unknown[0]!r}; allowed: "
                                       f"{', '.join(ENQUEUE_FIELDS)}.")
-    job_type = _text(data, "job_type", 1, 200)
+    job_type = _text(data, "job_type", 1, bounds.JOB_TYPE_MAX_LENGTH)
     if job_type is None:
         raise bad_request("job_type", "job_type is required.")
     options: dict[str, Any] = {
-        "dedup_key": _text(data, "dedup_key", 1, 255),
-        "queue": _text(data, "queue", 1, 100),
-        "priority": _integer(data, "priority", -32768, 32767),
-        "max_retries": _integer(data, "max_retries", 0, conf.MAX_RETRIES_LIMIT),
+        "dedup_key": _text(data, "dedup_key", 1, bounds.DEDUP_KEY_MAX_LENGTH),
+        "queue": _text(data, "queue", 1, bounds.QUEUE_MAX_LENGTH),
+        "priority": _integer(data, "priority", bounds.PRIORITY_MIN, bounds.PRIORITY_MAX),
+        "max_retries": _integer(data, "max_retries", 0, bounds.MAX_RETRIES_LIMIT),
         "timeout": _seconds(data, "timeout", positive=True),
         "delay": _seconds(data, "delay", positive=False),
     }
@@ -127,7 +127,7 @@ def _enqueue(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
     if dedup is not None and dedup not in [d.value for d in Dedup]:
         raise bad_request("dedup", f"dedup must be one of {[d.value for d in Dedup]}.")
     options["dedup"] = dedup
-    tenant = _text(data, "tenant", 1, 200)
+    tenant = _text(data, "tenant", 1, bounds.TENANT_MAX_LENGTH)
     if caller.tenant is not None:
         if tenant is not None and tenant != caller.tenant:
             raise ApiError(403, "tenant_forbidden",
