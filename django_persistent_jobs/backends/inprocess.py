@@ -163,7 +163,8 @@ class InProcessBackend(BaseTaskBackend):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 messages.append(checks.Error(
                     f"Task backend {self.alias!r}: OPTIONS[{key!r}] must be an integer >= 1, "
-                    f"got {value!r}.", id="persistent_jobs.E205",
+                    f"got {value!r}.", hint=f"For example {{{key!r}: 4}}.",
+                    id="persistent_jobs.E205",
                 ))
         return messages
 

@@ -24,7 +24,7 @@ from django.utils.module_loading import import_string
 
 from .. import conf
 from ..context import JobContext
-from ..errors import DuplicateHandlerError, JobCancelledError, JobError
+from ..errors import ConfigurationError, DuplicateHandlerError, JobCancelledError, JobError
 from ..handlers import OPTION_INVALID, HandlerSpec, _check_options, _code_location, registry
 from ..signals import job_finished
 from .compat import (
@@ -198,13 +198,20 @@ class PersistentJobsBackend(BaseTaskBackend):
         if not apps.is_installed("django_persistent_jobs"):
             messages.append(checks.Error(
                 f"Task backend {self.alias!r} needs 'django_persistent_jobs' in INSTALLED_APPS.",
+                hint="Add 'django_persistent_jobs' to INSTALLED_APPS and run migrate.",
                 id="persistent_jobs.E201",
             ))
-        vendor = connections[_alias()].vendor
-        if vendor != "postgresql":
+        try:
+            alias = _alias()
+        except ConfigurationError:
+            alias = None  # the settings check reports it (E001, E012) with its hint
+        vendor = None if alias is None else connections[alias].vendor
+        if vendor is not None and vendor != "postgresql":
             messages.append(checks.Error(
                 f"Task backend {self.alias!r} needs PostgreSQL; database "
-                f"{_alias()!r} is {vendor}.", id="persistent_jobs.E202",
+                f"{alias!r} is {vendor}.",
+                hint="Point PERSISTENT_JOBS['DATABASE'] at a PostgreSQL database.",
+                id="persistent_jobs.E202",
             ))
         unknown = sorted(set(self.options) - set(self.option_keys))
         if unknown:
@@ -216,7 +223,7 @@ class PersistentJobsBackend(BaseTaskBackend):
         if not isinstance(modules, list | tuple) or not all(isinstance(m, str) for m in modules):
             messages.append(checks.Error(
                 f"Task backend {self.alias!r}: OPTIONS['MODULES'] must be a list of module "
-                "paths.", id="persistent_jobs.E204",
+                "paths.", hint="For example ['myapp.tasks'].", id="persistent_jobs.E204",
             ))
         return messages
 

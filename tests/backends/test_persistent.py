@@ -374,3 +374,31 @@ def test_task_finished_is_sent_when_the_last_attempt_times_out(
     of_slow = [(name, status) for name, rid, status in signals_seen if rid == slow.id]
     assert of_slow == [("enqueued", "READY"), ("started", "RUNNING"), ("started", "RUNNING"),
                        ("finished", "FAILED")]
+
+
+@pytest.mark.parametrize(("bad", "reported"), [
+    ({"DATABASE": "nope"}, "persistent_jobs.E012"),
+    ("not a dict", "persistent_jobs.E001"),
+])
+def test_check_with_a_bad_database_setting_reports_it_instead_of_crashing(
+    bad: Any, reported: str,
+) -> None:
+    from django.core import checks
+    from django.test import override_settings
+
+    from django_persistent_jobs.backends import PersistentJobsBackend
+
+    with override_settings(PERSISTENT_JOBS=bad):
+        assert PersistentJobsBackend("default", {}).check() == []
+        ids = {m.id for m in checks.run_checks()}
+    assert reported in ids
+
+
+def test_every_backend_check_has_a_hint() -> None:
+    from django_persistent_jobs.backends import InProcessBackend, PersistentJobsBackend
+
+    messages = [
+        *PersistentJobsBackend("bad", {"OPTIONS": {"BOGUS": 1, "MODULES": "x"}}).check(),
+        *InProcessBackend("bad", {"OPTIONS": {"WORKERS": 0}}).check(),
+    ]
+    assert messages and all(m.hint for m in messages)
