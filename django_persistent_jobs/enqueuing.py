@@ -132,8 +132,8 @@ class _Options:
 def _resolve_options(
     job_type: str, *, run_at: datetime | None = None, delay: timedelta | float | None = None,
     dedup: Dedup | str | None = None, max_retries: int | None = None,
-    timeout: float | None = None, queue: str | None = None, priority: int | None = None,
-    tenant: str | None = None,
+    timeout: float | timedelta | None = None, queue: str | None = None,
+    priority: int | None = None, tenant: str | None = None,
 ) -> _Options:
     """Fill options left as ``None`` from the handler, then settings, and check every value
     against ``bounds`` (the same rules the system check applies to handlers and settings)."""
@@ -355,8 +355,8 @@ def enqueue(
     job_type: str, payload: Any = None, *, run_at: datetime | None = None,
     delay: timedelta | float | None = None, dedup_key: str | None = None,
     dedup: Dedup | str | None = None, max_retries: int | None = None,
-    timeout: float | None = None, queue: str | None = None, priority: int | None = None,
-    tenant: str | None = None,
+    timeout: float | timedelta | None = None, queue: str | None = None,
+    priority: int | None = None, tenant: str | None = None,
 ) -> PersistentJob:
     """Create a job in the caller's transaction and return it.
 

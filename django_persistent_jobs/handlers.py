@@ -58,7 +58,7 @@ class HandlerSpec:
     func: Callable[[Any, JobContext], Any]
     origin: str
     max_retries: int | None = None
-    timeout: float | None = None
+    timeout: float | timedelta | None = None
     dedup: str | None = None
     backoff: BackoffFn | None = None
     queue: str | None = None
@@ -289,7 +289,7 @@ def job_handler(job_type: type[T], /) -> type[T]: ...
 @overload
 def job_handler(
     job_type: str | None = None, *, max_retries: int | None = None,
-    timeout: float | None = None, dedup: Dedup | str | None = None,
+    timeout: float | timedelta | None = None, dedup: Dedup | str | None = None,
     backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,
     validator: Validator | None = None, cron: str | None = None,
     interval: timedelta | None = None, payload: Any = None, timezone: str | None = None,
@@ -298,10 +298,11 @@ def job_handler(
 
 
 def job_handler(
-    job_type: Any = None, *, max_retries: int | None = None, timeout: float | None = None,
-    dedup: Dedup | str | None = None, backoff: BackoffFn | None = None,
-    queue: str | None = None, priority: int | None = None, validator: Validator | None = None,
-    cron: str | None = None, interval: timedelta | None = None, payload: Any = None,
+    job_type: Any = None, *, max_retries: int | None = None,
+    timeout: float | timedelta | None = None, dedup: Dedup | str | None = None,
+    backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,
+    validator: Validator | None = None, cron: str | None = None,
+    interval: timedelta | None = None, payload: Any = None,
     timezone: str | None = None, tenant: str | None = None,
 ) -> Any:
     """Register a function ``(payload[, ctx])`` or a ``JobHandler`` subclass for a job type.
