@@ -17,12 +17,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth import get_user_model
 from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
+
+if TYPE_CHECKING:
+    from django.contrib.auth.base_user import AbstractBaseUser
 
 #: Every token starts with this, so secret scanners (and people) can recognise one.
 TOKEN_PREFIX = "pjt_"
@@ -36,7 +39,7 @@ def hash_token(token: str) -> str:
 
 class ApiTokenManager(models.Manager["ApiToken"]):
     def create_token(
-        self, *, user: Any, name: str, tenant: str | None = None,
+        self, *, user: AbstractBaseUser, name: str, tenant: str | None = None,
     ) -> tuple[ApiToken, str]:
         """Create a token and return it with its secret, which is shown this once only."""
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
@@ -91,7 +94,7 @@ class ApiToken(models.Model):
         return f"{self.name} ({self.key_prefix}…)"
 
     @property
-    def user(self) -> Any:
+    def user(self) -> AbstractBaseUser | None:
         """The user this token acts as, or None once that user is deleted."""
         cached = self.__dict__.get("_user")
         if cached is None or str(cached.pk) != self.user_pk:
@@ -101,7 +104,7 @@ class ApiToken(models.Model):
         return cached
 
     @user.setter
-    def user(self, value: Any) -> None:
+    def user(self, value: AbstractBaseUser) -> None:
         self.user_pk = str(value.pk)
         self.__dict__["_user"] = value
 
