@@ -8,9 +8,10 @@ id it is reported.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from django.apps import AppConfig
 from django.conf import settings as django_settings
 from django.core import checks
 
@@ -90,7 +91,8 @@ def setting_check(condition: str) -> tuple[str, str]:
 
 
 @checks.register("persistent_jobs")
-def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+def check_settings(app_configs: Sequence[AppConfig] | None = None,
+                   **kwargs: Any) -> list[checks.CheckMessage]:
     errors: list[checks.CheckMessage] = []
     for problem in conf.problems():
         check_id, hint = setting_check(problem.condition)
@@ -99,7 +101,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
 
 
 @checks.register("persistent_jobs")
-def check_handlers(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+def check_handlers(app_configs: Sequence[AppConfig] | None = None,
+                   **kwargs: Any) -> list[checks.CheckMessage]:
     errors: list[checks.CheckMessage] = []
     for spec in registry:
         for condition, message in spec.problems:

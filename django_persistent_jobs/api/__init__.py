@@ -1,4 +1,5 @@
 """The operator HTTP API: plain Django views over the service layer (see ``docs/api.md``).
 
-Kept import-light: ``models.py`` imports ``api.tokens`` while the app registry is loading.
+Kept import-light: ``models/__init__.py`` imports ``api.tokens`` while the app registry is
+loading.
 """
