@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 BackoffFn = Callable[[int], float]
 Validator = Callable[[Any], Any]
-_UNSET: Any = object()
 T = TypeVar("T")  # no PEP 695 generics: Python 3.11 (Django 5.2) is supported
 
 #: The kinds of handler problem; ``checks.py`` reports each under its own id.

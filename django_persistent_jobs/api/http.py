@@ -14,8 +14,6 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-JSON_CONTENT_TYPE = "application/json"
-
 
 class ApiError(Exception):
     """Raised anywhere in a view to answer with a JSON error."""
