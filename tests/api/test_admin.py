@@ -40,3 +40,19 @@ def test_create_in_admin_shows_the_secret_once_and_revoke_stops_it(client: Clien
     token.refresh_from_db()
     assert token.revoked_at is not None
     assert api.get("/jobs/", **bearer(secret)).status_code == 401
+
+
+def test_renaming_a_token_keeps_its_user_and_tenant(client: Client):
+    User.objects.create_superuser("root", password="pw-123456")
+    client.login(username="root", password="pw-123456")
+    owner = make_user("ci-bot", "view_persistentjob")
+    token, secret = ApiToken.objects.create_token(user=owner, name="ci", tenant="acme")
+
+    listing = client.get("/admin/django_persistent_jobs/apitoken/")
+    assert listing.status_code == 200 and "ci-bot" in listing.content.decode()
+    response = client.post(f"/admin/django_persistent_jobs/apitoken/{token.pk}/change/",
+                           {"name": "ci-renamed", "user": "", "tenant": "other"})
+    assert response.status_code == 302, response.content.decode()[:3000]
+    token.refresh_from_db()
+    assert (token.name, token.user, token.tenant) == ("ci-renamed", owner, "acme")
+    assert ApiToken.objects.authenticate(secret) == token
