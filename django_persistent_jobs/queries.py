@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -25,7 +24,7 @@ from django.utils.dateparse import parse_datetime
 
 from . import bounds, conf
 from .errors import JobNotFoundError
-from .models import JobStatus, PersistentJob
+from .models import JobAttempt, JobStatus, PersistentJob
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 500
@@ -236,5 +235,5 @@ def get_job(job_id: uuid.UUID | str, *, tenant: str | None = None) -> Persistent
     return job
 
 
-def attempts_of(job: PersistentJob) -> list[Any]:
+def attempts_of(job: PersistentJob) -> list[JobAttempt]:
     return list(job.attempt_set.using(conf.settings.DATABASE).order_by("attempt", "id"))
