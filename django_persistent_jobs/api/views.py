@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, QueryDict
 
 from .. import bounds, conf, queries, services
 from ..enqueuing import enqueue
@@ -168,7 +168,7 @@ def _list(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
                           "next_cursor": page.next_cursor})
 
 
-def _single(params: Any, name: str) -> str | None:
+def _single(params: QueryDict, name: str) -> str | None:
     values = params.getlist(name)
     if len(values) > 1:
         raise queries.QueryError(name, f"give {name} at most once.")
