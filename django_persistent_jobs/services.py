@@ -67,7 +67,8 @@ def _by(actor: str | None) -> str:
 def retry_job(
     job_id: uuid.UUID | str, mode: RetryMode = "now", *, actor: str | None = None,
 ) -> PersistentJob:
-    """Put a failed, dead-lettered or cancelled job back in play and return it.
+    """Put a failed, dead-lettered or cancelled job back in play (or make a pending one due
+    now) and return it.
 
     ``now``: due immediately, attempt count kept; ``later``: due after the backoff for its
     attempt count; ``reset``: attempts and errors cleared, due now. When ``now``/``later`` find
