@@ -3,8 +3,9 @@
 A thin front end over the same modules as the HTTP API (``queries`` to read, ``services`` to
 act, ``api.serialize`` for ``--json``), so a script gets the same answers either way.
 
-Exit codes, for scripts: 0 success; 1 unexpected error; 2 bad usage or input; 3 a job id not
-found; 4 the job's state did not allow the action (for several jobs: at least one refused).
+Exit codes, for scripts: 0 success; 1 an error (the database, or unexpected); 2 bad usage or
+input; 3 a job id not found; 4 the job's state did not allow the action (for several jobs: at
+least one refused).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
 from django_persistent_jobs import conf, queries, services
 from django_persistent_jobs.api.serialize import job_detail, job_summary
@@ -106,7 +108,13 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         action = options["action"]
-        code = getattr(self, f"do_{action}")(options)
+        try:
+            code = getattr(self, f"do_{action}")(options)
+        except DatabaseError as exc:
+            # An unreachable or unmigrated database is an operator's problem, not a bug: one
+            # line that says which, and the exit code scripts treat as an error.
+            message = " ".join(str(exc).split())
+            raise CommandError(f"database error: {message}", returncode=EXIT_ERROR) from exc
         if code:
             sys.exit(code)
 

@@ -140,3 +140,12 @@ def test_stats_json_and_human():
     code, out, _ = jobs("stats")
     assert code == 0 and "status_counts" in out
     assert jobs("stats", "--window", "5")[0] == 2
+
+
+def test_a_database_it_cannot_reach_is_one_line_and_exit_1():
+    env = {**subprocess_env(), "DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere"}
+    done = subprocess.run([sys.executable, "manage.py", "jobs", "list"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("CommandError: database error: ") and "port 1" in done.stderr
