@@ -197,7 +197,10 @@ class Registry:
 registry = Registry()
 
 
-def _code_location(target: Any) -> str | None:
+def code_location(target: Any) -> str | None:
+    """``file:line`` of a handler's code: the same function registered again (its module
+    imported twice, a reload) is the same handler, while two definitions sharing a job type and
+    a qualified name are a duplicate, and the message names both places."""
     code = getattr(target, "__code__", None)
     if code is None and isinstance(target, type):
         code = getattr(getattr(target, "execute", None), "__code__", None)
@@ -212,7 +215,7 @@ def _positional_arity(func: Callable[..., Any]) -> int:
     return len(params)
 
 
-def _check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[str, str]]:
+def check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[str, str]]:
     """``(kind, message)`` for every problem with a handler's options (the system check reports
     them). The bounds are those ``enqueue`` applies, from ``bounds``: a handler that passes the
     check can be enqueued with its own options."""
@@ -386,10 +389,10 @@ def job_handler(
             job_type=resolved_type, func=func, origin=origin,
             dedup=str(resolved_dedup) if isinstance(resolved_dedup, Dedup) else resolved_dedup,
             priority=0 if resolved_priority is None else resolved_priority,
-            schedule_payload=resolved_payload, location=_code_location(target),
+            schedule_payload=resolved_payload, location=code_location(target),
             is_async=is_async, **options,
         )
-        spec.problems = _check_options(spec)
+        spec.problems = check_options(spec)
         if body_problem is not None:
             spec.problems.append((BODY_NEVER_RUNS, body_problem))
         registry.register(spec)

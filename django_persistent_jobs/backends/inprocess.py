@@ -30,7 +30,7 @@ from django.utils import timezone
 
 from .. import conf
 from ..errors import JobError, TransientJobError
-from ..handlers import HandlerSpec, _check_options, _code_location, global_backoff
+from ..handlers import HandlerSpec, check_options, code_location, global_backoff
 from ..ids import uuid7
 from .compat import (
     BaseTaskBackend,
@@ -137,7 +137,7 @@ class InProcessBackend(BaseTaskBackend):
                 "PersistentJobsBackend; InProcessBackend keeps nothing across processes."
             )
         spec = self._spec(task)
-        problems = _check_options(spec, subject=f"task {task.module_path}")
+        problems = check_options(spec, subject=f"task {task.module_path}")
         if problems:
             raise InvalidTask("; ".join(message for _, message in problems))
 
@@ -147,7 +147,7 @@ class InProcessBackend(BaseTaskBackend):
             job_type=str(task.module_path), func=lambda payload, ctx: None,
             origin=task.module_path, max_retries=options["max_retries"],
             timeout=options["timeout"], backoff=options["backoff"],
-            location=_code_location(task.func),
+            location=code_location(task.func),
         )
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:

@@ -25,7 +25,7 @@ from django.utils.module_loading import import_string
 from .. import conf
 from ..context import JobContext
 from ..errors import ConfigurationError, DuplicateHandlerError, JobCancelledError, JobError
-from ..handlers import OPTION_INVALID, HandlerSpec, _check_options, _code_location, registry
+from ..handlers import OPTION_INVALID, HandlerSpec, check_options, code_location, registry
 from ..signals import job_finished
 from .compat import (
     TASK_MAX_PRIORITY,
@@ -168,9 +168,9 @@ class PersistentJobsBackend(BaseTaskBackend):
             cron=options["cron"], interval=options["interval"],
             schedule_payload={"args": [], "kwargs": {}} if (
                 options["cron"] or options["interval"]) else None,
-            timezone=options["timezone"], location=_code_location(task.func), returns_json=True,
+            timezone=options["timezone"], location=code_location(task.func), returns_json=True,
         )
-        problems = _check_options(spec, subject=f"task {task.module_path}")
+        problems = check_options(spec, subject=f"task {task.module_path}")
         if options["dedup_key"] is not None and not (
             isinstance(options["dedup_key"], str) or callable(options["dedup_key"])
         ):
