@@ -41,8 +41,8 @@ _EXPORTS = {
     "pause_schedule": ".schedules.services",
     "resume_schedule": ".schedules.services",
     "run_schedule_now": ".schedules.services",
-    "ScheduleNotFoundError": ".schedules.services",
-    "ScheduleError": ".schedules.timing",
+    "ScheduleError": ".errors",
+    "ScheduleNotFoundError": ".errors",
     "next_tick": ".schedules.timing",
 }
 
@@ -90,13 +90,14 @@ if TYPE_CHECKING:
         JobNotFoundError,
         PayloadError,
         PermanentJobError,
+        ScheduleError,
+        ScheduleNotFoundError,
         TransientJobError,
         UnknownJobTypeError,
     )
     from .handlers import JobHandler, job_handler, registry
     from .runner import Runner
     from .schedules.services import (
-        ScheduleNotFoundError,
         add_schedule,
         pause_schedule,
         remove_schedule,
@@ -104,7 +105,7 @@ if TYPE_CHECKING:
         run_schedule_now,
         update_schedule,
     )
-    from .schedules.timing import ScheduleError, next_tick
+    from .schedules.timing import next_tick
     from .services import cancel_job, retry_job
     from .types import Dedup
 

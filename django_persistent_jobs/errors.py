@@ -23,6 +23,8 @@ __all__ = [
     "JobNotFoundError",
     "PayloadError",
     "PermanentJobError",
+    "ScheduleError",
+    "ScheduleNotFoundError",
     "TransientJobError",
     "UnknownJobTypeError",
 ]
@@ -106,6 +108,20 @@ class UnknownJobTypeError(EnqueueError):
     """No handler is registered for the job type in this process."""
 
     code = "UNKNOWN_JOB_TYPE"
+
+
+class ScheduleError(EnqueueError):
+    """A schedule definition is unusable (bad cron, bad interval, unknown zone, ...).
+
+    An ``EnqueueError`` (and so a ``ValueError``): a schedule is a recipe for enqueues, and its
+    arguments are refused under the same rules, before anything is written.
+    """
+
+    code = "SCHEDULE_INVALID"
+
+
+class ScheduleNotFoundError(LookupError):
+    """No schedule has the given name."""
 
 
 class DuplicateHandlerError(ConfigurationError):

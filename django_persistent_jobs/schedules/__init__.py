@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_getattr
+from ..errors import ScheduleError, ScheduleNotFoundError
 from .timing import (
     HasTiming,
-    ScheduleError,
     Timing,
     cron_problem,
     default_timezone,
@@ -32,7 +32,6 @@ from .timing import (
 )
 
 _LAZY = {
-    "ScheduleNotFoundError": ".services",
     "add_schedule": ".services",
     "update_schedule": ".services",
     "remove_schedule": ".services",
@@ -64,7 +63,6 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .services import (
-        ScheduleNotFoundError,
         add_schedule,
         pause_schedule,
         remove_schedule,

@@ -20,6 +20,7 @@ from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
 
 from .. import bounds
+from ..errors import ScheduleError, ScheduleNotFoundError
 from ..models import InactiveReason, JobSchedule, PersistentJob, ScheduleSource
 from .definition import (
     _alias,
@@ -29,7 +30,7 @@ from .definition import (
     validate_definition,
 )
 from .firing import insert_run, record_result
-from .timing import ScheduleError, Timing
+from .timing import Timing
 
 logger = logging.getLogger("django_persistent_jobs.scheduler")
 
@@ -46,10 +47,6 @@ __all__ = [
 
 _UPDATABLE = ("job_type", "cron", "interval", "payload", "timezone", "queue", "priority",
               "tenant")
-
-
-class ScheduleNotFoundError(LookupError):
-    """No schedule has the given name."""
 
 
 def _get(name: str, *, lock: bool = False) -> JobSchedule:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from .. import bounds
-from ..errors import EnqueueError
+from ..errors import ScheduleError as ScheduleError  # re-exported: callers catch it here
 
 #: croniter candidates examined in one computation before we call the expression unusable.
 MAX_SCAN = 100_000
@@ -38,16 +38,6 @@ MAX_SCAN = 100_000
 COUNT_CAP = 100
 _ONE_SECOND = timedelta(seconds=1)
 _MICROSECOND = timedelta(microseconds=1)
-
-
-class ScheduleError(EnqueueError):
-    """A schedule definition is unusable (bad cron, bad interval, unknown zone, ...).
-
-    An ``EnqueueError`` (and so a ``ValueError``): a schedule is a recipe for enqueues, and its
-    arguments are refused under the same rules, before anything is written.
-    """
-
-    code = "SCHEDULE_INVALID"
 
 
 def cron_problem(expression: object) -> str | None:
