@@ -63,7 +63,12 @@ def test_a_worker_only_project_without_contrib_apps_migrates_checks_and_runs_job
         _manage(env, "makemigrations", "--check", "--dry-run", "django_persistent_jobs")
         _manage(env, "shell", "-c",
                 "from django_persistent_jobs import enqueue; enqueue('test.noop', {})")
-        _manage(env, "runjobs", "--burst", "--processes", "0")
+        loaded = _manage(env, "shell", "--no-imports", "-c", (
+            "import sys, django_persistent_jobs.runner, django_persistent_jobs.urls; "
+            "print(sorted(m for m in sys.modules if m.startswith(('django.contrib.admin', "
+            "'django.contrib.auth.models', 'django.contrib.contenttypes.models'))))"))
+        assert loaded.strip() == "[]"
+        _manage(env, "runjobs", "--burst")  # the default: handlers in a worker process
         with psycopg.connect(**{**args, "dbname": name}) as conn:
             rows = conn.execute("SELECT status FROM persistent_jobs").fetchall()
         assert rows == [("completed",)]
