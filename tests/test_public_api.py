@@ -43,3 +43,11 @@ def test_every_package_and_backend_name_is_in_the_index_and_the_reference() -> N
     for name in backends.__all__:
         assert re.search(rf"\b{name}\b", index), f"{name} is missing from docs/index.md"
         assert f"backends.{name}`" in reference, f"{name} is missing from docs/reference.md"
+
+
+def test_every_models_and_errors_name_is_in_the_reference() -> None:
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    for module in ("django_persistent_jobs.models", "django_persistent_jobs.errors"):
+        for name in importlib.import_module(module).__all__:
+            assert re.search(rf"`{name}\b", reference), (
+                f"{module}.{name} is missing from docs/reference.md")
