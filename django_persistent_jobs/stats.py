@@ -58,6 +58,10 @@ FAILED_OUTCOMES: tuple[str, ...] = (
 )
 #: A due job nobody claimed for this long is listed as stuck (runners poll every second or so).
 DEFAULT_UNCLAIMED_AFTER = timedelta(minutes=1)
+#: The history a caller may ask the rates to cover, in seconds (a minute to 90 days): the
+#: API and the ``jobs`` command refuse anything else rather than scan months of attempts.
+WINDOW_MIN_SECONDS = 60
+WINDOW_MAX_SECONDS = 90 * 86400
 #: At most this many rows in each list (stuck jobs, failure groups, tenants, job types).
 LIST_LIMIT = 50
 

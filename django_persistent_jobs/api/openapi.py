@@ -24,6 +24,7 @@ from ..bounds import (
 )
 from ..models import AttemptOutcome, JobStatus
 from ..queries import DEFAULT_LIMIT, FILTER_TEXT_MAX_LENGTH, MAX_LIMIT
+from ..stats import WINDOW_MAX_SECONDS, WINDOW_MIN_SECONDS
 from ..types import Dedup
 
 OPENAPI_VERSION = "3.1.0"
@@ -194,8 +195,9 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "summary": "The dashboard's numbers (confined to the token's tenant).",
                     "parameters": [{"name": "window", "in": "query",
                                     "description": "Seconds of history the rates cover.",
-                                    "schema": {"type": "integer", "minimum": 60,
-                                               "maximum": 90 * 86400}}],
+                                    "schema": {"type": "integer",
+                                               "minimum": WINDOW_MIN_SECONDS,
+                                               "maximum": WINDOW_MAX_SECONDS}}],
                     "responses": {"200": _ok("Statistics.", "Stats"), "400": _E400,
                                   "401": _E401, "403": _E403},
                 },

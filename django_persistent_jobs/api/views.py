@@ -15,7 +15,7 @@ from typing import Any
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, QueryDict
 
-from .. import bounds, conf, queries, services
+from .. import bounds, conf, queries, services, stats
 from ..enqueuing import enqueue
 from ..errors import (
     ConfigurationError,
@@ -236,10 +236,6 @@ def cancel_view(request: HttpRequest, job_id: str) -> HttpResponse:
     return json_response(job_detail(job))
 
 
-#: Bounds of the stats window, in seconds: a minute to 90 days.
-STATS_WINDOW = (60, 90 * 86400)
-
-
 @json_endpoint(["GET"])
 def stats_view(request: HttpRequest) -> HttpResponse:
     caller = auth.authenticate(request)
@@ -254,13 +250,11 @@ def stats_view(request: HttpRequest) -> HttpResponse:
             seconds = int(raw)
         except ValueError:
             seconds = -1
-        if not STATS_WINDOW[0] <= seconds <= STATS_WINDOW[1]:
+        if not stats.WINDOW_MIN_SECONDS <= seconds <= stats.WINDOW_MAX_SECONDS:
             raise bad_request("window", f"window must be whole seconds in "
-                                        f"{STATS_WINDOW[0]}..{STATS_WINDOW[1]}.")
+                                        f"{stats.WINDOW_MIN_SECONDS}..{stats.WINDOW_MAX_SECONDS}.")
         window = timedelta(seconds=seconds)
-    from ..stats import dashboard_stats
-
-    return json_response(dashboard_stats(window=window, tenant=caller.tenant).to_dict())
+    return json_response(stats.dashboard_stats(window=window, tenant=caller.tenant).to_dict())
 
 
 @json_endpoint(["GET"])

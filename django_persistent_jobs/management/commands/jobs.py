@@ -212,10 +212,15 @@ class Command(BaseCommand):
         return self._act(options, lambda job_id: services.cancel_job(job_id, actor="cli"))
 
     def do_stats(self, options: dict[str, Any]) -> int:
-        from django_persistent_jobs.stats import dashboard_stats
+        from django_persistent_jobs.stats import (
+            WINDOW_MAX_SECONDS,
+            WINDOW_MIN_SECONDS,
+            dashboard_stats,
+        )
 
-        if not 60 <= options["window"] <= 90 * 86400:
-            raise CommandError("--window must be 60..7776000 seconds.", returncode=EXIT_USAGE)
+        if not WINDOW_MIN_SECONDS <= options["window"] <= WINDOW_MAX_SECONDS:
+            raise CommandError(f"--window must be {WINDOW_MIN_SECONDS}..{WINDOW_MAX_SECONDS} "
+                               "seconds.", returncode=EXIT_USAGE)
         data = dashboard_stats(window=timedelta(seconds=options["window"]),
                                tenant=options["tenant"]).to_dict()
         lines = [f"{key}: {json.dumps(value, default=str)}" for key, value in data.items()]
