@@ -21,10 +21,9 @@ class PersistentJobsConfig(AppConfig):
         discover_tasks()  # tasks of a PersistentJobsBackend in settings.TASKS
         from django.apps import apps
 
-        if apps.is_installed("django.contrib.auth"):
-            from .api.tokens import connect_user_cleanup
+        from .api.tokens import connect_user_cleanup
 
-            connect_user_cleanup()
+        connect_user_cleanup()  # when the project has a user model
         if apps.is_installed("django.contrib.admin"):
             from .api import admin as _api_admin  # noqa: F401  (registers the token admin)
         from . import metrics

@@ -1,8 +1,12 @@
 # Sourced by the other scripts: create the virtualenv of one Django series and install the
 # project into it once (again whenever pyproject.toml changes).
-#   DJANGO_SERIES=6.1 (default): .venv, Python 3.12+, Django 6.1, dev tools (ruff, mypy).
+#   DJANGO_SERIES=6.1 (default): .venv, Python 3.12+ (3.13 first), Django 6.1, dev tools (ruff,
+#                                mypy).
 #   DJANGO_SERIES=5.2:           .venv-dj52, Python 3.11 (3.10-3.13), Django 5.2 LTS and the
 #                                django-tasks backport, test dependencies only.
+# PYTHON_SERIES=3.N pins the interpreter's minor version for either series, in a virtualenv of
+# its own (.venv-py3N, .venv-dj52-py3N) with test dependencies only: DJANGO_SERIES=6.1
+# PYTHON_SERIES=3.12 is the suite's Python 3.12 leg.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -17,6 +21,23 @@ case "$DJANGO_SERIES" in
          CANDIDATES="python3.11 python3.12 python3.13 python3.10" ;;
     *) echo "DJANGO_SERIES must be 6.1 or 5.2, got '$DJANGO_SERIES'" >&2; exit 2 ;;
 esac
+PYTHON_SERIES="${PYTHON_SERIES:-}"
+if [ -n "$PYTHON_SERIES" ]; then
+    pinned="${PYTHON_SERIES#3.}"
+    case "$PYTHON_SERIES" in
+        3.[0-9]|3.[0-9][0-9]) ;;
+        *) echo "PYTHON_SERIES must look like 3.12, got '$PYTHON_SERIES'" >&2; exit 2 ;;
+    esac
+    if [ "$pinned" -lt "$MIN_MINOR" ] || [ "$pinned" -gt "$MAX_MINOR" ]; then
+        echo "Django $DJANGO_SERIES runs on Python 3.$MIN_MINOR to 3.$MAX_MINOR, not $PYTHON_SERIES" >&2
+        exit 2
+    fi
+    MIN_MINOR="$pinned"; MAX_MINOR="$pinned"
+    CANDIDATES="python$PYTHON_SERIES"
+    DEFAULT_VENV="$DEFAULT_VENV-py3$pinned"
+    [ "$DJANGO_SERIES" = "6.1" ] && DEFAULT_VENV="$ROOT/.venv-py3$pinned"
+    EXTRAS="${EXTRAS/dev/test}"
+fi
 
 find_python() {
     local pyenv_pythons=""
@@ -34,7 +55,11 @@ find_python() {
     return 1
 }
 
-if [ "$DJANGO_SERIES" = "6.1" ]; then VENV="${VENV:-$DEFAULT_VENV}"; else VENV="$DEFAULT_VENV"; fi
+if [ "$DJANGO_SERIES" = "6.1" ] && [ -z "$PYTHON_SERIES" ]; then
+    VENV="${VENV:-$DEFAULT_VENV}"
+else
+    VENV="$DEFAULT_VENV"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     PY="$(find_python)"
     echo "==> creating $VENV with $PY (Django $DJANGO_SERIES)"

@@ -14,12 +14,14 @@ leaked table still cannot be replayed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
 from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -95,11 +97,16 @@ class ApiToken(models.Model):
 
     @property
     def user(self) -> AbstractBaseUser | None:
-        """The user this token acts as, or None once that user is deleted."""
+        """The user this token acts as, or None once that user is deleted (or in a project
+        without a user model, where a token can authenticate nobody)."""
         cached = self.__dict__.get("_user")
         if cached is None or str(cached.pk) != self.user_pk:
-            model = get_user_model()
-            cached = model._default_manager.filter(pk=self.user_pk).first()
+            model = user_model()
+            cached = None
+            if model is not None:
+                # A primary key the user model cannot parse (its type changed) is nobody.
+                with contextlib.suppress(ValueError, ValidationError):
+                    cached = model._default_manager.filter(pk=self.user_pk).first()
             self.__dict__["_user"] = cached
         return cached
 
@@ -126,14 +133,24 @@ class ApiToken(models.Model):
             type(self).objects.filter(pk=self.pk).update(last_used_at=now)
 
 
+def user_model() -> Any:
+    """``AUTH_USER_MODEL``, or None in a project where it is not installed (no
+    ``django.contrib.auth`` and no custom user model)."""
+    try:
+        return get_user_model()
+    except ImproperlyConfigured:
+        return None
+
+
 def _delete_tokens_of(sender: Any, instance: Any, **kwargs: Any) -> None:
     ApiToken.objects.filter(user_pk=str(instance.pk)).delete()
 
 
 def connect_user_cleanup() -> None:
-    """Delete a user's tokens with the user, as a foreign key's cascade would have."""
-    from django.conf import settings
-
-    models.signals.post_delete.connect(
-        _delete_tokens_of, sender=settings.AUTH_USER_MODEL,
-        dispatch_uid="django_persistent_jobs.api.tokens.delete_tokens_of_user")
+    """Delete a user's tokens with the user (in the same transaction), as a foreign key's
+    cascade would have. Nothing to do in a project without a user model."""
+    model = user_model()
+    if model is not None:
+        models.signals.post_delete.connect(
+            _delete_tokens_of, sender=model,
+            dispatch_uid="django_persistent_jobs.api.tokens.delete_tokens_of_user")

@@ -36,7 +36,8 @@ FAST_SETTINGS: dict[str, Any] = {
     "CLEANUP_INTERVAL": 3600,
 }
 #: Where the suite's runners run job code: ``0`` on threads of the runner process, ``N`` in N
-#: worker processes. CI runs the suite both ways (``PJ_TEST_PROCESSES=1`` for the second).
+#: worker processes. CI runs the suite both ways (``PJ_TEST_PROCESSES=1`` on its Django 6.1 leg,
+#: ``0`` on its Django 5.2 leg: ``scripts/test.sh``).
 PROCESSES = os.environ.get("PJ_TEST_PROCESSES", "0")
 APP_PREFIX = "pjfaults-"
 _STARTED = re.compile(r"runner (\S+) started")

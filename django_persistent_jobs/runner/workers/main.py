@@ -1,7 +1,9 @@
 """What runs inside a worker process: jobs on threads, executed exactly as the thread runner does.
 
-A worker is a fresh interpreter (spawned, not forked: the supervisor has threads and open
-database connections, neither of which survives a fork safely). It sets Django up, then runs
+A worker is a fresh interpreter (not a fork: the supervisor has threads and open database
+connections, neither of which survives a fork safely) started by ``launch`` with the
+supervisor's ``sys.path``; it imports nothing of the program that started the supervisor (its
+``__main__`` included). ``boot`` sets Django up from the supervisor's settings module, then runs
 each job the supervisor sends on a thread of its own, through ``execute.execute``: the handler's
 writes and the fenced completion commit in one transaction on this worker's connection, the one
 code path for both executors.
@@ -50,8 +52,19 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+def boot(conn: Any, start: dict[str, Any]) -> None:
+    """The worker process's entry point, called by ``launch``'s bootstrap with the pipe to the
+    supervisor and its start message."""
+    # Its end of the pipe was inherited; a process a handler starts must not inherit it too.
+    with contextlib.suppress(OSError):
+        os.set_inheritable(conn.fileno(), False)
+    if start.get("settings_module"):
+        os.environ["DJANGO_SETTINGS_MODULE"] = start["settings_module"]
+    worker_main(conn, start["parent_pid"], start["options"])
+
+
 def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
-    """The spawned process's entry point."""
+    """Set Django up and serve the supervisor until it says stop or goes away."""
     die_with_parent(parent_pid)
     # Signals are the supervisor's business: a Ctrl-C reaches the whole process group, and the
     # supervisor decides what the workers do (finish within the grace, then stop).

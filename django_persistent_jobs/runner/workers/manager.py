@@ -1,9 +1,10 @@
 """The supervisor's side of the worker processes: ``ProcessExecutor``.
 
-One manager thread owns the workers: it starts them (so the kernel's parent-death signal is tied
+One manager thread owns the workers: it starts them (``launch``: a fresh interpreter that never
+imports the caller's ``__main__``; from this thread, so the kernel's parent-death signal is tied
 to a thread that lives as long as the executor), reads every message they send, and waits on
 their process sentinels, so a worker that dies by any means (segfault, ``os._exit``, the OOM
-killer, SIGKILL) is noticed the moment the kernel reaps it. Its in-flight jobs are then settled
+killer, SIGKILL) is noticed the moment it exits. Its in-flight jobs are then settled
 ``WORKER_LOST`` (charged: a poison pill still ends dead-lettered after its retries) through the
 ``on_lost`` callback (the supervisor settles them on its next tick), and a replacement starts.
 
@@ -19,10 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import selectors
-import signal
 import threading
 import time
 from collections import deque
@@ -32,7 +31,7 @@ from typing import Any
 
 from ..execute import InFlight
 from . import protocol
-from .main import worker_main
+from .launch import WorkerProcess, settings_module
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -40,6 +39,10 @@ logger = logging.getLogger("django_persistent_jobs.runner")
 HOUSEKEEPING_SECONDS = 0.25
 #: How long ``start()`` waits for the first workers (a worker imports Django and the handlers).
 START_TIMEOUT = 120.0
+#: Replacement workers in a row that die before they are ready (a deploy that broke an import,
+#: settings a fresh interpreter cannot load) before the executor gives up instead of starting
+#: processes forever.
+MAX_FAILED_STARTS = 3
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -57,7 +60,7 @@ class WorkerHandle:
     """The supervisor's view of one worker process."""
 
     number: int
-    process: Any
+    process: WorkerProcess
     conn: Any
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     pid: int | None = None
@@ -128,7 +131,8 @@ class ProcessExecutor:
         self._numbers = 0
         self._sealed = False
         self._closed = False
-        self._context = multiprocessing.get_context("spawn")
+        self._starting = True
+        self._failed_starts = 0
         # A byte on this pipe wakes the manager (os.write of one byte is atomic, whichever
         # thread writes it).
         self._wake_r, self._wake_w = os.pipe()
@@ -143,18 +147,33 @@ class ProcessExecutor:
 
     # ------------------------------------------------------------------ Executor
     def start(self) -> None:
-        """Start the workers; return once every one of them has set Django up."""
+        """Start the workers; return once every one of them has set Django up.
+
+        A worker that dies before it is ready fails the start (its traceback is on the
+        supervisor's stderr, which workers share): retrying would only fail again.
+        """
+        if settings_module() is None:
+            raise RuntimeError(
+                "worker processes need a settings module (DJANGO_SETTINGS_MODULE) to set Django "
+                "up: settings.configure() exists only in this process. Run the jobs on threads "
+                "(--processes 0) or use a settings module.")
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT
-        with self.changed:
-            while sum(1 for w in self.workers if w.ready) < self.processes:
-                if self.failure is not None:
-                    raise self.failure
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RuntimeError(
-                        f"the worker processes were not ready after {START_TIMEOUT:g}s")
-                self.changed.wait(min(remaining, 0.1))
+        try:
+            with self.changed:
+                while sum(1 for w in self.workers if w.ready) < self.processes:
+                    if self.failure is not None:
+                        raise self.failure
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise RuntimeError(
+                            f"the worker processes were not ready after {START_TIMEOUT:g}s")
+                    self.changed.wait(min(remaining, 0.1))
+                self._starting = False
+        except BaseException:
+            self.close()  # no worker outlives a runner that failed to start
+            self.join(5)
+            raise
 
     @property
     def busy(self) -> int:
@@ -299,16 +318,10 @@ class ProcessExecutor:
     # ------------------------------------------------------------------ lifecycle
     def _spawn_locked(self) -> WorkerHandle:
         self._numbers += 1
-        ours, theirs = self._context.Pipe(duplex=True)
         options = {"alias": self.alias, "runner_id": self.runner_id, "number": self._numbers,
                    "log_level": self.log_level, "log_to_stderr": self.log_to_stderr}
-        process = self._context.Process(
-            target=worker_main, args=(theirs, os.getpid(), options),
-            name=f"pj-worker-{self._numbers}", daemon=True,
-        )
-        process.start()
-        theirs.close()
-        worker = WorkerHandle(number=self._numbers, process=process, conn=ours,
+        process = WorkerProcess(options, label=f"pj-worker:{self.runner_id}:{self._numbers}")
+        worker = WorkerHandle(number=self._numbers, process=process, conn=process.conn,
                               pid=process.pid)
         self.workers.append(worker)
         logger.info("runner %s: worker %d started (pid %d)", self.runner_id, worker.number,
@@ -335,8 +348,7 @@ class ProcessExecutor:
 
     def _kill(self, worker: WorkerHandle) -> None:
         with contextlib.suppress(Exception):
-            if worker.process.is_alive():
-                os.kill(worker.process.pid, signal.SIGKILL)
+            worker.process.kill()
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # a full pipe already means "wake up"
@@ -367,7 +379,9 @@ class ProcessExecutor:
                     if worker not in watched:  # started since (by any thread): watch it
                         watched.add(worker)
                         selector.register(worker.conn.fileno(), selectors.EVENT_READ, worker)
-                        selector.register(worker.process.sentinel, selectors.EVENT_READ, worker)
+                        if worker.process.sentinel is not None:
+                            selector.register(worker.process.sentinel, selectors.EVENT_READ,
+                                              worker)
                 watched &= set(workers)
                 woken: dict[WorkerHandle, bool] = {}
                 for key, _ in selector.select(timeout=HOUSEKEEPING_SECONDS):
@@ -440,11 +454,18 @@ class ProcessExecutor:
         worker.gone = True
         if self._selector is not None:
             for fd in (worker.conn.fileno(), worker.process.sentinel):
-                with contextlib.suppress(Exception):
-                    self._selector.unregister(fd)
+                if fd is not None:
+                    with contextlib.suppress(Exception):
+                        self._selector.unregister(fd)
         with contextlib.suppress(Exception):
             worker.process.join(1)
+            if worker.process.is_alive():  # its pipe closed but it lingers: it is no worker
+                worker.process.kill()
+                worker.process.join(1)
         code = worker.process.exitcode
+        how = (f"killed by signal {-code}" if code is not None and code < 0
+               else f"exit code {code}")
+        failure: BaseException | None = None
         with self.lock:
             if worker not in self.workers:
                 return
@@ -452,16 +473,30 @@ class ProcessExecutor:
             lost = [item for item in worker.in_flight.values()
                     if self.in_flight.get(item.job.id) is item]
             expected = worker.stop_sent and not lost
-            if not expected and not worker.draining and not self._closed:
+            if not worker.ready and not worker.stop_sent and not self._closed:
+                self._failed_starts += 1
+                if self._starting or self._failed_starts >= MAX_FAILED_STARTS:
+                    failure = RuntimeError(
+                        f"worker process {worker.pid} exited ({how}) before it was ready"
+                        + ("" if self._starting else
+                           f", {self._failed_starts} times in a row")
+                        + ": see its output above")
+                    self.failure = failure
+            elif worker.ready:
+                self._failed_starts = 0
+            if (not expected and not worker.draining and not self._closed
+                    and failure is None):
                 self._to_spawn += 1
             self.changed.notify_all()
-        with contextlib.suppress(Exception):
-            worker.conn.close()
+        worker.process.close()
+        if failure is not None and not self._starting:
+            logger.critical("runner %s: %s", self.runner_id, failure,
+                            extra={"event": "loop_died", "loop": "workers"})
+            if self.on_failure is not None:
+                self.on_failure(failure)
         if expected:
             logger.debug("worker %d exited", worker.number, extra={"event": "worker_exited"})
             return
-        how = (f"killed by signal {-code}" if code is not None and code < 0
-               else f"exit code {code}")
         logger.warning(
             "runner %s: worker %d (pid %s) died (%s) with %d job(s) in flight", self.runner_id,
             worker.number, worker.pid, how, len(lost),

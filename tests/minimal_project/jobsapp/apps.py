@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class JobsAppConfig(AppConfig):
+    name = "tests.minimal_project.jobsapp"
+    label = "minimal_jobsapp"
