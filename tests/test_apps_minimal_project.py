@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests import conftest
+from tests.core_support import ROOT
 from tests.core_support import conninfo
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -66,7 +66,7 @@ def run(database_url: str, *args: str) -> str:
     env.update({"DATABASE_URL": database_url,
                 "DJANGO_SETTINGS_MODULE": "tests.minimal_project.settings"})
     env.pop("PJ_TEST_SETTINGS", None)
-    done = subprocess.run([sys.executable, *args], cwd=conftest.ROOT, env=env,
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{args} failed ({done.returncode}):\n{output}"

@@ -26,7 +26,7 @@ from django_persistent_jobs import Runner, enqueue_many
 from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
 from django_persistent_jobs.runner.supervisor import EXIT_LOOP_DIED
 from django_persistent_jobs.runner.workers.manager import MAX_FAILED_STARTS, ProcessExecutor
-from tests import conftest
+from tests.core_support import ROOT, subprocess_env
 from tests.testapp.models import LedgerEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -52,8 +52,8 @@ def run_script(
     tmp_path: Path, *args: str, after_setup: str = "",
 ) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "start_runner.py"
-    script.write_text(SCRIPT.format(root=str(conftest.ROOT), after_setup=after_setup))
-    env = conftest.test_database_env()
+    script.write_text(SCRIPT.format(root=str(ROOT), after_setup=after_setup))
+    env = subprocess_env()
     env.pop("PYTHONPATH", None)  # only the script's own sys.path finds the project
     env["PJ_TEST_LOG"] = "INFO"
     # Runs from a directory that is not the project, so the working directory finds nothing.
