@@ -19,8 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.core_support import ROOT
-from tests.core_support import conninfo
+from tests.core_support import ROOT, conninfo
 
 pytestmark = [pytest.mark.timeout(240)]
 
