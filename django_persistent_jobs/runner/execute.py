@@ -2,7 +2,9 @@
 
 If the handler raises, its transaction rolls back and the failure is recorded in a second, fenced
 statement. If the completion finds the claim lost, it raises ``ClaimLost`` inside the transaction
-so the handler's business writes roll back with it.
+so the handler's business writes roll back with it. A handler that ran no SQL has nothing to
+commit with its completion: that is written by the executor's ``Completer``, batched with the
+completions of other such jobs.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .db import (
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
 
+    from .completer import Completer
     from .store import ClaimedJob, TransitionKind
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -69,6 +72,8 @@ class InFlight:
     backend_start: Any = None
     taken_over: threading.Event = field(default_factory=threading.Event)
     owner: Any = None  # the pool's worker, once the job is taken over from it
+    #: Where the completion of a handler that ran no SQL goes (None: written by its thread).
+    completer: Completer | None = None
 
 
 @dataclass
@@ -396,8 +401,16 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
                     if not store.complete(cursor, job, result):
                         raise ClaimLost(job.id)
         if solo:
-            with connection.cursor() as cursor:
-                if not store.complete(cursor, job, result):
+            if inflight.completer is None:
+                with connection.cursor() as cursor:
+                    if not store.complete(cursor, job, result):
+                        raise ClaimLost(job.id)
+            else:
+                written = inflight.completer.complete(alias, job, result)
+                if written is None:
+                    _completion_abandoned(job, runner_id)
+                    return
+                if not written:
                     raise ClaimLost(job.id)
     except ClaimLost:
         logger.warning(
@@ -428,3 +441,16 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             extra={"event": "success", "job_id": str(job.id), "job_type": job.job_type,
                    "attempt": job.attempt, "runner_id": runner_id},
         )
+
+
+def _completion_abandoned(job: ClaimedJob, runner_id: str) -> None:
+    """The runner stopped while the database was away, before the batch carrying this job's
+    completion could be written: the job stays claimed by this runner, and is rescued and run
+    again once the runner's row is gone."""
+    logger.error(
+        "job %s: its handler finished but the runner stopped before the completion could be "
+        "recorded; it will be rescued and run again", job.id,
+        extra={"event": "completion_abandoned", "job_id": str(job.id), "job_type": job.job_type,
+               "attempt": job.attempt, "runner_id": runner_id},
+    )
+    signals.finished(job, runner_id, status=None)

@@ -357,6 +357,46 @@ def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool
         return fast.fetchone() is not None
 
 
+_COMPLETE_MANY = """
+WITH done AS (
+    UPDATE persistent_jobs j SET status = 'completed', locked_by = NULL, locked_at = NULL,
+        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+        result = d.result::jsonb
+    FROM unnest(%s::uuid[], %s::bigint[], %s::text[]) AS d(id, token, result)
+    WHERE j.id = d.id AND j.lock_token = d.token
+    RETURNING d.token
+)
+UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
+    duration = clock_timestamp() - a.started_at, outcome = 'completed'
+FROM done WHERE a.id = done.token
+RETURNING a.id
+"""
+
+
+def complete_many(cursor: Cursor, jobs: Sequence[tuple[ClaimedJob, str | None]]) -> set[int]:
+    """Mark several jobs completed in one statement; the tokens of those whose claim held.
+
+    Each row is fenced by its own token, exactly as ``complete`` fences one job: a job rescued,
+    timed out or handed back in the meantime is left as it is, and the others complete. The
+    ids are sent in order, so batches lock their rows in one order; a deadlock with another
+    session's statement is a transient error, retried like any other. Planned at each
+    execution (see ``complete``).
+    """
+    ordered = sorted(jobs, key=lambda pair: str(pair[0].id))
+    params = [[job.id for job, _ in ordered], [job.token for job, _ in ordered],
+              [result for _, result in ordered]]
+    with prepared(cursor) as fast:
+        fast.execute(_COMPLETE_MANY, params, prepare=False)
+        return {int(row[0]) for row in fast.fetchall()}
+
+
+def attempt_outcomes(cursor: Cursor, tokens: Collection[int]) -> dict[int, str]:
+    """The recorded outcome of several attempts, by token (see ``attempt_outcome``)."""
+    cursor.execute("SELECT id, outcome FROM persistent_jobs_attempts WHERE id = ANY(%s)",
+                   [list(tokens)])
+    return {int(row[0]): str(row[1]) for row in cursor.fetchall()}
+
+
 def configured_handback_limit() -> int:
     """``HANDBACK_LIMIT`` as the settling statement needs it (validated when a runner starts)."""
     return conf.settings.HANDBACK_LIMIT

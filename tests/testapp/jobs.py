@@ -55,6 +55,7 @@ def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
 
 # The fault-injection suite's handler lives with the suite; importing it here registers it in
 # every runner subprocess (autodiscovery imports each installed app's ``jobs`` module).
+from tests.faults import batch_handlers as _batch_handlers  # noqa: E402, F401
 from tests.faults import handlers as _fault_handlers  # noqa: E402, F401
 from tests.faults import liveness_handlers as _liveness_handlers  # noqa: E402, F401
 from tests.faults import process_handlers as _process_handlers  # noqa: E402, F401
