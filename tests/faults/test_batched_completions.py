@@ -6,6 +6,9 @@ its completion is still being written?
   is rescued (``RUNNER_LOST``, charged) and runs again: at least once, never lost.
 * The runner is asked to stop (SIGTERM): it waits for the completions being written (within
   its grace period) and exits; each job completed once, by its only run.
+* The same kill with ``atomic=False`` handlers, which wrote to the database (in autocommit)
+  before returning: their writes stay, and the second run writes again. At least once, as
+  documented for ``atomic=False``; the job itself is still completed once.
 
 The completion is held back by a row lock the scenario takes on the running jobs, which the
 batch statement waits for; the scenario sees it waiting in ``pg_stat_activity``.
@@ -29,6 +32,7 @@ from .harness import (
     attempts_of,
     backends,
     database_url,
+    ledger_of,
     report,
     status_counts,
     terminate,
@@ -52,6 +56,7 @@ def _runs(path: Path) -> Counter[str]:
 
 def _hold_completions(
     fleet: Fleet, tmp_path: Path, name: str, settings: dict[str, Any] | None = None,
+    job_type: str = SOLO,
 ) -> tuple[RunnerProcess, list[str], Path, psycopg.Connection[Any]]:
     """Start a runner, let it run ``JOBS`` SQL-less jobs to their return, and hold their
     completions back with row locks. Returns the runner, the job ids, the runs file and the
@@ -59,7 +64,7 @@ def _hold_completions(
     runs, gate = tmp_path / "runs", tmp_path / "gate"
     runner = fleet.spawn(name, concurrency=JOBS, settings=settings)
     ids = [str(job.id) for job in enqueue_many(
-        [(SOLO, {"runs": str(runs), "gate": str(gate), "n": i}) for i in range(JOBS)])]
+        [(job_type, {"runs": str(runs), "gate": str(gate), "n": i}) for i in range(JOBS)])]
     wait_until(lambda: len(_runs(runs)) == JOBS, timeout=20, message="every handler to start")
     blocker = psycopg.connect(database_url())
     blocker.execute("SELECT id FROM persistent_jobs WHERE id = ANY(%s::uuid[]) FOR UPDATE",
@@ -71,10 +76,9 @@ def _hold_completions(
     return runner, ids, runs, blocker
 
 
-def test_sigkill_while_completions_are_written_leaves_the_jobs_to_be_run_again(
-    fleet: Fleet, tmp_path: Path,
-) -> None:
-    victim, ids, runs, blocker = _hold_completions(fleet, tmp_path, "victim")
+def _kill_while_held(fleet: Fleet, tmp_path: Path, job_type: str) -> tuple[
+        list[str], Path, RunnerProcess, RunnerProcess]:
+    victim, ids, runs, blocker = _hold_completions(fleet, tmp_path, "victim", job_type=job_type)
     with blocker:
         victim.kill()
         # The dead runner's blocked statement would otherwise still commit once the locks go
@@ -96,7 +100,23 @@ def test_sigkill_while_completions_are_written_leaves_the_jobs_to_be_run_again(
         assert by_job[job_id] == [(1, victim.runner_id, "rescued", "RUNNER_LOST"),
                                   (2, rescuer.runner_id, "completed", "")], by_job[job_id]
     assert _runs(runs) == {job_id: 2 for job_id in ids}  # run again: at least once
+    return ids, runs, victim, rescuer
+
+
+def test_sigkill_while_completions_are_written_leaves_the_jobs_to_be_run_again(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    _, runs, _, _ = _kill_while_held(fleet, tmp_path, SOLO)
     report("batched_completion_killed", jobs=JOBS, runs=sum(_runs(runs).values()))
+
+
+def test_sigkill_after_atomic_false_handlers_wrote_keeps_their_writes_and_runs_them_again(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    ids, _, victim, rescuer = _kill_while_held(fleet, tmp_path, "faults.autocommit")
+    for job_id in ids:  # the first run's write was committed when it ran, and is kept
+        assert ledger_of(job_id) == [(1, victim.runner_id), (2, rescuer.runner_id)]
+    report("atomic_false_killed", jobs=JOBS, ledger_rows=2 * JOBS)
 
 
 def test_sigterm_writes_the_completions_being_written_before_exiting(
