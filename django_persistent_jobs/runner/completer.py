@@ -91,7 +91,7 @@ class Completer:
             if self._closing:
                 return None
             self._queue.append(waiting)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="pj-completer",
                                                 daemon=True)
                 self._thread.start()

@@ -480,6 +480,7 @@ def _close_open_transaction(connection: Any) -> bool:
         connection.set_autocommit(True)
     return True
 
+
 def _completion_abandoned(job: ClaimedJob, runner_id: str) -> None:
     """The runner stopped while the database was away, before the batch carrying this job's
     completion could be written: the job stays claimed by this runner, and is rescued and run

@@ -131,7 +131,8 @@ class Worker:
                 return
 
     def _exit(self) -> None:
-        """Leave at once: whatever still runs here was settled by the supervisor already."""
+        """Leave at once (after the completions handed over are written): whatever still runs
+        here was settled by the supervisor already."""
         with contextlib.suppress(Exception):
             self._close_side()
         with contextlib.suppress(Exception):
