@@ -181,6 +181,13 @@ def backoff_seconds(value: Any) -> float:
     return max(0.0, seconds_of(value) or 0.0)
 
 
+def atomic_problem(value: Any, name: str = "atomic") -> str | None:
+    """Only a real bool: ``atomic="no"`` or ``atomic=0`` would read as a choice it is not."""
+    if not isinstance(value, bool):
+        return f"{name} must be True or False, got {show(value)}."
+    return None
+
+
 def dedup_problem(value: Any, name: str = "dedup") -> str | None:
     choice = getattr(value, "value", value)  # a Dedup member or its string
     if not isinstance(choice, str) or choice not in DEDUP_CHOICES:

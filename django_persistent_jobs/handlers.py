@@ -81,6 +81,9 @@ class HandlerSpec:
     #: The handler returns its result as JSON text, stored in the job's ``result`` column
     #: (the django.tasks adapter); other handlers' return values are ignored.
     returns_json: bool = False
+    #: False: the handler runs in autocommit (its writes commit as they run, none is fenced)
+    #: and its completion is batched with others (``runner/completer.py``).
+    atomic: bool = True
 
     @property
     def is_recurring(self) -> bool:
@@ -244,6 +247,7 @@ def check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[s
     if spec.queue is not None:
         option(bounds.queue_problem(spec.queue))
     option(bounds.priority_problem(spec.priority))
+    option(bounds.atomic_problem(spec.atomic))
     if spec.cron is not None and spec.interval is not None:
         schedule("give either cron or interval, not both.")
     if spec.cron is not None:
@@ -295,7 +299,7 @@ def job_handler(
     backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,
     validator: Validator | None = None, cron: str | None = None,
     interval: timedelta | None = None, payload: Any = None, timezone: str | None = None,
-    tenant: str | None = None,
+    tenant: str | None = None, atomic: bool | None = None,
 ) -> Callable[[T], T]: ...
 
 
@@ -305,13 +309,14 @@ def job_handler(
     backoff: BackoffFn | None = None, queue: str | None = None, priority: int | None = None,
     validator: Validator | None = None, cron: str | None = None,
     interval: timedelta | None = None, payload: Any = None,
-    timezone: str | None = None, tenant: str | None = None,
+    timezone: str | None = None, tenant: str | None = None, atomic: bool | None = None,
 ) -> Any:
     """Register a function ``(payload[, ctx])`` or a ``JobHandler`` subclass for a job type.
 
     ``cron``/``interval`` make the handler recurring; ``payload``, ``timezone`` and ``tenant``
     then set the payload of each scheduled run, the zone the cron expression is read in and the
-    tenant each run is enqueued for.
+    tenant each run is enqueued for. ``atomic=False`` gives up the handler's transaction: its
+    writes commit as they run (at least once, none fenced), and its completion is batched.
     """
     if isinstance(job_type, type):  # bare @job_handler on a JobHandler subclass
         return job_handler()(job_type)
@@ -326,6 +331,7 @@ def job_handler(
         resolved_priority = priority
         resolved_dedup = dedup
         resolved_payload = payload
+        resolved_atomic = atomic
         if isinstance(target, type):
             if not issubclass(target, JobHandler):
                 raise ConfigurationError(
@@ -343,6 +349,8 @@ def job_handler(
                 resolved_dedup = getattr(target, "dedup", None)
             if resolved_payload is None:
                 resolved_payload = getattr(target, "payload", None)
+            if resolved_atomic is None:
+                resolved_atomic = getattr(target, "atomic", None)
             if options["validator"] is None and type(instance).validate is not JobHandler.validate:
                 options["validator"] = instance.validate
             func: Callable[[Any, JobContext], Any] = instance.execute
@@ -390,7 +398,8 @@ def job_handler(
             dedup=str(resolved_dedup) if isinstance(resolved_dedup, Dedup) else resolved_dedup,
             priority=0 if resolved_priority is None else resolved_priority,
             schedule_payload=resolved_payload, location=code_location(target),
-            is_async=is_async, **options,
+            is_async=is_async, atomic=True if resolved_atomic is None else resolved_atomic,
+            **options,
         )
         spec.problems = check_options(spec)
         if body_problem is not None:

@@ -97,6 +97,38 @@ def test_decorator_options_override_class_attributes() -> None:
     assert registry.get("core.reg.renamed") is None  # isolated() dropped it
 
 
+def test_atomic_is_an_option_of_functions_and_classes_and_must_be_a_bool() -> None:
+    with registry.isolated():
+        job_handler("core.reg.atomic.default")(lambda payload: None)
+        job_handler("core.reg.atomic.off", atomic=False)(lambda payload: None)
+
+        @job_handler
+        class Loose(JobHandler):
+            job_type = "core.reg.atomic.class"
+            atomic = False
+
+            def execute(self, payload: Any, ctx: JobContext) -> None:
+                return None
+
+        @job_handler("core.reg.atomic.override", atomic=True)
+        class Strict(Loose):
+            pass
+
+        specs = {t: registry.get(f"core.reg.atomic.{t}") for t in (
+            "default", "off", "class", "override")}
+        assert {t: (s.atomic, s.errors) for t, s in specs.items() if s is not None} == {
+            "default": (True, []), "off": (False, []), "class": (False, []),
+            "override": (True, [])}
+        for bad in ("no", 0, 1, None.__class__):
+            job_handler(f"core.reg.atomic.bad{id(bad)}", atomic=bad)(  # type: ignore[arg-type]
+                lambda payload: None)
+            spec = registry.get(f"core.reg.atomic.bad{id(bad)}")
+            assert spec is not None
+            assert any("atomic must be True or False" in e for e in spec.errors), (bad, spec.errors)
+            with pytest.raises(ConfigurationError, match="atomic must be True or False"):
+                enqueue(f"core.reg.atomic.bad{id(bad)}", {})
+
+
 @pytest.mark.django_db(transaction=True)
 def test_each_handler_kind_runs_with_what_it_asked_for(
     start_runner: Callable[..., Runner],

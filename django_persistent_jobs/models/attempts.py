@@ -30,7 +30,10 @@ class JobAttempt(models.Model):
     """One execution attempt. Its id is the fencing token the attempt's completion must present."""
 
     id = models.BigAutoField(primary_key=True)
-    job = models.ForeignKey(PersistentJob, on_delete=models.CASCADE, related_name="attempt_set")
+    # No index of its own: ``pj_attempt_job_idx`` (job, attempt) serves every lookup by job,
+    # and a second one would be maintained on every attempt insert and update for nothing.
+    job = models.ForeignKey(PersistentJob, on_delete=models.CASCADE, related_name="attempt_set",
+                            db_index=False)
     attempt = models.PositiveIntegerField()
     runner_id = models.CharField(max_length=200)
     started_at = models.DateTimeField(db_default=Now())

@@ -54,6 +54,7 @@ def claim_loop(runner: Runner) -> None:
         def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(runner):
                 return []  # the database came back after a long while: beat first (see above)
+            store.claim_session(cursor)
             # Only types this process has handlers for, read at each claim (a sorted list of a
             # few names): during a rolling deploy a type only the new release knows waits for a
             # new runner instead of being dead-lettered as unknown by an old one.

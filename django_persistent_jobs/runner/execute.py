@@ -2,7 +2,10 @@
 
 If the handler raises, its transaction rolls back and the failure is recorded in a second, fenced
 statement. If the completion finds the claim lost, it raises ``ClaimLost`` inside the transaction
-so the handler's business writes roll back with it.
+so the handler's business writes roll back with it. A handler that ran no SQL has nothing to
+commit with its completion: that is written by the executor's ``Completer``, batched with the
+completions of other such jobs. So is the completion of a handler registered with
+``atomic=False``, which runs in autocommit: its writes commit as they run, and none is fenced.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .db import (
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
 
+    from .completer import Completer
     from .store import ClaimedJob, TransitionKind
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -69,6 +73,8 @@ class InFlight:
     backend_start: Any = None
     taken_over: threading.Event = field(default_factory=threading.Event)
     owner: Any = None  # the pool's worker, once the job is taken over from it
+    #: Where the completion of a handler that ran no SQL goes (None: written by its thread).
+    completer: Completer | None = None
 
 
 @dataclass
@@ -372,38 +378,49 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
     connection = connections[alias]
     try:
         prepare_connection(alias, inflight)
-        with transaction.atomic(using=alias):
-            returned = spec.func(job.payload, inflight.ctx)
-            if inspect.isawaitable(returned):
-                returned = run_awaitable(returned, inflight)
-            elif inspect.isgenerator(returned) or inspect.isasyncgen(returned):
-                raise PermanentJobError(
-                    f"the handler for {job.job_type!r} returned a generator, so its body never "
-                    "ran; a handler must be a plain function or an async def coroutine function",
-                    code="HANDLER_INVALID",
-                )
-            # Handlers that keep a result (django.tasks) return it as validated JSON text.
-            result = returned if spec.returns_json else None
-            # psycopg sends BEGIN lazily, so an idle connection here means the handler ran no
-            # SQL on it: there is nothing to commit atomically with the completion, which then
-            # runs as one autocommit statement instead of BEGIN + UPDATE + COMMIT. (Pending
-            # on_commit callbacks keep the transaction path, so they still run after it.)
-            raw = connection.connection
-            solo = (raw is not None and not connection.run_on_commit
-                    and raw.info.transaction_status == TransactionStatus.IDLE)
-            if not solo:
+        if spec.atomic:
+            with transaction.atomic(using=alias):
+                result = _call_handler(spec, inflight)
+                # psycopg sends BEGIN lazily, so an idle connection here means the handler ran
+                # no SQL on it: there is nothing to commit atomically with the completion, which
+                # then goes to the completer (or runs as one autocommit statement) instead of
+                # BEGIN + UPDATE + COMMIT. (Pending on_commit callbacks keep the transaction
+                # path, so they still run after it.)
+                raw = connection.connection
+                solo = (raw is not None and not connection.run_on_commit
+                        and raw.info.transaction_status == TransactionStatus.IDLE)
+                if not solo:
+                    with connection.cursor() as cursor:
+                        if not store.complete(cursor, job, result):
+                            raise ClaimLost(job.id)
+        else:
+            # Autocommit: whatever the handler wrote has committed as it ran; its completion
+            # has nothing to be atomic with.
+            result = _call_handler(spec, inflight)
+            if _close_open_transaction(connection):
+                raise RuntimeError(
+                    f"the handler for {job.job_type!r} (atomic=False) returned with a "
+                    "transaction open on its connection; it was rolled back")
+            solo = True
+        if solo:
+            if inflight.completer is None:
                 with connection.cursor() as cursor:
                     if not store.complete(cursor, job, result):
                         raise ClaimLost(job.id)
-        if solo:
-            with connection.cursor() as cursor:
-                if not store.complete(cursor, job, result):
+            else:
+                written = inflight.completer.complete(alias, job, result)
+                if written is None:
+                    _completion_abandoned(job, runner_id)
+                    return
+                if not written:
                     raise ClaimLost(job.id)
     except ClaimLost:
         logger.warning(
-            "job %s: claim lost (rescued, timed out or handed back); handler's writes rolled "
-            "back", job.id, extra={"event": "claim_lost", "job_id": str(job.id),
-                                   "job_type": job.job_type, "runner_id": runner_id},
+            "job %s: claim lost (rescued, timed out or handed back); %s", job.id,
+            "handler's writes rolled back" if spec.atomic
+            else "its writes had committed as they ran (atomic=False)",
+            extra={"event": "claim_lost", "job_id": str(job.id), "job_type": job.job_type,
+                   "runner_id": runner_id},
         )
         signals.finished(job, runner_id, status=None)
         return
@@ -419,6 +436,8 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         # the runner: in a worker thread it could only ever have stopped that one thread.
         if is_connection_error(exc):
             reset_connection(alias)
+        elif not spec.atomic:
+            _close_open_transaction(connection)
         record_outcome(alias, job, classify(exc, spec, job.attempt), runner_id, interrupt)
         return
     signals.finished(job, runner_id, status="completed")
@@ -428,3 +447,48 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             extra={"event": "success", "job_id": str(job.id), "job_type": job.job_type,
                    "attempt": job.attempt, "runner_id": runner_id},
         )
+
+
+def _call_handler(spec: HandlerSpec, inflight: InFlight) -> str | None:
+    """Run the handler (to completion, if it is async); its result as JSON text, or None."""
+    job = inflight.job
+    returned = spec.func(job.payload, inflight.ctx)
+    if inspect.isawaitable(returned):
+        returned = run_awaitable(returned, inflight)
+    elif inspect.isgenerator(returned) or inspect.isasyncgen(returned):
+        raise PermanentJobError(
+            f"the handler for {job.job_type!r} returned a generator, so its body never "
+            "ran; a handler must be a plain function or an async def coroutine function",
+            code="HANDLER_INVALID",
+        )
+    # Handlers that keep a result (django.tasks) return it as validated JSON text.
+    return returned if spec.returns_json else None
+
+
+def _close_open_transaction(connection: Any) -> bool:
+    """Roll back a transaction an ``atomic=False`` handler left open on its connection (say,
+    after ``set_autocommit(False)``); True if there was one. Left open, the failure record or
+    the next job on this thread would run inside it, and never commit."""
+    raw = connection.connection
+    if raw is None or connection.in_atomic_block:
+        return False
+    if connection.get_autocommit() and raw.info.transaction_status == TransactionStatus.IDLE:
+        return False
+    with contextlib.suppress(Exception):
+        connection.rollback()
+    with contextlib.suppress(Exception):
+        connection.set_autocommit(True)
+    return True
+
+
+def _completion_abandoned(job: ClaimedJob, runner_id: str) -> None:
+    """The runner stopped while the database was away, before the batch carrying this job's
+    completion could be written: the job stays claimed by this runner, and is rescued and run
+    again once the runner's row is gone."""
+    logger.error(
+        "job %s: its handler finished but the runner stopped before the completion could be "
+        "recorded; it will be rescued and run again", job.id,
+        extra={"event": "completion_abandoned", "job_id": str(job.id), "job_type": job.job_type,
+               "attempt": job.attempt, "runner_id": runner_id},
+    )
+    signals.finished(job, runner_id, status=None)

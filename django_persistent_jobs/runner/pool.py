@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from django.db import connections
 
+from .completer import Completer
 from .execute import InFlight, JobInterrupted
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -101,7 +102,10 @@ class WorkerPool:
 
     Prefetching lets the claim loop take jobs in batches instead of one per freed slot, which
     for short jobs is the difference between one claim transaction per job and one per batch.
-    A waiting job's timeout starts only when a worker starts it.
+    A waiting job's timeout starts only when a worker starts it. The workers hand the
+    completions of handlers that ran no SQL to one ``Completer``, which writes them in batches;
+    the slot stays taken until the completion is written, so the supervisor still sees the job
+    (and waits for it at shutdown) until then.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class WorkerPool:
         self._numbers = 0
         self._closed = False
         self._sealed = False
+        self.completer = Completer()
 
     def start(self) -> None:
         with self.lock:
@@ -178,6 +183,7 @@ class WorkerPool:
             if self._sealed:
                 return False
             self.in_flight[item.job.id] = item
+        item.completer = self.completer
         self.queue.put(item)
         return True
 
@@ -254,6 +260,9 @@ class WorkerPool:
             self.queue.put(None)
 
     def join(self, timeout: float) -> None:
+        """Wait for the workers, then for the completions still being written (the supervisor
+        waited for the jobs already, so normally none are)."""
         deadline = time.monotonic() + timeout
         for worker in list(self.workers):
             worker.thread.join(max(0.0, deadline - time.monotonic()))
+        self.completer.close(max(0.0, deadline - time.monotonic()))

@@ -4,6 +4,18 @@
 transition require the job to still carry that token, so an execution that lost its claim
 (rescued, timed out, handed back) changes nothing: its completion updates zero rows and the
 handler's transaction, business writes included, rolls back.
+
+Plans that cannot go stale. A prepared statement's generic plan is made once, from the table
+sizes of the moment, and kept until a vacuum or analyze of a table it reads invalidates it. A
+runner started on a fresh install (or after a benchmark's ``TRUNCATE``) makes it while the job
+tables are empty, where a sequential scan costs nothing: every later claim or completion would
+then scan the whole table, history included, and the cost per job would grow with it until
+autovacuum happens to analyze the table. So only the claim is prepared, on a connection whose
+planner may not choose sequential scans (``claim_session``, which the runner applies to its
+claiming connection), and every row it touches is found through an index condition; every other
+statement is planned for each execution, from the table's current size (``prepare=False``, or
+Django's client-side binding), which costs little for statements that look rows up by primary
+key.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ import functools
 import json
 import math
 import time
+import weakref
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import psycopg
 from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
+from psycopg.pq import TransactionStatus
 
 from .. import conf
 
@@ -53,8 +67,8 @@ def prepared(cursor: Cursor) -> Iterator[psycopg.Cursor[Any]]:
     """A server-side-binding cursor on the same connection (so the same transaction).
 
     Django binds parameters client-side, so PostgreSQL parses and plans every statement again;
-    for the two statements run once per job (claim and completion) a prepared statement halves
-    their cost. Errors are translated exactly as Django's own cursor would (``django.db``
+    for the claim, whose planning costs as much as its execution, a prepared statement halves
+    its cost. Errors are translated exactly as Django's own cursor would (``django.db``
     exceptions, the connection marked for a health check), so callers see no difference.
     """
     connection = getattr(cursor, "cursor", cursor).connection
@@ -132,7 +146,8 @@ def picked_sql(limit: int, with_queues: bool = False, with_types: bool = False,
     if after:
         qs = qs.after_key(_Placeholder("after_priority"), _Placeholder("after_at"),
                           _Placeholder("after_id"))
-    return compile_queryset(qs.values("id").select_for_update(skip_locked=True)[: int(limit)])
+    return compile_queryset(
+        qs.values("id", "attempts").select_for_update(skip_locked=True)[: int(limit)])
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,21 +159,54 @@ def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False,
     The LIMIT is a literal: with ``LIMIT $n`` PostgreSQL keeps re-planning instead of settling
     on the generic plan of the prepared statement (a runner only ever uses a few values), so
     there is one text per limit, compiled once.
+
+    Its generic plan must not depend on the table sizes of the moment it is made (see the
+    module docstring), so nothing in it is a join a planner could turn into a scan of the job
+    table: the attempt rows are inserted from the locked rows themselves (``picked`` returns
+    the current ``attempts``), and the jobs are updated through ``id = ANY(...)``, an index
+    condition on the primary key.
     """
     return f"""
 WITH picked AS (
     {picked_sql(limit, with_queues, with_types, after)}
 ), attempt AS (
     INSERT INTO persistent_jobs_attempts (job_id, attempt, runner_id)
-    SELECT j.id, j.attempts + 1, %(runner)s FROM persistent_jobs j JOIN picked p ON p.id = j.id
+    SELECT p.id, p.attempts + 1, %(runner)s FROM picked p
     RETURNING id, job_id
 )
 UPDATE persistent_jobs j SET status = 'running', attempts = j.attempts + 1,
     locked_by = %(runner)s, locked_at = now(), lock_token = a.id, updated_at = now()
-FROM attempt a WHERE a.job_id = j.id
+FROM attempt a
+WHERE j.id = ANY(ARRAY(SELECT job_id FROM attempt)) AND j.id = a.job_id
 RETURNING j.id, j.job_type, j.payload::text, j.attempts, j.max_retries, j.timeout_seconds,
     j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at, j.tenant
 """
+
+
+#: Connections ``claim_session`` has set up (weakly held: a closed connection just goes away).
+_CLAIM_SESSIONS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def claim_session(cursor: Cursor | psycopg.Cursor[Any]) -> None:
+    """Let the planner of the connection that claims choose no sequential scan.
+
+    The claim is prepared, so its generic plan outlives the table sizes it was made from; on a
+    near-empty table a sequential scan and a sort cost nothing, and that plan would then scan
+    the whole job table on every claim. With sequential scans off, only the index paths compete,
+    and every access in the claim statement is an index condition, so its plan walks
+    ``pj_claim_idx`` and looks rows up by key whatever the statistics said (the foreign-key
+    check on the attempt insert, planned in the same session, too). Set once per connection,
+    in autocommit only (a ``SET`` inside a transaction that rolls back would be undone): the
+    runner claims on a connection of its own, in autocommit, that runs no handler code, and
+    calls this before each claim (a reconnected session starts with the server's defaults).
+    """
+    raw = getattr(cursor, "cursor", cursor).connection
+    if raw in _CLAIM_SESSIONS or not raw.autocommit:
+        return
+    if raw.info.transaction_status != TransactionStatus.IDLE:
+        return
+    cursor.execute("SET enable_seqscan = off")
+    _CLAIM_SESSIONS.add(raw)
 
 
 def _where(qs: QuerySet[Any], alias: str) -> str:
@@ -300,10 +348,53 @@ def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool
     """Mark the job completed inside the handler's transaction; False if the claim was lost.
 
     ``result`` is the handler's return value as JSON text (django.tasks results), or None.
+    Planned at each execution, not prepared: it runs on the handler's connection, where the
+    planner settings ``claim_session`` uses are not ours to change, and a generic plan made
+    while the attempts table was nearly empty would scan that whole table for every job.
     """
     with prepared(cursor) as fast:
-        fast.execute(_COMPLETE, [result, job.id, job.token, job.token], prepare=True)
+        fast.execute(_COMPLETE, [result, job.id, job.token, job.token], prepare=False)
         return fast.fetchone() is not None
+
+
+_COMPLETE_MANY = """
+WITH done AS (
+    UPDATE persistent_jobs j SET status = 'completed', locked_by = NULL, locked_at = NULL,
+        lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
+        result = d.result::jsonb
+    FROM unnest(%s::uuid[], %s::bigint[], %s::text[]) AS d(id, token, result)
+    WHERE j.id = d.id AND j.lock_token = d.token
+    RETURNING d.token
+)
+UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
+    duration = clock_timestamp() - a.started_at, outcome = 'completed'
+FROM done WHERE a.id = done.token
+RETURNING a.id
+"""
+
+
+def complete_many(cursor: Cursor, jobs: Sequence[tuple[ClaimedJob, str | None]]) -> set[int]:
+    """Mark several jobs completed in one statement; the tokens of those whose claim held.
+
+    Each row is fenced by its own token, exactly as ``complete`` fences one job: a job rescued,
+    timed out or handed back in the meantime is left as it is, and the others complete. The
+    ids are sent in order, so batches lock their rows in one order; a deadlock with another
+    session's statement is a transient error, retried like any other. Planned at each
+    execution (see ``complete``).
+    """
+    ordered = sorted(jobs, key=lambda pair: str(pair[0].id))
+    params = [[job.id for job, _ in ordered], [job.token for job, _ in ordered],
+              [result for _, result in ordered]]
+    with prepared(cursor) as fast:
+        fast.execute(_COMPLETE_MANY, params, prepare=False)
+        return {int(row[0]) for row in fast.fetchall()}
+
+
+def attempt_outcomes(cursor: Cursor, tokens: Collection[int]) -> dict[int, str]:
+    """The recorded outcome of several attempts, by token (see ``attempt_outcome``)."""
+    cursor.execute("SELECT id, outcome FROM persistent_jobs_attempts WHERE id = ANY(%s)",
+                   [list(tokens)])
+    return {int(row[0]): str(row[1]) for row in cursor.fetchall()}
 
 
 def configured_handback_limit() -> int:

@@ -50,6 +50,47 @@ def test_indexes_are_partial_where_it_matters() -> None:
 
 
 @pytest.mark.django_db
+def test_the_runner_maintains_no_index_it_does_not_need() -> None:
+    """Claiming and completing a job are never HOT updates (status is in the partial indexes'
+    predicates), so every index covering the row takes a new entry at each: the attempts table
+    has one index by job (not the foreign key's own as well), and the per-type index leaves out
+    the two statuses every job passes through."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indexname, indexdef FROM pg_indexes "
+                       "WHERE tablename = 'persistent_jobs_attempts'")
+        attempts = dict(cursor.fetchall())
+    by_job = [name for name, ddl in attempts.items() if "(job_id" in ddl]
+    assert by_job == ["pj_attempt_job_idx"], attempts
+    assert "(job_id, attempt)" in attempts["pj_attempt_job_idx"]
+    per_type = index_def("pj_type_status_idx")
+    where = per_type.split(" WHERE ", 1)[1]
+    assert "(job_type, status) WHERE" in per_type
+    assert "'dead_lettered'" in where and "'pending'" in where and "'failed'" in where
+    assert "'running'" not in where and "'completed'" not in where
+
+
+@pytest.mark.django_db
+def test_dead_letters_of_a_type_are_found_through_an_index() -> None:
+    """The per-type index still serves the lookups it exists for (failure groups, stats)."""
+    from django_persistent_jobs.services import failure_group_dead_letters
+
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO persistent_jobs (id, job_type, payload, status, max_retries,
+                                         last_error_code, finished_at)
+            SELECT gen_random_uuid(), 'core.idx.' || (g % 20), '{}'::jsonb,
+                   CASE WHEN g % 1000 = 0 THEN 'dead_lettered' ELSE 'completed' END, 3,
+                   'E' || (g % 3), now()
+            FROM generate_series(1, 40000) AS g
+        """)
+        cursor.execute("ANALYZE persistent_jobs")
+        sql, params = failure_group_dead_letters("core.idx.0", "E1").query.sql_with_params()
+        cursor.execute("EXPLAIN " + sql, params)
+        plan = "\n".join(r[0] for r in cursor.fetchall())
+    assert not SEQ_SCAN_ON_JOBS.search(plan), plan
+
+
+@pytest.mark.django_db
 def test_unique_dedup_index_covers_waiting_jobs_only() -> None:
     row(dedup_key="k", status="pending")
     for status in ("pending", "failed"):

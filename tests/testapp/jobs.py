@@ -18,6 +18,7 @@ from django_persistent_jobs.backoff import constant
 # modules of the suite here registers them in every runner subprocess too: the fault suite's
 # (kept with the suite), the operator console's, the recurring schedules' and the settling
 # tests' that run real ``runjobs`` processes.
+from tests.faults import batch_handlers as _batch_handlers  # noqa: F401
 from tests.faults import handlers as _fault_handlers  # noqa: F401
 from tests.faults import liveness_handlers as _liveness_handlers  # noqa: F401
 from tests.faults import process_handlers as _process_handlers  # noqa: F401

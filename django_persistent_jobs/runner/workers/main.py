@@ -35,6 +35,9 @@ PR_SET_PDEATHSIG = 1
 logger = logging.getLogger("django_persistent_jobs.runner")
 #: A job running longer than this has its database session reported to the supervisor.
 SESSION_REPORT_SECONDS = 0.1
+#: At exit, how long completions still being written get (the supervisor kills a worker that
+#: has not exited 2 s after being told to stop).
+EXIT_COMPLETION_SECONDS = 1.5
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -106,6 +109,9 @@ class Worker:
         self.never = threading.Event()  # settling retries until done: the supervisor kills us
         self.side: Any = None
         self.side_lock = threading.Lock()
+        from ..completer import Completer
+
+        self.completer = Completer()  # batches the completions of handlers that ran no SQL
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.send_lock:
@@ -138,9 +144,12 @@ class Worker:
                 return
 
     def _exit(self) -> None:
-        """Leave at once: whatever still runs here was settled by the supervisor already."""
+        """Leave at once (after the completions handed over are written): whatever still runs
+        here was settled by the supervisor already."""
         with contextlib.suppress(Exception):
             self._close_side()
+        with contextlib.suppress(Exception):
+            self.completer.close(EXIT_COMPLETION_SECONDS)
         logging.shutdown()
         os._exit(0)
 
@@ -186,7 +195,8 @@ class Worker:
         )
         if cancel:
             ctx._cancel_event.set()
-        item = InFlight(job=job, ctx=ctx, deadline=None, thread_ident=threading.get_ident())
+        item = InFlight(job=job, ctx=ctx, deadline=None, thread_ident=threading.get_ident(),
+                        completer=self.completer)
         item.ctx.started_monotonic = time.monotonic()
         with self.lock:
             self.running[job.id] = item

@@ -1,0 +1,204 @@
+"""Completions of handlers that ran no SQL, committed together: one statement and one commit for
+every such job that finished while the previous batch was being written.
+
+A handler that touched no database has nothing to commit atomically with its completion. Its
+thread hands the completion to its process's ``Completer`` and waits for the answer; the
+completer writes every completion waiting at that moment in one fenced statement
+(``store.complete_many``), in autocommit on a connection of its own, and wakes each thread with
+its job's answer: completed, or claim lost (rescued, timed out or handed back meanwhile). The
+thread then logs and signals exactly as for a completion it wrote itself, after the commit.
+
+Batches form by themselves, as group commit does: the busier the runner, the more threads finish
+while one batch is written, and the fewer commits per job. ``linger`` adds a short wait for more
+before writing a batch that is not full.
+
+A completion that cannot be written is retried while the database reports a transient condition
+(the job is not charged for an outage), so until it lands its job stays running under this
+runner: if the runner dies meanwhile, the job is rescued and run again, as it would be after a
+crash between a handler's return and its commit. When a batch fails with any other error, its
+completions are written one at a time, so the error costs only the job that caused it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from django.db import connections
+
+from . import store
+from .db import run_with_retry
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
+
+    from .store import ClaimedJob
+
+logger = logging.getLogger("django_persistent_jobs.runner")
+
+#: Most completions one statement writes.
+MAX_BATCH = 200
+#: How long a batch that is not full waits for more completions before it is written (seconds).
+LINGER = 0.0
+
+
+class _Waiting:
+    """One completion handed over, and its answer once the batch carrying it was written."""
+
+    __slots__ = ("alias", "done", "error", "job", "outcome", "result")
+
+    def __init__(self, alias: str, job: ClaimedJob, result: str | None) -> None:
+        self.alias = alias
+        self.job = job
+        self.result = result
+        self.done = threading.Event()
+        self.outcome: bool | None = None
+        self.error: BaseException | None = None
+
+    def answer(self, outcome: bool | None, error: BaseException | None = None) -> None:
+        self.outcome, self.error = outcome, error
+        self.done.set()
+
+
+class Completer:
+    """Writes the completions handed to ``complete`` in batches, on a thread of its own."""
+
+    def __init__(self, *, max_batch: int = MAX_BATCH, linger: float = LINGER) -> None:
+        self.max_batch = max(1, int(max_batch))
+        self.linger = max(0.0, float(linger))
+        self._cond = threading.Condition()
+        self._queue: deque[_Waiting] = deque()
+        self._closing = False
+        self._give_up = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Statements that completed jobs, and the jobs they completed (for tests and benches).
+        self.statements = 0
+        self.completed = 0
+
+    def complete(self, alias: str, job: ClaimedJob, result: str | None = None) -> bool | None:
+        """Complete ``job`` (fenced by its token) with the next batch and wait for it.
+
+        True once the completion has committed; False if the claim was lost; None if the
+        completer gave up before it could write it (closed while the database was away): the
+        job then stays claimed and is rescued once this runner is gone. Raises what writing
+        this job's completion raised, when that was not a transient condition.
+        """
+        waiting = _Waiting(alias, job, result)
+        with self._cond:
+            if self._closing:
+                return None
+            self._queue.append(waiting)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="pj-completer",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
+        return waiting.outcome
+
+    def close(self, timeout: float) -> bool:
+        """Write what is waiting, then stop; give up on it after ``timeout`` seconds (the
+        database is away). True if everything handed over was answered."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None:
+            return True
+        thread.join(max(0.0, timeout))
+        if thread.is_alive():
+            self._give_up.set()  # retries stop; what is left is answered "not written"
+            thread.join(5.0)
+        return not thread.is_alive()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        try:
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                try:
+                    self._write(batch)
+                except BaseException as exc:  # a bug here must not leave threads waiting
+                    logger.exception("writing %d completion(s) failed", len(batch),
+                                     extra={"event": "completion_failed"})
+                    for waiting in batch:
+                        if not waiting.done.is_set():
+                            waiting.answer(None, exc)
+        finally:
+            with self._cond:
+                left, self._queue = list(self._queue), deque()
+            for waiting in left:
+                waiting.answer(None)
+            connections.close_all()
+
+    def _next_batch(self) -> list[_Waiting] | None:
+        with self._cond:
+            while not self._queue:
+                if self._closing:
+                    return None
+                self._cond.wait()
+            if self.linger and not self._closing:
+                deadline = time.monotonic() + self.linger
+                while len(self._queue) < self.max_batch and not self._closing:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            alias = self._queue[0].alias
+            batch: list[_Waiting] = []
+            kept: deque[_Waiting] = deque()
+            while self._queue and len(batch) < self.max_batch:
+                waiting = self._queue.popleft()
+                (batch if waiting.alias == alias else kept).append(waiting)
+            self._queue.extendleft(reversed(kept))
+            return batch
+
+    def _write(self, batch: list[_Waiting]) -> None:
+        alias = batch[0].alias
+        pairs = [(waiting.job, waiting.result) for waiting in batch]
+        try:
+            done = run_with_retry(alias, lambda cursor: store.complete_many(cursor, pairs),
+                                  what=f"completing {len(batch)} job(s)",
+                                  interrupt=self._give_up)
+        except Exception as exc:
+            if len(batch) == 1:
+                batch[0].answer(None, exc)
+                return
+            logger.warning("completing %d jobs in one statement failed (%s: %s); completing "
+                           "them one at a time", len(batch), type(exc).__name__,
+                           store.storable_text(exc, 500), extra={"event": "completion_split"})
+            for waiting in batch:
+                self._write([waiting])
+            return
+        if done is None:
+            for waiting in batch:
+                waiting.answer(None)
+            return
+        self.statements += 1
+        self.completed += len(done)
+        missing = [waiting.job.token for waiting in batch if waiting.job.token not in done]
+        settled: dict[int, str] | None = {}
+        if missing:
+            # Not completed by this statement: lost, or completed by an earlier try whose
+            # commit landed although its connection failed (the retry then found nothing to
+            # do). The attempt row says which.
+            def read(cursor: Cursor) -> dict[int, str]:
+                return store.attempt_outcomes(cursor, missing)
+
+            settled = run_with_retry(alias, read, what="reading attempt outcomes",
+                                     interrupt=self._give_up)
+        for waiting in batch:
+            token = waiting.job.token
+            if token in done:
+                waiting.answer(True)
+            elif settled is None:
+                waiting.answer(None)
+            else:
+                waiting.answer(settled.get(token) == "completed")

@@ -1,0 +1,138 @@
+"""Scenario 11: batched completions. Handlers that touched no database have their completions
+written together, after they returned; what happens to a job whose handler has returned while
+its completion is still being written?
+
+* The runner is SIGKILLed: nothing was committed, the job stays running under the dead runner,
+  is rescued (``RUNNER_LOST``, charged) and runs again: at least once, never lost.
+* The runner is asked to stop (SIGTERM): it waits for the completions being written (within
+  its grace period) and exits; each job completed once, by its only run.
+* The same kill with ``atomic=False`` handlers, which wrote to the database (in autocommit)
+  before returning: their writes stay, and the second run writes again. At least once, as
+  documented for ``atomic=False``; the job itself is still completed once.
+
+The completion is held back by a row lock the scenario takes on the running jobs, which the
+batch statement waits for; the scenario sees it waiting in ``pg_stat_activity``.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from django_persistent_jobs import enqueue_many
+
+from .harness import (
+    Fleet,
+    RunnerProcess,
+    attempts_of,
+    backends,
+    database_url,
+    ledger_of,
+    report,
+    status_counts,
+    terminate,
+    wait_all_terminal,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
+              pytest.mark.timeout(120)]
+
+JOBS = 4
+SOLO = "faults.solo"
+
+
+def _runs(path: Path) -> Counter[str]:
+    """Runs per job id, from the handlers' own record (no database involved)."""
+    if not path.exists():
+        return Counter()
+    return Counter(line.split()[0] for line in path.read_text().splitlines() if line.strip())
+
+
+def _hold_completions(
+    fleet: Fleet, tmp_path: Path, name: str, settings: dict[str, Any] | None = None,
+    job_type: str = SOLO,
+) -> tuple[RunnerProcess, list[str], Path, psycopg.Connection[Any]]:
+    """Start a runner, let it run ``JOBS`` SQL-less jobs to their return, and hold their
+    completions back with row locks. Returns the runner, the job ids, the runs file and the
+    connection holding the locks (its transaction open)."""
+    runs, gate = tmp_path / "runs", tmp_path / "gate"
+    runner = fleet.spawn(name, concurrency=JOBS, settings=settings)
+    ids = [str(job.id) for job in enqueue_many(
+        [(job_type, {"runs": str(runs), "gate": str(gate), "n": i}) for i in range(JOBS)])]
+    wait_for(lambda: len(_runs(runs)) == JOBS, 20, "every handler to start", reconnect=True)
+    blocker = psycopg.connect(database_url())
+    blocker.execute("SELECT id FROM persistent_jobs WHERE id = ANY(%s::uuid[]) FOR UPDATE",
+                    [ids])
+    gate.touch()  # the handlers return; their completions wait for the rows
+    wait_for(lambda: backends(name, "wait_event_type = 'Lock' AND query LIKE '%%unnest%%'"),
+             20, "the batched completion to wait for the row locks", reconnect=True)
+    assert status_counts(ids) == {"running": JOBS}
+    return runner, ids, runs, blocker
+
+
+def _kill_while_held(fleet: Fleet, tmp_path: Path, job_type: str) -> tuple[
+        list[str], Path, RunnerProcess, RunnerProcess]:
+    victim, ids, runs, blocker = _hold_completions(fleet, tmp_path, "victim", job_type=job_type)
+    with blocker:
+        victim.kill()
+        # The dead runner's blocked statement would otherwise still commit once the locks go
+        # (PostgreSQL notices a vanished client only when it next talks to it): end it, as a
+        # server that noticed the lost connection would.
+        for pid, *_ in backends("victim"):
+            terminate(pid)
+        wait_for(lambda: not backends("victim"), 10, "the killed runner's sessions to end",
+                 reconnect=True)
+        blocker.rollback()
+    rescuer = fleet.spawn("rescuer", concurrency=JOBS)
+    wait_all_terminal(ids, timeout=30)
+    assert status_counts(ids) == {"completed": JOBS}
+    by_job: dict[str, list[tuple[int, str, str, str]]] = {}
+    for attempt in attempts_of(ids):
+        by_job.setdefault(str(attempt.job_id), []).append(
+            (attempt.attempt, attempt.runner_id, attempt.outcome, attempt.error_code))
+    for job_id in ids:
+        assert by_job[job_id] == [(1, victim.runner_id, "rescued", "RUNNER_LOST"),
+                                  (2, rescuer.runner_id, "completed", "")], by_job[job_id]
+    assert _runs(runs) == {job_id: 2 for job_id in ids}  # run again: at least once
+    return ids, runs, victim, rescuer
+
+
+def test_sigkill_while_completions_are_written_leaves_the_jobs_to_be_run_again(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    _, runs, _, _ = _kill_while_held(fleet, tmp_path, SOLO)
+    report("batched_completion_killed", jobs=JOBS, runs=sum(_runs(runs).values()))
+
+
+def test_sigkill_after_atomic_false_handlers_wrote_keeps_their_writes_and_runs_them_again(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    ids, _, victim, rescuer = _kill_while_held(fleet, tmp_path, "faults.autocommit")
+    for job_id in ids:  # the first run's write was committed when it ran, and is kept
+        assert ledger_of(job_id) == [(1, victim.runner_id), (2, rescuer.runner_id)]
+    report("atomic_false_killed", jobs=JOBS, ledger_rows=2 * JOBS)
+
+
+def test_sigterm_writes_the_completions_being_written_before_exiting(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    runner, ids, runs, blocker = _hold_completions(
+        fleet, tmp_path, "stopping", settings={"SHUTDOWN_GRACE": 20})
+    with blocker:
+        mark = runner.mark()
+        runner.send(signal.SIGTERM)
+        runner.wait_line(r"stopping: no new claims", since=mark)
+        assert runner.alive  # waiting for the completions, which wait for the rows
+        blocker.rollback()
+    assert runner.wait_exit(20) == 0
+    assert status_counts(ids) == {"completed": JOBS}
+    assert sorted((str(a.job_id), a.attempt, a.outcome) for a in attempts_of(ids)) == sorted(
+        (job_id, 1, "completed") for job_id in ids)
+    assert _runs(runs) == {job_id: 1 for job_id in ids}
+    report("batched_completion_sigterm", jobs=JOBS)

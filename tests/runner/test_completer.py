@@ -1,0 +1,251 @@
+"""Batched completions: the jobs of handlers that ran no SQL are completed together, one fenced
+statement and one commit per batch, and each job still gets its own answer (completed, or claim
+lost), its own signal and log line, after the commit. Handlers that wrote to the database keep
+their completion in their own transaction."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_persistent_jobs import JobContext, enqueue, enqueue_many, job_handler, signals
+from django_persistent_jobs.handlers import Registry
+from django_persistent_jobs.models import JobAttempt, PersistentJob
+from django_persistent_jobs.runner import Runner, store
+from django_persistent_jobs.runner.completer import Completer
+from tests.core_support import pj_settings, raw_connection, wait_for
+from tests.runner_support import Gate, isolated_registry
+from tests.testapp.models import LedgerEntry
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+__all__ = ["isolated_registry"]  # a fixture, used by name
+
+StartRunner = Callable[..., Runner]
+
+
+@pytest.fixture
+def finished() -> Iterator[list[tuple[Any, str | None]]]:
+    """Every ``job_finished`` signal as ``(job_id, status)``, in the order sent."""
+    seen: list[tuple[Any, str | None]] = []
+    lock = threading.Lock()
+
+    def receiver(*, job_id: Any, status: str | None, **kwargs: Any) -> None:
+        with lock:
+            seen.append((job_id, status))
+
+    signals.job_finished.connect(receiver, weak=False, dispatch_uid="completer-finished")
+    try:
+        yield seen
+    finally:
+        signals.job_finished.disconnect(dispatch_uid="completer-finished")
+
+
+def commits() -> int:
+    with raw_connection() as conn:
+        row = conn.execute("SELECT xact_commit FROM pg_stat_database "
+                           "WHERE datname = current_database()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def claim(count: int) -> list[store.ClaimedJob]:
+    with raw_connection() as conn, conn.cursor() as cursor:
+        return store.claim(cursor, "completer-test", count, None)
+
+
+def complete_from_threads(completer: Completer, jobs: list[store.ClaimedJob]) -> dict[Any, Any]:
+    """Hand every job to ``completer`` from a thread of its own (as the workers do)."""
+    answers: dict[Any, Any] = {}
+
+    def hand_over(job: store.ClaimedJob) -> None:
+        try:
+            answers[job.id] = completer.complete("default", job)
+        except Exception as exc:
+            answers[job.id] = exc
+
+    threads = [threading.Thread(target=hand_over, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return answers
+
+
+def blocked_flushes() -> list[int]:
+    """Backends whose batched completion waits for a row lock."""
+    with raw_connection() as conn:
+        return [row[0] for row in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND query LIKE '%%unnest%%'").fetchall()]
+
+
+# ------------------------------------------------------------------ the completer itself
+
+def test_a_fenced_out_job_does_not_complete_and_the_rest_of_its_batch_does() -> None:
+    enqueue_many([("test.noop", {"i": i}) for i in range(3)])
+    jobs = claim(3)
+    assert len(jobs) == 3
+    lost = jobs[1]
+    with connection.cursor() as cursor:  # rescued meanwhile: its token is no longer the job's
+        assert store.transition(cursor, lost.id, lost.token, kind="retry", code="RUNNER_LOST",
+                                message="rescued") == "failed"
+    completer = Completer(max_batch=3, linger=30.0)  # written when the third arrives
+    try:
+        answers = complete_from_threads(completer, jobs)
+    finally:
+        assert completer.close(10)
+    assert completer.statements == 1 and completer.completed == 2
+    assert answers == {jobs[0].id: True, lost.id: False, jobs[2].id: True}
+    statuses = dict(PersistentJob.objects.values_list("id", "status"))
+    assert statuses == {jobs[0].id: "completed", lost.id: "failed", jobs[2].id: "completed"}
+    outcomes = dict(JobAttempt.objects.values_list("id", "outcome"))
+    assert outcomes == {jobs[0].token: "completed", lost.token: "failed",
+                        jobs[2].token: "completed"}
+
+
+def test_a_completion_whose_commit_landed_before_its_connection_failed_is_reported_done() -> None:
+    """After a connection failure the batch is written again; a job its first try completed
+    is then not completed by the second, and must be reported completed, not lost."""
+    enqueue("test.noop", {})
+    (job,) = claim(1)
+    with raw_connection() as conn, conn.cursor() as cursor:
+        assert store.complete_many(cursor, [(job, None)]) == {job.token}  # the first try
+    completer = Completer()
+    try:
+        assert completer.complete("default", job) is True  # the retry
+    finally:
+        completer.close(10)
+    assert JobAttempt.objects.get(id=job.token).outcome == "completed"
+
+
+def test_a_closed_completer_answers_not_written() -> None:
+    enqueue("test.noop", {})
+    (job,) = claim(1)
+    completer = Completer()
+    assert completer.close(1)
+    assert completer.complete("default", job) is None
+    assert PersistentJob.objects.get(id=job.id).status == "running"
+
+
+# ------------------------------------------------------------------ through a runner
+
+def test_completions_of_handlers_that_ran_no_sql_are_batched(
+    isolated_registry: Registry, start_runner: StartRunner,
+    finished: list[tuple[Any, str | None]],
+) -> None:
+    concurrency = 10
+    rounds = 40
+    # The jobs of one round return together, as a busy runner's short jobs do.
+    barrier = threading.Barrier(concurrency)
+
+    @job_handler("completer.together", timeout=60)
+    def together(payload: Any, ctx: JobContext) -> None:
+        barrier.wait(30)
+
+    total = concurrency * rounds
+    ids = [job.id for job in enqueue_many(
+        [("completer.together", {"i": i}) for i in range(total)])]
+    before = commits()
+    with pj_settings(PREFETCH=total):  # claims take everything at once: count completions
+        runner = start_runner(concurrency=concurrency)
+    wait_for(lambda: len(finished) >= total, timeout=60, message="every job to finish")
+    statements = runner.pool.completer.statements
+    runner.stop(timeout=30)
+    spent = commits() - before
+    assert sorted(finished, key=str) == sorted(((i, "completed") for i in ids), key=str)
+    assert PersistentJob.objects.filter(id__in=ids, status="completed").count() == total
+    assert JobAttempt.objects.filter(job_id__in=ids, outcome="completed").count() == total
+    # One commit per batch instead of one per job: the batches, the claims and the runner's
+    # own bookkeeping (register, heartbeats, unregister) stay well under one per job.
+    assert statements <= total // 2, statements
+    assert spent < total // 2, (spent, statements)
+
+
+def test_a_handler_that_wrote_to_the_database_completes_in_its_own_transaction(
+    isolated_registry: Registry, start_runner: StartRunner,
+    finished: list[tuple[Any, str | None]],
+) -> None:
+    @job_handler("completer.writes", timeout=60)
+    def writes(payload: Any, ctx: JobContext) -> None:
+        LedgerEntry.objects.create(job_id=ctx.job_id, note="written")
+
+    job = enqueue("completer.writes", {})
+    runner = start_runner(concurrency=2)
+    wait_for(lambda: finished, message="the job to finish")
+    assert runner.pool.completer.statements == 0
+    assert finished == [(job.id, "completed")]
+    assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
+
+
+def test_a_flush_cut_off_by_a_dropped_connection_completes_each_job_exactly_once(
+    isolated_registry: Registry, start_runner: StartRunner,
+    finished: list[tuple[Any, str | None]],
+) -> None:
+    running = threading.Semaphore(0)
+    go, returned = Gate(), threading.Semaphore(0)
+
+    @job_handler("completer.quick", timeout=60)
+    def quick(payload: Any, ctx: JobContext) -> None:
+        running.release()
+        go.wait()
+        returned.release()
+
+    ids = [job.id for job in enqueue_many([("completer.quick", {"i": i}) for i in range(4)])]
+    runner = start_runner(concurrency=4)
+    for _ in ids:
+        assert running.acquire(timeout=30)
+    with raw_connection(autocommit=False) as blocker:
+        # Hold the running jobs' rows so their batch waits on them; then kill its connection.
+        blocker.execute("SELECT id FROM persistent_jobs WHERE id = ANY(%s) FOR UPDATE", [ids])
+        go.open()
+        for _ in ids:
+            assert returned.acquire(timeout=30)
+        (pid, *_) = wait_for(blocked_flushes, message="the batch to wait for the row locks")
+        with raw_connection() as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        # Written again on a new connection, which waits for the rows in its turn.
+        wait_for(lambda: [p for p in blocked_flushes() if p != pid],
+                 message="the batch to be written again")
+        assert not finished
+        blocker.rollback()
+    wait_for(lambda: len(finished) >= 4, timeout=30, message="the jobs to finish")
+    runner.stop(timeout=30)
+    assert sorted(finished, key=str) == sorted(((i, "completed") for i in ids), key=str)
+    assert dict(PersistentJob.objects.filter(id__in=ids).values_list("id", "attempts")) == {
+        i: 1 for i in ids}
+    assert JobAttempt.objects.filter(job_id__in=ids, outcome="completed").count() == 4
+
+
+def test_stopping_waits_for_completions_being_written(
+    isolated_registry: Registry, start_runner: StartRunner,
+    finished: list[tuple[Any, str | None]],
+) -> None:
+    running, go, returned = Gate(), Gate(), Gate()
+
+    @job_handler("completer.last", timeout=60)
+    def last(payload: Any, ctx: JobContext) -> None:
+        running.open()
+        go.wait()
+        returned.open()
+
+    job = enqueue("completer.last", {})
+    runner = start_runner(concurrency=2, shutdown_grace=30)
+    assert running.wait()
+    with raw_connection(autocommit=False) as blocker:
+        blocker.execute("SELECT id FROM persistent_jobs WHERE id = %s FOR UPDATE", [job.id])
+        go.open()
+        assert returned.wait()
+        wait_for(blocked_flushes, message="the completion to wait for the row lock")
+        runner.request_stop()
+        # The job holds its slot until its completion is written: the runner waits for it.
+        assert runner.pool.busy == 1 and not runner.finished.is_set()
+        blocker.rollback()
+    assert runner.finished.wait(30)
+    assert finished == [(job.id, "completed")]
+    row = PersistentJob.objects.get(id=job.id)
+    assert (row.status, row.attempts) == ("completed", 1)
