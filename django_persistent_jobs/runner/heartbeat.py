@@ -154,7 +154,7 @@ def relay_cancel_requests(alias: str, runner_id: str, executor: Executor,
     for job_id in ids or ():
         item = executor.in_flight.get(job_id)
         if item is not None and not item.ctx.cancel_requested:
-            item.ctx._cancel_event.set()
+            executor.cancel(item)
             logger.info("job %s: cancellation requested by an operator", job_id,
                         extra={"event": "cancel_requested", "job_id": str(job_id)})
 

@@ -289,6 +289,7 @@ class Runner:
             on_failure=self._executor_failed,
             max_jobs=settings.max_jobs_per_worker,
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
+            prefetch=settings.prefetch or 0,
             log_level=logging.getLogger("django_persistent_jobs").level or None,
         )
 
@@ -466,10 +467,12 @@ class Runner:
         now = time.monotonic()
         left = 0.0
         for item in self.pool.snapshot():
-            if item.deadline is None:
-                left = max(left, NO_TIMEOUT_VOUCH_FACTOR * stale)
-            else:
+            if item.deadline is not None:
                 left = max(left, item.deadline - now)
+            elif item.job.timeout:  # not started yet: it may start now
+                left = max(left, item.job.timeout)
+            else:
+                left = max(left, NO_TIMEOUT_VOUCH_FACTOR * stale)
         return stale + left
 
     def _never_connected(self) -> None:
@@ -553,6 +556,15 @@ class Runner:
     def dispatch(self, job: store.ClaimedJob) -> bool:
         """Hand a claimed job to the workers; False if the runner is stopping (the caller then
         hands it back)."""
+        return self.pool.submit(self._in_flight(job))
+
+    def dispatch_many(self, jobs: list[store.ClaimedJob]) -> int:
+        """Hand a whole claim to the workers (with worker processes: one message per worker
+        instead of one per job); returns how many were accepted, the caller hands the rest
+        back (the runner is stopping)."""
+        return self.pool.submit_many([self._in_flight(job) for job in jobs])
+
+    def _in_flight(self, job: store.ClaimedJob) -> InFlight:
         ctx = JobContext(
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
@@ -561,8 +573,9 @@ class Runner:
         )
         if job.cancel_requested:
             ctx._cancel_event.set()
-        deadline = ctx.started_monotonic + job.timeout if job.timeout else None
-        return self.pool.submit(InFlight(job=job, ctx=ctx, deadline=deadline))
+        # No deadline yet: the timeout clock starts when the executor starts the job (a job
+        # waiting for a free slot is not running out of time).
+        return InFlight(job=job, ctx=ctx, deadline=None)
 
     def hand_back_unstarted(self, jobs: list[store.ClaimedJob]) -> None:
         for job in jobs:
@@ -589,7 +602,7 @@ class Runner:
 
     def _execute(self, item: InFlight) -> None:
         item.ctx.started_monotonic = time.monotonic()
-        if item.deadline is not None and item.job.timeout:
+        if item.job.timeout:
             item.deadline = item.ctx.started_monotonic + item.job.timeout
         if self.sidecar is not None:
             # A handler may hold the GIL from its first line: the sidecar must already know
