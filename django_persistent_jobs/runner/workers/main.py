@@ -77,13 +77,14 @@ class Lane:
     """One thread of the worker and the jobs the supervisor sent to it, in order.
 
     The thread keeps its database connection from job to job; ``session`` is the one the
-    supervisor was last told about (``SESSION``).
+    supervisor was last told about (``SESSION``), ``raw`` the connection it belongs to.
     """
 
     number: int
     jobs: queue.SimpleQueue[tuple[tuple[Any, ...], bool] | None] = field(
         default_factory=queue.SimpleQueue)
     session: tuple[Any, Any] | None = None
+    raw: Any = None
 
 
 class Worker:
@@ -248,11 +249,22 @@ class Worker:
         """Before the handler starts, tell the supervisor which database session it runs on,
         if that is not the session the lane's last job ran on (once per connection): a handler
         may hold this process's GIL from its first instruction, and the supervisor must still
-        be able to terminate its session at the timeout."""
+        be able to terminate its session at the timeout.
+
+        Only a connection the lane has not reported is looked at here: ``execute`` checks the
+        connection again anyway, and every check costs a system call, so a release of this
+        process's GIL, which a thread running a CPU-bound handler then makes the job wait
+        for. (A connection the server dropped while idle is replaced inside ``execute``; that
+        one job runs on a session reported only with the next.)
+        """
+        raw = self.connections[self.alias].connection
+        if raw is not None and raw is lane.raw:
+            return
         try:
             self._execute.prepare_connection(self.alias, item)
         except Exception:
             return  # ``execute`` meets the same error and settles the job
+        lane.raw = self.connections[self.alias].connection
         session = (item.backend_pid, item.backend_start)
         if session != lane.session:
             lane.session = session
