@@ -123,3 +123,19 @@ def test_a_claimed_job_survives_the_round_trip() -> None:
                for v in packed)
     assert protocol.unpack_job(packed) == job
     assert protocol.wire_id(job.id) == job.id.int
+
+
+def test_a_closed_writer_refuses_to_write_instead_of_using_a_reused_descriptor(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    fd = os.dup(a.fileno())
+    writer = Writer(fd)
+    writer.close()
+    reused = os.dup(b.fileno())  # the kernel hands out the lowest free number: likely ``fd``
+    try:
+        with pytest.raises(OSError):
+            writer.send((protocol.STOP,))
+        assert writer.flush() is True
+    finally:
+        os.close(reused)

@@ -110,6 +110,8 @@ class Writer:
         """Write ``message`` (or queue it); raises ``OSError`` if the peer is gone."""
         data = frame(message)
         with self.lock:
+            if self.fd < 0:
+                raise OSError("the channel is closed")
             if self.pending:
                 self.pending += data
                 return False
@@ -125,6 +127,8 @@ class Writer:
     def flush(self) -> bool:
         """Write what is pending, as far as the pipe takes it; True once nothing is left."""
         with self.lock:
+            if self.fd < 0:
+                return True
             while self.pending:
                 try:
                     written = os.write(self.fd, self.pending)
@@ -132,3 +136,11 @@ class Writer:
                     return False
                 del self.pending[:written]
             return True
+
+    def close(self) -> None:
+        """Close the descriptor; later sends raise ``OSError``."""
+        with self.lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+                self.pending.clear()

@@ -94,14 +94,21 @@ class WorkerHandle:
     writer: Writer | None = None
 
     def channel(self) -> Writer:
-        """The non-blocking end of its pipe (set up on first use)."""
+        """The non-blocking end of its pipe (set up on first use), on a descriptor of its own:
+        closed by ``close_channel`` under the writer's lock, so no thread still writing to a
+        worker that just died can write into a descriptor number reused meanwhile."""
         with self.send_lock:
             if self.writer is None:
-                fd = self.conn.fileno()
+                fd = os.dup(self.conn.fileno())
                 os.set_blocking(fd, False)
                 self.reader = Reader(fd)
                 self.writer = Writer(fd)
             return self.writer
+
+    def close_channel(self) -> None:
+        with self.send_lock:
+            if self.writer is not None:
+                self.writer.close()
 
     def send(self, message: tuple[Any, ...]) -> bool:
         """Write ``message``, or queue it if the pipe is full; False if it died (the manager
@@ -503,6 +510,7 @@ class ProcessExecutor:
             exited = True  # its end of the pipe closed: it is exiting, wait for that
         if exited:
             self._lost(worker)
+            worker.close_channel()
 
     def _handle(self, worker: WorkerHandle, message: tuple[Any, ...]) -> None:
         tag = message[0]
