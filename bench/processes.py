@@ -10,8 +10,9 @@ Like ``bench/run.py`` it (re)creates the ``pj_bench`` database (``PJ_BENCH_DB`` 
 name) on DATABASE_URL's server and works only there. Figures:
 
 * hand-off: the supervisor-to-worker round trip alone (the protocol's ``RUN`` message with a
-  real claimed job, answered by ``DONE``) between two processes, no database: the per-job
-  price of process isolation, as latency and as CPU.
+  claimed job, answered by ``DONE``, through the supervisor's non-blocking writer and bulk
+  reader) between two processes, no database: the per-job price of process isolation, as
+  latency and as CPU.
 * no-op drain: ``runjobs --processes 0`` (threads), ``--processes 1`` and ``--processes 2``
   drain the same committed backlog of atomic no-op jobs; jobs/s and CPU per job over the
   whole process tree (supervisor plus workers).
@@ -63,44 +64,59 @@ CPU_MS = 5.0
 
 
 def _echo_worker(conn: Any) -> None:
-    """The worker side of the protocol, minus the job: answer each RUN with DONE (a worker
-    reports a job's session only when the job runs for a while, so a short job costs these two
-    messages)."""
+    """The worker side of the protocol, minus the job: answer each ``RUN`` with a ``DONE`` for
+    its jobs, reading with the worker's reader (a worker reports a lane's session once per
+    connection, so a short job costs these two messages)."""
     from django_persistent_jobs.runner.workers import protocol
+    from django_persistent_jobs.runner.workers.channel import Reader
 
+    reader = Reader(conn.fileno())
     while True:
-        message = conn.recv()
-        if message[0] == protocol.STOP:
-            return
-        conn.send((protocol.DONE, message[1].id))
+        for message in reader.read():
+            if message[0] == protocol.STOP:
+                return
+            conn.send((protocol.DONE, [packed[0] for _, packed, _ in message[1]]))
 
 
 def measure_handoff(rounds: int) -> tuple[float, float]:
-    """(microseconds per round trip, CPU microseconds per job over both processes)."""
+    """(microseconds per round trip, CPU microseconds per job over both processes): one job per
+    ``RUN``, written and read as the supervisor does (non-blocking writer, bulk reader)."""
     import multiprocessing
+    import selectors
     import uuid
 
     from django_persistent_jobs.runner.store import ClaimedJob
     from django_persistent_jobs.runner.workers import protocol
+    from django_persistent_jobs.runner.workers.channel import Reader, Writer
 
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
     worker = context.Process(target=_echo_worker, args=(theirs,), daemon=True)
     worker.start()
+    os.set_blocking(ours.fileno(), False)
+    writer, reader = Writer(ours.fileno()), Reader(ours.fileno())
+    selector = selectors.DefaultSelector()
+    selector.register(ours.fileno(), selectors.EVENT_READ)
     job = ClaimedJob(id=uuid.uuid4(), job_type=NOOP, payload={"n": 1}, attempt=1,
                      max_retries=3, timeout=300.0, token=123456, queue="default", priority=0,
                      cancel_requested=False, tenant=None)
+
+    def round_trip() -> None:
+        writer.send((protocol.RUN, [(0, protocol.pack_job(job), False)]))
+        while True:
+            selector.select()
+            if reader.read():
+                return
+
     for _ in range(200):  # warm up
-        ours.send((protocol.RUN, job, False))
-        ours.recv()
+        round_trip()
     cpu_before = time.process_time() + _cpu_of(worker.pid)
     started = time.perf_counter()
     for _ in range(rounds):
-        ours.send((protocol.RUN, job, False))
-        ours.recv()
+        round_trip()
     elapsed = time.perf_counter() - started
     cpu = time.process_time() + _cpu_of(worker.pid) - cpu_before
-    ours.send((protocol.STOP,))
+    writer.send((protocol.STOP,))
     worker.join(5)
     return elapsed / rounds * 1e6, cpu / rounds * 1e6
 

@@ -7,6 +7,7 @@ it never holds many locks or a long transaction.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from .. import conf
@@ -15,8 +16,6 @@ from .db import run_with_retry
 
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
-
-    from .supervisor import Runner
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -42,7 +41,10 @@ def cleanup_once(alias: str, interrupt: Any = None) -> int:
     return total
 
 
-def cleanup_loop(runner: Runner) -> None:
-    while not runner.halt.wait(0 if runner.cleanup_due_now else runner.settings.cleanup_interval):
-        runner.cleanup_due_now = False
-        cleanup_once(runner.alias, runner.halt)
+def cleanup_loop(alias: str, interval: float, halt: threading.Event) -> None:
+    """Clean up at once (a runner that restarts often still cleans), then every ``interval``
+    seconds until ``halt``."""
+    wait = 0.0
+    while not halt.wait(wait):
+        wait = interval
+        cleanup_once(alias, halt)

@@ -38,6 +38,11 @@ class Executor(Protocol):
     def submit(self, item: InFlight) -> bool:
         """Accept a claimed job; False once sealed (the caller then hands the job back)."""
 
+    def submit_many(self, items: list[InFlight]) -> int:
+        """Accept claimed jobs in order; how many were accepted (the caller hands the rest
+        back). Handing over a whole claim at once lets the worker-process executor send it
+        as one message."""
+
     def seal(self) -> None:
         """Accept no more jobs: the runner is stopping."""
 
@@ -45,6 +50,10 @@ class Executor(Protocol):
         """Jobs accepted but not started (after ``seal()`` none will start)."""
 
     def snapshot(self) -> list[InFlight]: ...
+
+    def cancel(self, item: InFlight) -> None:
+        """An operator asked to cancel the job: make ``ctx.cancel_requested`` true for its
+        handler, wherever that runs."""
 
     def take_over(self, item: InFlight) -> bool:
         """Detach a job so the supervisor can settle it and free its slot; False if it already

@@ -21,8 +21,10 @@ a premature rescue safe, but it would still cost the job an attempt and throw aw
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import signals
@@ -34,7 +36,9 @@ from .execute import Outcome, _backoff_for, log_transition
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
 
-    from .supervisor import Runner
+    from ..conf import RunnerSettings
+    from .executor import Executor
+    from .lifecycle import Beating
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -47,119 +51,143 @@ GAP_INTERVALS = 1.5
 RETRY_CAP_SECONDS = 0.25
 
 
-def heartbeat_loop(runner: Runner) -> None:
-    """Beat, and nothing else: no other duty (rescue, cancel relay, cleanup) shares this thread
-    or its connection, so none of them can delay the proof that this runner is alive."""
-    settings = runner.settings
-    while not runner.halt.is_set():
-        beat(runner)
-        runner.halt.wait(settings.heartbeat_interval)
+class Liveness:
+    """This runner's liveness as it knows it itself (monotonic clock), and the beat that keeps
+    its row fresh: the last successful heartbeat, and since when beats have come without a gap.
 
+    ``register`` writes the runner's row again; a beat calls it when it finds the row gone
+    (another runner presumed this one dead).
+    """
 
-def rescue_loop(runner: Runner) -> None:
-    """Reap dead runners and rescue their jobs every heartbeat interval; relay cancellation
-    requests to running handlers meanwhile. Its own thread, apart from the heartbeat: a rescue
-    may have to wait for the database, and this runner must go on proving it is alive."""
-    settings = runner.settings
-    next_round = 0.0
-    while not runner.halt.is_set():
+    def __init__(self, alias: str, runner_id: str, settings: RunnerSettings,
+                 register: Callable[[Cursor], None]) -> None:
+        self.alias = alias
+        self.runner_id = runner_id
+        self.settings = settings
+        self.register = register
+        self.last_beat: float | None = None
+        self.healthy_since: float | None = None
+        #: Notified after every successful beat (the claim loop waits on it when its
+        #: heartbeat is too old to claim).
+        self.beaten = threading.Condition()
+
+    def note_beat(self) -> None:
+        """Record a successful heartbeat (registration counts as one)."""
         now = time.monotonic()
-        if now >= next_round:
-            rescue(runner)
-            next_round = now + settings.heartbeat_interval
-        if runner.pool.busy:
-            relay_cancel_requests(runner)
-        runner.halt.wait(min(CANCEL_POLL_SECONDS, settings.heartbeat_interval))
+        if (self.last_beat is None
+                or now - self.last_beat > GAP_INTERVALS * self.settings.heartbeat_interval):
+            self.healthy_since = now
+        self.last_beat = now
+        with self.beaten:
+            self.beaten.notify_all()
+
+    def may_reap(self) -> bool:
+        """Whether this runner has been beating, gap-free, for a whole stale-lock timeout."""
+        since = self.healthy_since
+        return since is not None and time.monotonic() - since >= self.settings.stale_lock_timeout
+
+    def fresh(self) -> bool:
+        return heartbeat_fresh(self)
+
+    def beat(self, interrupt: threading.Event) -> None:
+        def do(cursor: Cursor) -> bool:
+            alive = store.heartbeat(cursor, self.runner_id)
+            if not alive:
+                self.register(cursor)
+            return alive
+
+        cap = min(RETRY_CAP_SECONDS, self.settings.heartbeat_interval / 2)
+        alive = run_with_retry(self.alias, do, what="heartbeat", interrupt=interrupt,
+                               backoff=Backoff(first=min(0.05, cap), cap=cap))
+        if alive is None:
+            return  # halted while the database was away
+        self.note_beat()
+        if alive is False:
+            logger.warning(
+                "runner %s was presumed dead by another runner (heartbeat too old); its jobs "
+                "were rescued and it has registered again", self.runner_id,
+                extra={"event": "runner_reregistered", "runner_id": self.runner_id},
+            )
 
 
-def note_beat(runner: Runner) -> None:
-    """Record a successful heartbeat (registration counts as one) on the monotonic clock."""
-    now = time.monotonic()
-    if (runner.last_beat is None
-            or now - runner.last_beat > GAP_INTERVALS * runner.settings.heartbeat_interval):
-        runner.healthy_since = now
-    runner.last_beat = now
-    with runner.beaten:
-        runner.beaten.notify_all()
-
-
-def may_reap(runner: Runner) -> bool:
-    """Whether this runner has been beating, gap-free, for a whole stale-lock timeout."""
-    since = runner.healthy_since
-    return since is not None and time.monotonic() - since >= runner.settings.stale_lock_timeout
-
-
-def heartbeat_fresh(runner: Runner) -> bool:
+def heartbeat_fresh(subject: Beating) -> bool:
     """Whether nobody can have reaped this runner lately: its last beat is well within the
     stale-lock timeout. A runner that was frozen or cut off beats (and re-registers if it was
     reaped) before it claims again, so it never claims jobs under a row others have deleted."""
-    last = runner.last_beat
-    settings = runner.settings
+    last = subject.last_beat
+    settings = subject.settings
     limit = max(settings.stale_lock_timeout / 2, GAP_INTERVALS * settings.heartbeat_interval)
     return last is not None and time.monotonic() - last <= limit
 
 
-def beat(runner: Runner) -> None:
-    def do(cursor: Cursor) -> bool:
-        alive = store.heartbeat(cursor, runner.runner_id)
-        if not alive:
-            runner.register(cursor)
-        return alive
-
-    cap = min(RETRY_CAP_SECONDS, runner.settings.heartbeat_interval / 2)
-    alive = run_with_retry(runner.alias, do, what="heartbeat", interrupt=runner.halt,
-                           backoff=Backoff(first=min(0.05, cap), cap=cap))
-    if alive is None:
-        return  # halted while the database was away
-    note_beat(runner)
-    if alive is False:
-        logger.warning(
-            "runner %s was presumed dead by another runner (heartbeat too old); its jobs were "
-            "rescued and it has registered again", runner.runner_id,
-            extra={"event": "runner_reregistered", "runner_id": runner.runner_id},
-        )
+def heartbeat_loop(liveness: Liveness, halt: threading.Event) -> None:
+    """Beat, and nothing else: no other duty (rescue, cancel relay, cleanup) shares this thread
+    or its connection, so none of them can delay the proof that this runner is alive."""
+    interval = liveness.settings.heartbeat_interval
+    while not halt.is_set():
+        liveness.beat(halt)
+        halt.wait(interval)
 
 
-def relay_cancel_requests(runner: Runner) -> None:
+def rescue_loop(liveness: Liveness, executor: Executor, halt: threading.Event) -> None:
+    """Reap dead runners and rescue their jobs every heartbeat interval; relay cancellation
+    requests to running handlers meanwhile. Its own thread, apart from the heartbeat: a rescue
+    may have to wait for the database, and this runner must go on proving it is alive."""
+    interval = liveness.settings.heartbeat_interval
+    next_round = 0.0
+    while not halt.is_set():
+        now = time.monotonic()
+        if now >= next_round:
+            rescue(liveness, halt)
+            next_round = now + interval
+        if executor.busy:
+            relay_cancel_requests(liveness.alias, liveness.runner_id, executor, halt)
+        halt.wait(min(CANCEL_POLL_SECONDS, interval))
+
+
+def relay_cancel_requests(alias: str, runner_id: str, executor: Executor,
+                          interrupt: threading.Event) -> None:
+    """Tell the handlers of this runner's jobs that an operator asked to cancel them."""
     ids = run_with_retry(
-        runner.alias, lambda c: store.cancel_requests(c, runner.runner_id),
-        what="reading cancel requests", interrupt=runner.halt,
+        alias, lambda c: store.cancel_requests(c, runner_id),
+        what="reading cancel requests", interrupt=interrupt,
     )
     for job_id in ids or ():
-        item = runner.pool.in_flight.get(job_id)
+        item = executor.in_flight.get(job_id)
         if item is not None and not item.ctx.cancel_requested:
-            item.ctx._cancel_event.set()
+            executor.cancel(item)
             logger.info("job %s: cancellation requested by an operator", job_id,
                         extra={"event": "cancel_requested", "job_id": str(job_id)})
 
 
-def rescue(runner: Runner) -> int:
+def rescue(liveness: Liveness, interrupt: threading.Event) -> int:
     """Delete runners that stopped heartbeating, then release every job no live runner holds."""
-    stale = runner.settings.stale_lock_timeout
+    alias = liveness.alias
+    stale = liveness.settings.stale_lock_timeout
     dead: list[tuple[str, Any]] = []
-    if may_reap(runner):
+    if liveness.may_reap():
         dead = run_with_retry(
-            runner.alias, lambda c: store.reap_dead_runners(c, stale),
-            what="reaping dead runners", interrupt=runner.halt,
+            alias, lambda c: store.reap_dead_runners(c, stale),
+            what="reaping dead runners", interrupt=interrupt,
         ) or []
     for runner_id, last_beat in dead:
         logger.warning("runner %s presumed dead (last heartbeat %s)", runner_id, last_beat,
                        extra={"event": "runner_dead", "dead_runner_id": runner_id})
-    orphans = run_with_retry(runner.alias, store.orphaned_jobs, what="finding orphaned jobs",
-                             interrupt=runner.halt) or []
+    orphans = run_with_retry(alias, store.orphaned_jobs, what="finding orphaned jobs",
+                             interrupt=interrupt) or []
     rescued = 0
     for job_id, token, job_type, attempts, locked_by in orphans:
-        if runner.halt.is_set():
+        if interrupt.is_set():
             break
-        if _rescue_job(runner, job_id, token, job_type, attempts, locked_by,
+        if _rescue_job(alias, liveness.runner_id, job_id, token, job_type, attempts, locked_by,
                        f"runner {locked_by} stopped heartbeating while running attempt "
-                       f"{attempts}; rescued by {runner.runner_id}"):
+                       f"{attempts}; rescued by {liveness.runner_id}"):
             rescued += 1
     return rescued
 
 
-def _rescue_job(runner: Runner, job_id: uuid.UUID, token: int, job_type: str, attempts: int,
-                locked_by: str | None, message: str) -> bool:
+def _rescue_job(alias: str, runner_id: str, job_id: uuid.UUID, token: int, job_type: str,
+                attempts: int, locked_by: str | None, message: str) -> bool:
     outcome = Outcome("retry", "RUNNER_LOST", message,
                       delay=_backoff_for(registry.get(job_type), attempts))
 
@@ -173,12 +201,12 @@ def _rescue_job(runner: Runner, job_id: uuid.UUID, token: int, job_type: str, at
         # Bounded: the row may be locked by the dead runner's still-open transaction (a frozen
         # process between its completion UPDATE and COMMIT) or by user code. Waiting for it
         # would stall this loop; the job is tried again next round.
-        status = run_bounded(runner.alias, apply, what=f"rescuing job {job_id}")
+        status = run_bounded(alias, apply, what=f"rescuing job {job_id}")
     except NotNow:
         return False
     if status is None:
         return False
-    signals.rescued(job_id, token, job_type, attempts, runner.runner_id, status, outcome.code,
+    signals.rescued(job_id, token, job_type, attempts, runner_id, status, outcome.code,
                     outcome.message)
     logger.warning(
         "job %s rescued from runner %s -> %s", job_id, locked_by, status,
@@ -188,4 +216,6 @@ def _rescue_job(runner: Runner, job_id: uuid.UUID, token: int, job_type: str, at
     return True
 
 
-__all__ = ["heartbeat_loop", "log_transition", "rescue", "rescue_loop"]
+__all__ = [
+    "Liveness", "heartbeat_fresh", "heartbeat_loop", "log_transition", "rescue", "rescue_loop",
+]

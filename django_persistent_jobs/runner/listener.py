@@ -10,55 +10,54 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from django.db import connections
 
 from ..services import NOTIFY_CHANNEL
 from .db import Backoff, is_connection_error, reset_connection
-
-if TYPE_CHECKING:
-    from .supervisor import Runner
+from .lifecycle import Lifecycle
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 KEEPALIVE_SECONDS = 5.0
 
 
-def listen_loop(runner: Runner) -> None:
-    alias = runner.alias
+def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
+                poll_interval: float) -> None:
+    """Set ``lifecycle.wake`` for every NOTIFY until ``lifecycle.halt``; ``listening`` tells
+    whether notifications can arrive right now (``poll_interval`` is only for the log)."""
+    halt, wake, listening = lifecycle.halt, lifecycle.wake, lifecycle.listening
     backoff = Backoff()
-    while not runner.halt.is_set():
+    while not halt.is_set():
         try:
             connection = connections[alias]
             connection.ensure_connection()
             raw = connection.connection
             assert raw is not None
             raw.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            runner.listening.set()
-            runner.wake.set()  # anything committed while we were not listening
+            listening.set()
+            wake.set()  # anything committed while we were not listening
             backoff.reset()
             last_ping = time.monotonic()
-            while not runner.halt.is_set():
+            while not halt.is_set():
                 for _ in raw.notifies(timeout=0.1):
-                    runner.wake.set()
+                    wake.set()
                 if time.monotonic() - last_ping >= KEEPALIVE_SECONDS:
                     raw.execute("SELECT 1")
                     last_ping = time.monotonic()
         except Exception as exc:
             if not is_connection_error(exc) and not _is_psycopg_error(exc):
                 raise
-            runner.listening.clear()
+            listening.clear()
             reset_connection(alias)
             delay = backoff.next()
             logger.warning(
                 "LISTEN connection lost (%s); polling every %.2fs until it is back, "
                 "reconnecting in %.1fs", str(exc).strip().splitlines()[0] if str(exc) else exc,
-                runner.settings.poll_interval, delay,
-                extra={"event": "listen_lost", "runner_id": runner.runner_id},
+                poll_interval, delay, extra={"event": "listen_lost", "runner_id": runner_id},
             )
-            runner.halt.wait(delay)
-    runner.listening.clear()
+            halt.wait(delay)
+    listening.clear()
 
 
 def _is_psycopg_error(exc: BaseException) -> bool:

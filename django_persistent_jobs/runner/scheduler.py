@@ -34,7 +34,7 @@ from .db import is_connection_error, run_with_retry
 
 if TYPE_CHECKING:
     from ..models import JobSchedule
-    from .supervisor import Runner
+    from .lifecycle import Lifecycle
 
 logger = logging.getLogger("django_persistent_jobs.scheduler")
 
@@ -143,19 +143,20 @@ def _fire_one(schedule: JobSchedule, now: datetime, runner_id: str | None,
                      schedule.name, tick.isoformat(), error, next_run_at.isoformat(), extra=extra)
 
 
-def scheduler_loop(runner: Runner) -> None:
+def scheduler_loop(alias: str, runner_id: str, interval: float, lifecycle: Lifecycle,
+                   burst: bool = False) -> None:
     """Sync code-declared schedules once, then fire due ticks until the runner stops.
 
-    It sleeps until the earliest next tick, at most ``SCHEDULER_INTERVAL`` (a schedule added or
-    resumed meanwhile is noticed within that). In burst mode it fires what is due once and ends.
+    It sleeps until the earliest next tick, at most ``interval`` (``SCHEDULER_INTERVAL``: a
+    schedule added or resumed meanwhile is noticed within that). With ``burst`` it fires what is
+    due once and ends. A pass that enqueued runs sets ``lifecycle.wake``.
     """
     from ..schedules.firing import sync_code_schedules
 
-    alias = runner.alias
-    interval = runner.settings.scheduler_interval
+    stopping = lifecycle.stopping
     try:
         synced = run_with_retry(alias, lambda cursor: sync_code_schedules(),
-                                what="syncing code-declared schedules", interrupt=runner.stopping)
+                                what="syncing code-declared schedules", interrupt=stopping)
     except ProgrammingError as exc:
         raise ConfigurationError(
             "The persistent_jobs_schedules table is missing; run `python manage.py migrate` "
@@ -163,18 +164,18 @@ def scheduler_loop(runner: Runner) -> None:
         ) from exc
     if synced is None:
         return
-    while not runner.stopping.is_set():
-        report = run_with_retry(alias, lambda cursor: fire_due(runner.runner_id),
-                                what="firing due schedules", interrupt=runner.stopping)
+    while not stopping.is_set():
+        report = run_with_retry(alias, lambda cursor: fire_due(runner_id),
+                                what="firing due schedules", interrupt=stopping)
         if report is None:
             return
         if report.enqueued:
-            runner.wake.set()  # NOTIFY wakes claimers anywhere; this skips the round trip here
-        if runner.burst:
+            lifecycle.wake.set()  # NOTIFY wakes claimers anywhere; this skips the round trip
+        if burst:
             return
         if report.more:
             continue
         wait = interval
         if report.next_due_in is not None:
             wait = min(interval, max(report.next_due_in, MIN_SLEEP))
-        runner.stopping.wait(wait)
+        stopping.wait(wait)

@@ -1,8 +1,13 @@
-"""The runner: starts the loops, enforces timeouts, and shuts down gracefully.
+"""The runner: the composition root that builds the supervisor's services, starts the loops,
+enforces timeouts, and shuts down gracefully.
 
 ``runjobs`` calls ``Runner.run()`` in the foreground with signal handlers; a web process can embed
 the same runner with ``Runner.start()`` / ``Runner.stop()``. The supervisor watches the named loops
 and stops the runner loudly if one dies, instead of limping on without, say, its heartbeat.
+
+Each loop is given only what it uses (the settings it reads, the ``lifecycle`` events, the
+``liveness`` object, the executor) and none imports this module: see ``_loop_bodies``. The claim
+loop alone still takes the runner, for ``dispatch`` and the hand-back of what it claimed late.
 """
 
 from __future__ import annotations
@@ -10,14 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import secrets
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -34,26 +37,19 @@ from .db import (
     LOCK_NOT_AVAILABLE,
     Backoff,
     DatabaseUnreachable,
-    NotNow,
     is_connection_error,
     reset_connection,
-    run_bounded,
     run_with_retry,
     sqlstate,
 )
-from .execute import (
-    InFlight,
-    JobInterrupted,
-    Outcome,
-    _backoff_for,
-    execute,
-    record_outcome,
-)
+from .execute import InFlight, Outcome, execute, record_outcome
 from .executor import Executor
-from .heartbeat import heartbeat_loop, rescue_loop
+from .heartbeat import Liveness, heartbeat_loop, rescue_loop
+from .lifecycle import Lifecycle
 from .listener import listen_loop
 from .loop import Loop
 from .threads import ThreadExecutor
+from .timeouts import TimeoutEnforcer
 
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
@@ -83,8 +79,6 @@ NO_TIMEOUT_VOUCH_FACTOR = 10
 #: before it leaves those jobs to be rescued once this runner's row is gone (while the database
 #: is unreachable it keeps trying until it is back or a second signal forces the stop).
 SETTLE_AT_EXIT_SECONDS = 5.0
-#: While the database is unreachable, how often the supervisor retries recording an outcome.
-UNSETTLED_RETRY_SECONDS = 0.5
 #: The longest runner name: the id adds a separator and 8 hex digits within 200 characters.
 MAX_NAME_LENGTH = 180
 
@@ -99,18 +93,6 @@ def make_runner_id(name: str | None = None) -> str:
     restarted runner that reuses its predecessor's host name and pid, are still distinct
     runners: each one's jobs are its own, and a dead one's jobs are rescued."""
     return f"{name or default_runner_name()}:{secrets.token_hex(4)}"
-
-
-@dataclass
-class _Unsettled:
-    """A job the supervisor took from its worker whose outcome is not recorded yet."""
-
-    item: InFlight
-    outcome: Outcome
-    attempt_outcome: str | None
-    terminated: bool = False
-    locked: bool = False  # the last try found the job's row locked (not the database away)
-    retry_at: float = 0.0  # while the database is away, not before this (monotonic)
 
 
 class Runner:
@@ -158,29 +140,27 @@ class Runner:
         self.use_sidecar = liveness_sidecar
         self.sidecar: Any = None
         self._connected_once = False
-        self._unsettled: list[_Unsettled] = []
         self._vouched_at = 0.0
         self._vouched_until = 0.0  # monotonic time the sidecar's current horizon runs out
         self._vouch_lock = threading.Lock()
         self.enable_scheduler = scheduler
         self.enable_cleanup = cleanup
-        self.stopping = threading.Event()  # stop claiming
-        self.halt = threading.Event()  # stop every loop
-        self.forced = threading.Event()  # stop now: give up the grace period
-        self.wake = threading.Event()
-        self.listening = threading.Event()
+        # The lifecycle events, shared with the loops (the runner's attributes of the same
+        # names are the same objects, for embedding code and the claim loop).
+        self.lifecycle = Lifecycle()
+        self.stopping = self.lifecycle.stopping  # stop claiming
+        self.halt = self.lifecycle.halt  # stop every loop
+        self.forced = self.lifecycle.forced  # stop now: give up the grace period
+        self.wake = self.lifecycle.wake
+        self.listening = self.lifecycle.listening
         self.started = threading.Event()
         self.finished = threading.Event()
-        self.cleanup_due_now = True
         self.exit_code = EXIT_OK
         self.processes = processes
-        self._lost: queue.SimpleQueue[tuple[InFlight, str]] = queue.SimpleQueue()
         self.pool: Executor = self._make_executor()
-        # Liveness as this runner itself knows it (monotonic, maintained by the heartbeat loop):
-        # the last successful heartbeat, and since when beats have come without a gap.
-        self.last_beat: float | None = None
-        self.healthy_since: float | None = None
-        self.beaten = threading.Condition()
+        self.timeouts = TimeoutEnforcer(self.alias, self.runner_id, self.pool, self.forced)
+        # Liveness as this runner itself knows it (maintained by the heartbeat loop).
+        self.liveness = Liveness(self.alias, self.runner_id, self.settings, self.register)
         self.loops: list[Loop] = []
         self._supervisor: threading.Thread | None = None
         self._launched = False  # run() or start() was called: stop() has something to wait for
@@ -190,6 +170,20 @@ class Runner:
         self._stop_requested_at: float | None = None
         self._signals_received = 0  # written only by the signal handler (see below)
         self._extra_loops: list[tuple[str, Callable[[Runner], None]]] = []
+
+    @property
+    def last_beat(self) -> float | None:
+        """Monotonic time of the last successful heartbeat."""
+        return self.liveness.last_beat
+
+    @property
+    def healthy_since(self) -> float | None:
+        return self.liveness.healthy_since
+
+    @property
+    def beaten(self) -> threading.Condition:
+        """Notified after every successful heartbeat."""
+        return self.liveness.beaten
 
     # ---------------------------------------------------------------- public API
     def run(self, install_signal_handlers: bool = False) -> int:
@@ -285,7 +279,7 @@ class Runner:
         """
         settings = self.settings
         if not self.processes:
-            return ThreadExecutor(settings.concurrency, self._execute, self._worker_crashed,
+                return ThreadExecutor(settings.concurrency, self._execute, self._worker_crashed,
                                   prefetch=settings.prefetch or 0)
         from .workers.manager import ProcessExecutor
 
@@ -295,6 +289,7 @@ class Runner:
             on_failure=self._executor_failed,
             max_jobs=settings.max_jobs_per_worker,
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
+            prefetch=settings.prefetch or 0,
             log_level=logging.getLogger("django_persistent_jobs").level or None,
         )
 
@@ -308,17 +303,7 @@ class Runner:
     def _settle_lost(self, item: InFlight, why: str) -> None:
         """A worker process died under this job (called by the executor's thread): the
         supervisor settles it on its next tick, like a timeout."""
-        self._lost.put((item, why))
-
-    def _settle_lost_jobs(self) -> None:
-        """The attempt is charged (``WORKER_LOST``), so a job that kills its worker every time
-        ends dead-lettered after its retries, like any poison pill."""
-        while not self._lost.empty():
-            item, why = self._lost.get()
-            self._take_over(item, Outcome(
-                "retry", "WORKER_LOST", why,
-                delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
-            ), None)
+        self.timeouts.lost(item, why)
 
     def _install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT ask for a graceful stop; a second one forces it.
@@ -363,29 +348,11 @@ class Runner:
                 "The persistent_jobs tables are missing; run `python manage.py migrate` first "
                 f"({exc})."
             ) from exc
-        from .heartbeat import note_beat
-
-        note_beat(self)
+        self.liveness.note_beat()
         self._warn_about_namesakes()
         self._start_sidecar()
-        bodies: list[tuple[str, Callable[[Runner], None]]] = [
-            ("listener", listen_loop), ("claimer", claim_loop), ("heartbeat", heartbeat_loop),
-            ("rescue", rescue_loop),
-        ]
-        if self.enable_cleanup and not self.burst:
-            bodies.append(("cleanup", cleanup_loop))
-        if self.enable_scheduler:
-            from .scheduler import scheduler_loop
-
-            if self.burst:
-                # Fire what is due before the claimer starts, so a burst runs those jobs too
-                # instead of stopping before the scheduler has inserted them.
-                scheduler_loop(self)
-            else:
-                bodies.append(("scheduler", scheduler_loop))
-        bodies.extend(self._extra_loops)
-        for name, body in bodies:
-            loop = Loop(name, lambda body=body: body(self))  # type: ignore[misc]
+        for name, body in self._loop_bodies():
+            loop = Loop(name, body)
             self.loops.append(loop)
             loop.start()
         self.started.set()
@@ -397,6 +364,36 @@ class Runner:
             self.settings.poll_interval, len(registry), " (burst)" if self.burst else "",
             extra={"event": "runner_started", "runner_id": self.runner_id},
         )
+
+    def _loop_bodies(self) -> list[tuple[str, Callable[[], None]]]:
+        """The supervisor's loops, each bound to exactly what it uses."""
+        settings, alias, lifecycle = self.settings, self.alias, self.lifecycle
+        bodies: list[tuple[str, Callable[[], None]]] = [
+            ("listener", lambda: listen_loop(alias, lifecycle, runner_id=self.runner_id,
+                                             poll_interval=settings.poll_interval)),
+            ("claimer", lambda: claim_loop(self)),
+            ("heartbeat", lambda: heartbeat_loop(self.liveness, lifecycle.halt)),
+            ("rescue", lambda: rescue_loop(self.liveness, self.pool, lifecycle.halt)),
+        ]
+        if self.enable_cleanup and not self.burst:
+            bodies.append(("cleanup", lambda: cleanup_loop(alias, settings.cleanup_interval,
+                                                           lifecycle.halt)))
+        if self.enable_scheduler:
+            from .scheduler import scheduler_loop
+
+            def schedule() -> None:
+                scheduler_loop(alias, self.runner_id, settings.scheduler_interval, lifecycle,
+                               burst=self.burst)
+
+            if self.burst:
+                # Fire what is due before the claimer starts, so a burst runs those jobs too
+                # instead of stopping before the scheduler has inserted them.
+                schedule()
+            else:
+                bodies.append(("scheduler", schedule))
+        bodies.extend((name, lambda body=body: body(self))  # type: ignore[misc]
+                      for name, body in self._extra_loops)
+        return bodies
 
     def register(self, cursor: Cursor) -> None:
         store.register_runner(
@@ -470,10 +467,12 @@ class Runner:
         now = time.monotonic()
         left = 0.0
         for item in self.pool.snapshot():
-            if item.deadline is None:
-                left = max(left, NO_TIMEOUT_VOUCH_FACTOR * stale)
-            else:
+            if item.deadline is not None:
                 left = max(left, item.deadline - now)
+            elif item.job.timeout:  # not started yet: it may start now
+                left = max(left, item.job.timeout)
+            else:
+                left = max(left, NO_TIMEOUT_VOUCH_FACTOR * stale)
         return stale + left
 
     def _never_connected(self) -> None:
@@ -557,6 +556,15 @@ class Runner:
     def dispatch(self, job: store.ClaimedJob) -> bool:
         """Hand a claimed job to the workers; False if the runner is stopping (the caller then
         hands it back)."""
+        return self.pool.submit(self._in_flight(job))
+
+    def dispatch_many(self, jobs: list[store.ClaimedJob]) -> int:
+        """Hand a whole claim to the workers (with worker processes: one message per worker
+        instead of one per job); returns how many were accepted, the caller hands the rest
+        back (the runner is stopping)."""
+        return self.pool.submit_many([self._in_flight(job) for job in jobs])
+
+    def _in_flight(self, job: store.ClaimedJob) -> InFlight:
         ctx = JobContext(
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
@@ -565,8 +573,9 @@ class Runner:
         )
         if job.cancel_requested:
             ctx._cancel_event.set()
-        deadline = ctx.started_monotonic + job.timeout if job.timeout else None
-        return self.pool.submit(InFlight(job=job, ctx=ctx, deadline=deadline))
+        # No deadline yet: the timeout clock starts when the executor starts the job (a job
+        # waiting for a free slot is not running out of time).
+        return InFlight(job=job, ctx=ctx, deadline=None)
 
     def hand_back_unstarted(self, jobs: list[store.ClaimedJob]) -> None:
         for job in jobs:
@@ -593,7 +602,7 @@ class Runner:
 
     def _execute(self, item: InFlight) -> None:
         item.ctx.started_monotonic = time.monotonic()
-        if item.deadline is not None and item.job.timeout:
+        if item.job.timeout:
             item.deadline = item.ctx.started_monotonic + item.job.timeout
         if self.sidecar is not None:
             # A handler may hold the GIL from its first line: the sidecar must already know
@@ -639,7 +648,7 @@ class Runner:
 
     def _supervise(self) -> None:
         while True:
-            self._enforce_timeouts()
+            self._tick()
             dead = [loop for loop in self.loops if loop.failure is not None]
             if dead and not self.halt.is_set():
                 logger.critical("stopping runner %s: loop %s died", self.runner_id,
@@ -652,69 +661,13 @@ class Runner:
             self.stopping.wait(SUPERVISOR_TICK)
         self._shutdown()
 
-    def _enforce_timeouts(self) -> None:
-        self._settle_lost_jobs()
+    def _tick(self) -> None:
+        """One round of the supervisor's own duties: vouch to the sidecar, enforce timeouts."""
         now = time.monotonic()
         if now - self._vouched_at >= VOUCH_SECONDS:
             self._vouched_at = now
             self.vouch()
-        for item in self.pool.snapshot():
-            if item.deadline is not None and now >= item.deadline:
-                self._take_over(item, Outcome(
-                    "retry", "TIMEOUT",
-                    f"attempt {item.job.attempt} exceeded its timeout of {item.job.timeout:g}s",
-                    delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
-                ), "timed_out")
-        self._settle_taken_over()
-
-    def _take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str | None) -> None:
-        """Take a job from its worker, then settle it: kill the handler's connection (so it can
-        commit nothing), interrupt its thread, record the outcome (fenced).
-
-        Nothing here waits on a row lock for long: the job's row may be locked by user code (a
-        handler that touched another running job in its own transaction) or by another runner,
-        and waiting would hold up every other timeout and the shutdown. A job whose row is
-        locked stays in ``_unsettled`` and is tried again every tick; meanwhile its handler is
-        already cut off, so it cannot complete late.
-        """
-        if not self.pool.take_over(item):
-            return  # it finished on its own
-        self._unsettled.append(_Unsettled(item, outcome, attempt_outcome))
-        self._settle_taken_over()
-
-    def _settle_taken_over(self) -> None:
-        now = time.monotonic()
-        for entry in list(self._unsettled):
-            if entry.retry_at > now:
-                continue
-            if self._settle(entry):
-                self._unsettled.remove(entry)
-            elif not entry.locked:
-                entry.retry_at = now + UNSETTLED_RETRY_SECONDS
-
-    def _settle(self, entry: _Unsettled) -> bool:
-        item = entry.item
-        if not entry.terminated:
-            pid, started = item.backend_pid, item.backend_start
-            if pid:
-                try:
-                    run_bounded(self.alias, lambda c: store.terminate_backend(c, pid, started),
-                                what="terminating a timed-out handler's connection")
-                except NotNow as exc:
-                    entry.locked = exc.locked
-                    return False
-            entry.terminated = True
-            self.pool.interrupt(item, JobInterrupted)
-        try:
-            status = record_outcome(self.alias, item.job, entry.outcome, self.runner_id,
-                                    self.forced, attempt_outcome=entry.attempt_outcome,
-                                    bounded=True)
-        except NotNow as exc:
-            entry.locked = exc.locked
-            return False
-        if status is None:
-            logger.info("job %s finished just as it was taken over", item.job.id)
-        return True
+        self.timeouts.enforce()
 
     def _shutdown(self) -> None:
         grace = self.settings.shutdown_grace
@@ -726,7 +679,7 @@ class Runner:
         for item in self.pool.unstarted():
             # Prefetched but never started: hand back at once, uncharged, rather than start
             # new work after the signal.
-            self._take_over(item, Outcome(
+            self.timeouts.take_over(item, Outcome(
                 "release", "SHUTDOWN",
                 f"runner {self.runner_id} stopped before starting attempt {item.job.attempt}; "
                 "handed back unstarted",
@@ -734,11 +687,11 @@ class Runner:
         while self.pool.busy and not self.forced.is_set():
             if time.monotonic() - started >= grace:
                 break
-            self._enforce_timeouts()
+            self._tick()
             with self.pool.changed:
                 self.pool.changed.wait(SUPERVISOR_TICK)
         for item in self.pool.snapshot():
-            self._take_over(item, Outcome(
+            self.timeouts.take_over(item, Outcome(
                 "handback", "SHUTDOWN",
                 f"runner {self.runner_id} stopped before attempt {item.job.attempt} finished "
                 f"(grace period {grace:g}s); handed back for retry",
@@ -746,12 +699,13 @@ class Runner:
         # Ride out a database outage as long as it lasts (a second signal cuts it short), but
         # give up on rows that stay locked after a while: their holder may never let go.
         settle_until = time.monotonic() + SETTLE_AT_EXIT_SECONDS
-        while self._unsettled and not self.forced.is_set() and not (
-            time.monotonic() >= settle_until and all(e.locked for e in self._unsettled)
+        unsettled = self.timeouts.unsettled
+        while unsettled and not self.forced.is_set() and not (
+            time.monotonic() >= settle_until and all(e.locked for e in unsettled)
         ):
             self.forced.wait(SUPERVISOR_TICK)
-            self._settle_taken_over()
-        for entry in self._unsettled:
+            self.timeouts.settle_pending()
+        for entry in unsettled:
             logger.error(
                 "job %s: could not record its outcome (%s) before exiting; it will be rescued "
                 "once this runner's row is gone", entry.item.job.id, entry.outcome.code,

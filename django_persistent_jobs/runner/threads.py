@@ -7,6 +7,7 @@ the price is that handler code shares the interpreter (and its GIL) with the sup
 
 from __future__ import annotations
 
+from .execute import InFlight
 from .pool import WorkerPool
 
 
@@ -14,3 +15,12 @@ class ThreadExecutor(WorkerPool):
     """``Executor`` on threads; see ``pool.WorkerPool`` for how a hung handler is taken over."""
 
     kind = "threads"
+
+    def submit_many(self, items: list[InFlight]) -> int:
+        for accepted, item in enumerate(items):
+            if not self.submit(item):
+                return accepted
+        return len(items)
+
+    def cancel(self, item: InFlight) -> None:
+        item.ctx._cancel_event.set()  # the handler's own context: it runs here

@@ -33,6 +33,19 @@ def hold_gil(payload: dict[str, Any], ctx: JobContext) -> None:
     _ledger(ctx)
 
 
+@job_handler("procs.gil_at_once", max_retries=0, timeout=1)
+def hold_gil_at_once(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Write in the job's transaction, publish the job's session, then hold the worker's GIL
+    inside C: from here on no thread of the worker runs, so nothing in the worker can tell the
+    supervisor anything (the supervisor must already know the session)."""
+    _ledger(ctx)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        backend = cursor.fetchone()[0]
+    ctx.report_progress({"pid": os.getpid(), "backend": backend})
+    ctypes.PyDLL(None).sleep(int(payload.get("seconds", 30)))
+
+
 @job_handler("procs.c_sleep", max_retries=0, timeout=1)
 def c_sleep(payload: dict[str, Any], ctx: JobContext) -> None:
     """Block in C for an hour (GIL released): no exception injected into this thread can end

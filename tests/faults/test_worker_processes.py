@@ -144,6 +144,38 @@ def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_repl
     assert runner.alive
 
 
+def test_a_handler_holding_the_gil_from_its_start_has_its_session_ended_at_its_timeout(
+    fleet: Fleet,
+) -> None:
+    """The worker cannot say anything once the handler holds its GIL, yet at the timeout the
+    supervisor terminates the job's session (its write never commits): the worker reported the
+    session when the lane's connection opened, before the handler started. The worker itself
+    is only recycled after the grace."""
+    grace = 8.0
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=2,
+                         settings={"TIMEOUT_GRACE": grace})
+    (worker,) = wait_for(lambda: worker_pids(runner), 30, "a worker")
+    job_id = enqueue_typed("procs.gil_at_once", {"seconds": 30})
+    progress = wait_for(lambda: job_row(job_id)["progress"], 20, "the handler to start")
+    started = time.monotonic()
+    assert progress["pid"] == worker
+    wait_for(lambda: not sql_value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                     [progress["backend"]]), 1.0 + 2.0,
+               "the session to be terminated at the timeout", interval=0.02)
+    ended = time.monotonic() - started
+    assert _alive(worker), "the session must end at the timeout, not when the worker is killed"
+    assert ended < grace, ended
+    row = wait_status(job_id, "dead_lettered", timeout=5)
+    assert row["code"] == "TIMEOUT"
+    assert ledger_of(job_id) == []
+    runner.wait_line(r"recycling worker 1 .*did not return", timeout=grace + 5)
+    wait_for(lambda: not _alive(worker), grace + 5, "the stuck worker to be killed")
+    later = enqueue_jobs(3)
+    wait_all_terminal(later, timeout=30)
+    verify(later)
+    assert runner.alive
+
+
 def test_sigkill_of_a_worker_settles_its_jobs_within_a_second_and_draining_goes_on(
     fleet: Fleet,
 ) -> None:
@@ -238,6 +270,47 @@ def test_a_second_signal_stops_at_once(fleet: Fleet) -> None:
     assert job_row(job_id)["status"] == "pending"
     wait_for(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit",
              reconnect=True)
+
+
+def test_prefetched_jobs_wait_in_the_supervisor_and_outlive_a_worker(fleet: Fleet) -> None:
+    """``PREFETCH`` with worker processes: jobs claimed ahead wait in the supervisor, not in a
+    worker, so a worker that dies takes only the job it was running."""
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1, settings={"PREFETCH": 2})
+    (worker,) = wait_for(lambda: worker_pids(runner), 30, "a worker")
+    first = enqueue_typed("procs.pid", {"sleep": 60})
+    wait_for(lambda: job_row(first)["progress"], 20, "the first job to start")
+    waiting = [enqueue_typed("procs.pid") for _ in range(2)]
+    wait_for(lambda: all(job_row(j)["status"] == "running" for j in waiting), 20,
+               "two more jobs claimed ahead")
+    assert all(job_row(j)["progress"] is None for j in waiting)  # claimed, not started
+    os.kill(worker, signal.SIGKILL)
+    wait_all_terminal([first, *waiting], timeout=60)
+    verify([first, *waiting])
+    assert [(a.attempt, a.outcome, a.error_code) for a in attempts_of([first])] == [
+        (1, "failed", "WORKER_LOST"), (2, "completed", "")]
+    for job_id in waiting:
+        assert [(a.attempt, a.outcome) for a in attempts_of([job_id])] == [(1, "completed")]
+    assert worker not in worker_pids(runner) and runner.alive
+
+
+def test_prefetched_jobs_are_handed_back_unstarted_at_shutdown(fleet: Fleet) -> None:
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"PREFETCH": 2, "SHUTDOWN_GRACE": 2})
+    workers = wait_for(lambda: worker_pids(runner), 30, "a worker")
+    running = enqueue_typed("procs.pid", {"sleep": 60})
+    wait_for(lambda: job_row(running)["progress"], 20, "the first job to start")
+    waiting = [enqueue_typed("procs.pid") for _ in range(2)]
+    wait_for(lambda: all(job_row(j)["status"] == "running" for j in waiting), 20,
+               "two more jobs claimed ahead")
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(20) == 0
+    for job_id in (running, *waiting):
+        row = job_row(job_id)
+        assert (row["status"], row["attempts"]) == ("pending", 0), row
+        assert [a.outcome for a in attempts_of([job_id])] == ["interrupted"]
+        assert ledger_of(job_id) == []
+    assert all(job_row(j)["progress"] is None for j in waiting)  # never started
+    wait_for(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
 
 
 def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> None:

@@ -25,16 +25,15 @@ import queue
 import signal
 import sys
 import threading
-import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol
+from .channel import Reader
 
 PR_SET_PDEATHSIG = 1
 
 logger = logging.getLogger("django_persistent_jobs.runner")
-#: A job running longer than this has its database session reported to the supervisor.
-SESSION_REPORT_SECONDS = 0.1
 #: At exit, how long completions still being written get (the supervisor kills a worker that
 #: has not exited 2 s after being told to stop).
 EXIT_COMPLETION_SECONDS = 1.5
@@ -89,12 +88,34 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
 
 
 
+@dataclass(eq=False)
+class Lane:
+    """One thread of the worker and the jobs the supervisor sent to it, in order.
+
+    The thread keeps its database connection from job to job; ``session`` is the one the
+    supervisor was last told about (``SESSION``), ``raw`` the connection it belongs to.
+    """
+
+    number: int
+    jobs: queue.SimpleQueue[tuple[tuple[Any, ...], bool] | None] = field(
+        default_factory=queue.SimpleQueue)
+    session: tuple[Any, Any] | None = None
+    raw: Any = None
+
+
 class Worker:
-    """Receives jobs on the pipe, runs each on a thread, reports back."""
+    """Receives jobs on the pipe, runs each on the thread of the lane the supervisor chose,
+    reports back."""
 
     def __init__(self, conn: Any, options: dict[str, Any]) -> None:
+        # Imported here, once Django is set up, rather than in the per-job methods.
         from django.db import connections
 
+        from ...context import JobContext
+        from .. import execute
+
+        self._context = JobContext
+        self._execute = execute
         self.conn = conn
         self.alias: str = options["alias"]
         self.runner_id: str = options["runner_id"]
@@ -102,10 +123,17 @@ class Worker:
         self.connections = connections
         self.send_lock = threading.Lock()
         self.lock = threading.Lock()
-        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.idle = 0  # threads waiting for a job (not reserved for one already sent)
-        self.running: dict[Any, Any] = {}  # job id -> InFlight, while its handler runs
-        self.tokens: dict[Any, int] = {}
+        self.lanes: dict[int, Lane] = {}
+        self.running: dict[Any, Any] = {}  # wire id -> InFlight, while its handler runs
+        self.tokens: dict[Any, int] = {}  # job id -> fencing token, for progress reports
+        #: Sent to a lane and not started yet; of those, the ones the supervisor took back,
+        #: and the ones an operator asked to cancel.
+        self.queued: set[Any] = set()
+        self.skip: set[Any] = set()
+        self.cancelled: set[Any] = set()
+        #: Jobs whose thread returned, not yet reported; whether a thread is reporting now.
+        self.finished: list[Any] = []
+        self.reporting = False
         self.never = threading.Event()  # settling retries until done: the supervisor kills us
         self.side: Any = None
         self.side_lock = threading.Lock()
@@ -121,27 +149,25 @@ class Worker:
                 os._exit(0)  # the supervisor is gone
 
     def serve(self) -> None:
-        threading.Thread(target=self._report_sessions, name=f"pj-w{self.number}-sessions",
-                         daemon=True).start()
         self.send((protocol.READY, os.getpid()))
+        reader = Reader(self.conn.fileno())
         while True:
             try:
-                message = self.conn.recv()
+                messages = reader.read()
             except (EOFError, OSError):
                 self._exit()  # the supervisor is gone
                 return
-            tag = message[0]
-            if tag == protocol.RUN:
-                self._start(message[1], message[2])
-            elif tag == protocol.CANCEL:
-                item = self.running.get(message[1])
-                if item is not None:
-                    item.ctx._cancel_event.set()
-            elif tag == protocol.INTERRUPT:
-                self._interrupt(message[1])
-            elif tag == protocol.STOP:
-                self._exit()
-                return
+            for message in messages:
+                tag = message[0]
+                if tag == protocol.RUN:
+                    self._start(message[1])
+                elif tag == protocol.CANCEL:
+                    self._cancel(message[1])
+                elif tag == protocol.INTERRUPT:
+                    self._interrupt(message[1], message[2])
+                elif tag == protocol.STOP:
+                    self._exit()
+                    return
 
     def _exit(self) -> None:
         """Leave at once (after the completions handed over are written): whatever still runs
@@ -153,41 +179,36 @@ class Worker:
         logging.shutdown()
         os._exit(0)
 
-    # ------------------------------------------------------------------ threads
-    def _start(self, job: Any, cancel: bool) -> None:
+    # ------------------------------------------------------------------ lanes
+    def _start(self, batch: list[tuple[int, tuple[Any, ...], bool]]) -> None:
         with self.lock:
-            if self.idle > 0:
-                self.idle -= 1
-                spawn = False
-            else:
-                spawn = True
-        self.jobs.put((job, cancel))
-        if spawn:
-            threading.Thread(target=self._thread_main, name=f"pj-w{self.number}-job",
-                             daemon=True).start()
+            self.queued.update(packed[0] for _, packed, _ in batch)
+        for number, packed, cancel in batch:
+            lane = self.lanes.get(number)
+            if lane is None:
+                lane = self.lanes[number] = Lane(number)
+                threading.Thread(target=self._lane_main, args=(lane,),
+                                 name=f"pj-w{self.number}-lane{number}", daemon=True).start()
+            lane.jobs.put((packed, cancel))
 
-    def _thread_main(self) -> None:
-        from ..execute import JobInterrupted
-
+    def _lane_main(self, lane: Lane) -> None:
         try:
             while True:
-                job, cancel = self.jobs.get()
-                if not self._run(job, cancel):
-                    return  # interrupted: this thread may hold a pending async exception
-                with self.lock:
-                    self.idle += 1
-        except JobInterrupted:
+                entry = lane.jobs.get()
+                if entry is None or not self._run(lane, *entry):
+                    return  # retired; an interrupted thread may hold a pending async exception
+        except self._execute.JobInterrupted:
             pass
         finally:
             with contextlib.suppress(Exception):
                 self.connections.close_all()
 
-    def _run(self, job: Any, cancel: bool) -> bool:
-        """Run one job; False if it was interrupted (the thread then exits)."""
-        from ...context import JobContext
-        from ..execute import InFlight, JobInterrupted, execute
-
-        ctx = JobContext(
+    def _run(self, lane: Lane, packed: tuple[Any, ...], cancel: bool) -> bool:
+        """Run one job; False if the supervisor took it over (the lane is then retired)."""
+        execute = self._execute
+        wire_id = packed[0]
+        job = protocol.unpack_job(packed)
+        ctx = self._context(
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
             priority=job.priority, timeout=job.timeout, tenant=job.tenant,
@@ -195,67 +216,124 @@ class Worker:
         )
         if cancel:
             ctx._cancel_event.set()
-        item = InFlight(job=job, ctx=ctx, deadline=None, thread_ident=threading.get_ident(),
-                        completer=self.completer)
-        item.ctx.started_monotonic = time.monotonic()
+        item = execute.InFlight(job=job, ctx=ctx, deadline=None,
+                                thread_ident=threading.get_ident(), completer=self.completer)
         with self.lock:
-            self.running[job.id] = item
-            self.tokens[job.id] = job.token
+            self.queued.discard(wire_id)
+            if self.cancelled and wire_id in self.cancelled:
+                self.cancelled.discard(wire_id)
+                ctx._cancel_event.set()
+            skipped = wire_id in self.skip
+            if skipped:
+                self.skip.discard(wire_id)
+            else:
+                self.running[wire_id] = item
+                self.tokens[job.id] = job.token
+        if skipped:  # taken back before it started: it never runs here
+            self._done(wire_id)
+            return False
         try:
-            execute(self.alias, item, self.runner_id, self.never)
-        except JobInterrupted:
+            self._report_session(lane, item)
+            execute.execute(self.alias, item, self.runner_id, self.never)
+        except execute.JobInterrupted:
             pass
         except BaseException as exc:
             if not item.taken_over.is_set():
-                self.send((protocol.CRASHED, job.id, f"{type(exc).__name__}: {exc}"))
+                self.send((protocol.CRASHED, wire_id, f"{type(exc).__name__}: {exc}"))
         finally:
-            with self.lock:
-                self.running.pop(job.id, None)
-                self.tokens.pop(job.id, None)
-                interrupted = item.taken_over.is_set()
+            interrupted = self._leave(wire_id, item)
         if interrupted:
             # Operators want to know whether timed-out code ever returns (one blocked in C
             # does not: its worker is recycled instead).
             logger.info("abandoned worker for job %s exited", job.id,
                         extra={"event": "abandoned_worker_exited", "job_id": str(job.id)})
-        self.send((protocol.DONE, job.id))
+        self._done(wire_id)
         return not interrupted
 
-    def _report_sessions(self) -> None:
-        """Tell the supervisor which database session runs each job that has run for a while,
-        so that at its timeout the supervisor can terminate that session.
+    def _leave(self, wire_id: Any, item: Any) -> bool:
+        """Forget a job whose handler returned; True if the supervisor had taken it over.
 
-        Not per job: most jobs finish long before any timeout, and a message each way per job
-        is the whole cost of the hand-off. If a handler holds this process's GIL so long that
-        the report never goes out, the job's session ends with the worker, which is recycled
-        when the handler does not return after its timeout.
+        ``_interrupt`` injects its exception only while the job is in ``running``, under the
+        lock taken here: an exception injected just as the handler returned fires as this
+        thread takes the lock, once. Then it is simply done again.
         """
-        reported: set[Any] = set()
-        while True:
-            time.sleep(SESSION_REPORT_SECONDS)
-            now = time.monotonic()
-            with self.lock:
-                due = [item for job_id, item in self.running.items()
-                       if job_id not in reported and item.backend_pid is not None
-                       and now - item.ctx.started_monotonic >= SESSION_REPORT_SECONDS]
-                reported &= set(self.running)
-            for item in due:
-                reported.add(item.job.id)
-                self.send((protocol.STARTED, item.job.id, item.backend_pid, item.backend_start))
+        for _ in range(2):
+            try:
+                with self.lock:
+                    self.running.pop(wire_id, None)
+                    self.tokens.pop(item.job.id, None)
+                    return bool(item.taken_over.is_set())
+            except self._execute.JobInterrupted:
+                continue
+        return True
 
-    def _interrupt(self, job_id: Any) -> None:
-        """Stop a handler the supervisor has settled: a pure-Python loop ends at its next
-        bytecode; a thread blocked in C does not, and the supervisor recycles this worker."""
+    def _report_session(self, lane: Lane, item: Any) -> None:
+        """Before the handler starts, tell the supervisor which database session it runs on,
+        if that is not the session the lane's last job ran on (once per connection): a handler
+        may hold this process's GIL from its first instruction, and the supervisor must still
+        be able to terminate its session at the timeout.
+
+        Only a connection the lane has not reported is looked at here: ``execute`` checks the
+        connection again anyway, and every check costs a system call, so a release of this
+        process's GIL, which a thread running a CPU-bound handler then makes the job wait
+        for. (A connection the server dropped while idle is replaced inside ``execute``; that
+        one job runs on a session reported only with the next.)
+        """
+        raw = self.connections[self.alias].connection
+        if raw is not None and raw is lane.raw:
+            return
+        try:
+            self._execute.prepare_connection(self.alias, item)
+        except Exception:
+            return  # ``execute`` meets the same error and settles the job
+        lane.raw = self.connections[self.alias].connection
+        session = (item.backend_pid, item.backend_start)
+        if session != lane.session:
+            lane.session = session
+            self.send((protocol.SESSION, lane.number, *session))
+
+    def _done(self, wire_id: Any) -> None:
+        """Report a finished job. Reports coalesce: while one thread writes a ``DONE``, jobs
+        that finish meanwhile wait for its next one, instead of a message each."""
+        with self.lock:
+            self.finished.append(wire_id)
+            if self.reporting:
+                return
+            self.reporting = True
+        while True:
+            with self.lock:
+                batch, self.finished = self.finished, []
+                if not batch:
+                    self.reporting = False
+                    return
+            self.send((protocol.DONE, batch))
+
+    def _cancel(self, wire_id: Any) -> None:
+        with self.lock:
+            item = self.running.get(wire_id)
+            if item is None and wire_id in self.queued:
+                self.cancelled.add(wire_id)  # seen when it starts
+        if item is not None:
+            item.ctx._cancel_event.set()
+
+    def _interrupt(self, wire_id: Any, lane_number: int) -> None:
+        """Stop a handler the supervisor has settled, and retire its lane: a pure-Python loop
+        ends at its next bytecode; a thread blocked in C does not, and the supervisor recycles
+        this worker. A job that has not started yet never starts."""
         from ..execute import JobInterrupted
         from ..pool import inject_exception
 
         with self.lock:
-            item = self.running.get(job_id)
-            if item is None:
-                return
-            item.taken_over.set()
-            if item.thread_ident is not None:
-                inject_exception(item.thread_ident, JobInterrupted)
+            lane = self.lanes.pop(lane_number, None)
+            item = self.running.get(wire_id)
+            if item is not None:
+                item.taken_over.set()
+                if item.thread_ident is not None:
+                    inject_exception(item.thread_ident, JobInterrupted)
+            elif wire_id in self.queued:
+                self.skip.add(wire_id)
+        if lane is not None:
+            lane.jobs.put(None)  # it takes no more jobs: its thread exits once idle
 
     # ------------------------------------------------------------------ progress
     def _report_progress(self, ctx: Any, progress: Any) -> None:

@@ -8,12 +8,22 @@ killer, SIGKILL) is noticed the moment it exits. Its in-flight jobs are then set
 ``WORKER_LOST`` (charged: a poison pill still ends dead-lettered after its retries) through the
 ``on_lost`` callback (the supervisor settles them on its next tick), and a replacement starts.
 
-Slots are counted here, per worker: a job taken over by the supervisor (timeout, shutdown) frees
-its slot at once, whatever its thread does. A thread that has not returned ``grace`` seconds
+Slots are counted here, per worker, as *lanes* (see ``protocol``): the supervisor picks the
+thread, and so the database session, each job runs on. A job taken over by the supervisor
+(timeout, shutdown) frees its slot at once, whatever its thread does: its lane is retired and a
+fresh one takes its place. A thread that has not returned ``grace`` seconds
 after being interrupted (blocked in C, where no exception reaches it) gets its worker recycled:
 no new jobs, the others get ``grace`` to finish, then the process is killed and replaced. The
 same graceful recycling (without the kill) serves ``MAX_JOBS_PER_WORKER`` and
 ``MAX_MEMORY_PER_WORKER``.
+
+The thread that hands a job over writes it to the worker itself: waking the manager thread to
+write it would cost a thread switch per claim, more than the write. Jobs handed over together
+(``submit_many``, or the waiting jobs several freed lanes take) go as one ``RUN`` message per
+worker, and a worker's reader takes every message waiting on its pipe in one read. Writes never
+block (``channel.Writer``): a worker whose handler holds its GIL reads nothing, and the
+supervisor must not wait for it. ``PREFETCH`` claimed jobs may wait here, in the supervisor, for
+a free lane: a worker that dies takes none of them with it.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from typing import Any
 
 from ..execute import InFlight
 from . import protocol
+from .channel import Reader, Writer
 from .launch import WorkerProcess, settings_module
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -71,30 +82,48 @@ class WorkerHandle:
     stop_sent: bool = False
     gone: bool = False
     jobs_run: int = 0
+    #: Its jobs by wire id (``protocol.wire_id``), and the lane each one runs on.
     in_flight: dict[Any, InFlight] = field(default_factory=dict)
-    #: Jobs taken over from it whose thread has not returned yet: job id -> recycle deadline.
-    abandoned: dict[Any, float] = field(default_factory=dict)
+    lane_of: dict[Any, int] = field(default_factory=dict)
+    #: Lanes with no job (set up when the worker is ready), the next new lane's number, and
+    #: the database session each lane last reported.
+    free_lanes: list[int] = field(default_factory=list)
+    next_lane: int = 0
+    sessions: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    #: Jobs taken over from it whose thread has not returned yet:
+    #: wire id -> (recycle deadline, job id).
+    abandoned: dict[Any, tuple[float, Any]] = field(default_factory=dict)
+    reader: Reader | None = None
+    writer: Writer | None = None
+
+    def channel(self) -> Writer:
+        """The non-blocking end of its pipe (set up on first use), on a descriptor of its own:
+        closed by ``close_channel`` under the writer's lock, so no thread still writing to a
+        worker that just died can write into a descriptor number reused meanwhile."""
+        with self.send_lock:
+            if self.writer is None:
+                fd = os.dup(self.conn.fileno())
+                os.set_blocking(fd, False)
+                self.reader = Reader(fd)
+                self.writer = Writer(fd)
+            return self.writer
+
+    def close_channel(self) -> None:
+        with self.send_lock:
+            if self.writer is not None:
+                self.writer.close()
 
     def send(self, message: tuple[Any, ...]) -> bool:
-        with self.send_lock:
-            try:
-                self.conn.send(message)
-                return True
-            except (OSError, EOFError, ValueError):
-                return False  # it died: the manager settles its jobs
+        """Write ``message``, or queue it if the pipe is full; False if it died (the manager
+        then settles its jobs) or part of the message waits for the pipe (``blocked``)."""
+        try:
+            return self.channel().send(message)
+        except (OSError, ValueError):
+            return False
 
-
-class _RelayedCancel(threading.Event):
-    """The supervisor-side cancel flag of a job that runs in a worker: setting it tells the
-    worker, so the cancel relay works unchanged whichever executor runs the job."""
-
-    def __init__(self, forward: Callable[[], None]) -> None:
-        super().__init__()
-        self._forward = forward
-
-    def set(self) -> None:
-        super().set()
-        self._forward()
+    @property
+    def blocked(self) -> bool:
+        return self.writer is not None and bool(self.writer.pending)
 
 
 class ProcessExecutor:
@@ -108,7 +137,7 @@ class ProcessExecutor:
         on_crash: Callable[[InFlight, BaseException], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
         max_jobs: int | None = None, max_memory_mib: float | None = None, grace: float = 5.0,
-        log_level: int | None = None, log_to_stderr: bool = False,
+        log_level: int | None = None, log_to_stderr: bool = False, prefetch: int = 0,
     ) -> None:
         self.processes = processes
         self.concurrency = concurrency
@@ -120,13 +149,17 @@ class ProcessExecutor:
         self.max_jobs = max_jobs
         self.max_memory = None if max_memory_mib is None else max_memory_mib * 1024 * 1024
         self.grace = grace
+        self.prefetch = max(0, prefetch)
         self.log_level = log_level
         self.log_to_stderr = log_to_stderr
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.in_flight: dict[object, InFlight] = {}
-        self.owner: dict[object, WorkerHandle] = {}
-        self.pending: deque[InFlight] = deque()  # accepted while no worker was ready
+        self.owner: dict[object, WorkerHandle] = {}  # by wire id, once given to a worker
+        #: Accepted while no lane was free (``PREFETCH``, or no worker ready yet).
+        self.pending: deque[InFlight] = deque()
+        #: Assigned to a lane, not written yet (only while ``lock`` is held: ``_flush_locked``).
+        self._outbox: list[tuple[WorkerHandle, int, InFlight]] = []
         self.workers: list[WorkerHandle] = []
         self._numbers = 0
         self._sealed = False
@@ -185,9 +218,8 @@ class ProcessExecutor:
             return len(self.in_flight) - len(self.pending)
 
     def _free_locked(self) -> int:
-        free = sum(self.concurrency - len(w.in_flight) for w in self.workers
-                   if w.ready and not w.draining)
-        return max(0, free - len(self.pending))
+        free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
+        return max(0, free + self.prefetch - len(self.pending))
 
     def free_slots(self) -> int:
         with self.lock:
@@ -204,20 +236,24 @@ class ProcessExecutor:
             return self._free_locked()
 
     def submit(self, item: InFlight) -> bool:
+        """Accept a claimed job: start it on a free lane, or keep it waiting here for one."""
+        return self.submit_many([item]) == 1
+
+    def submit_many(self, items: list[InFlight]) -> int:
+        """Accept claimed jobs (all of them, or none once sealed: returns how many), writing
+        each worker its share as one message."""
         with self.lock:
             if self._sealed:
-                return False
-            self.in_flight[item.job.id] = item
-            item.ctx._cancel_event = _RelayedCancel(lambda: self._relay_cancel(item))
-            if item.job.cancel_requested:
-                threading.Event.set(item.ctx._cancel_event)
-            worker = self._pick_locked()
-            if worker is None:
-                self.pending.append(item)
-                return True
-            self._assign_locked(item, worker)
-        self._send_run(worker, item)
-        return True
+                return 0
+            for item in items:
+                self.in_flight[item.job.id] = item
+                worker = None if self.pending else self._pick_locked()
+                if worker is None:
+                    self.pending.append(item)
+                else:
+                    self._assign_locked(item, worker)
+            self._flush_locked()
+        return len(items)
 
     def seal(self) -> None:
         with self.lock:
@@ -232,29 +268,40 @@ class ProcessExecutor:
             return list(self.in_flight.values())
 
     def take_over(self, item: InFlight) -> bool:
+        """Take a job back and free its slot. A job the worker was sent has its lane retired
+        (its thread may never return) and a fresh lane takes its place; one still waiting
+        here simply never goes."""
         with self.lock:
             if self.in_flight.get(item.job.id) is not item:
                 return False
             item.taken_over.set()
             del self.in_flight[item.job.id]
-            worker = self.owner.pop(item.job.id, None)
+            wire_id = protocol.wire_id(item.job.id)
+            worker = self.owner.pop(wire_id, None)
             if worker is None:
                 with contextlib.suppress(ValueError):
                     self.pending.remove(item)
             else:
-                worker.in_flight.pop(item.job.id, None)
-                item.owner = worker
+                worker.in_flight.pop(wire_id, None)
+                lane = worker.lane_of.pop(wire_id)
+                item.owner = (worker, lane)
+                worker.sessions.pop(lane, None)
+                worker.free_lanes.append(worker.next_lane)
+                worker.next_lane += 1
                 if worker in self.workers:
-                    worker.abandoned[item.job.id] = time.monotonic() + self.grace
+                    worker.abandoned[wire_id] = (time.monotonic() + self.grace, item.job.id)
+                self._assign_pending_locked()
             self.changed.notify_all()
         self._wake()
         return True
 
     def interrupt(self, item: InFlight, exc_type: type[BaseException]) -> bool:
-        worker = item.owner
-        if not isinstance(worker, WorkerHandle):
+        """Tell the worker to stop the job's handler and retire its lane."""
+        owner = item.owner
+        if not isinstance(owner, tuple):
             return False
-        return worker.send((protocol.INTERRUPT, item.job.id))
+        worker, lane = owner
+        return self._send(worker, (protocol.INTERRUPT, protocol.wire_id(item.job.id), lane))
 
     def close(self) -> None:
         with self.lock:
@@ -264,7 +311,7 @@ class ProcessExecutor:
             self.changed.notify_all()
         for worker in workers:
             worker.stop_sent = True
-            worker.send((protocol.STOP,))
+            self._send(worker, (protocol.STOP,))
         self._wake()
 
     def join(self, timeout: float) -> None:
@@ -279,41 +326,77 @@ class ProcessExecutor:
 
     # ------------------------------------------------------------------ placement
     def _pick_locked(self) -> WorkerHandle | None:
+        """The worker with the most free lanes (None if no lane is free)."""
         best: WorkerHandle | None = None
         for worker in self.workers:
-            if not worker.ready or worker.draining:
+            if not worker.free_lanes or not worker.ready or worker.draining:
                 continue
-            if best is None or len(worker.in_flight) < len(best.in_flight):
+            if best is None or len(worker.free_lanes) > len(best.free_lanes):
                 best = worker
         return best
 
     def _assign_locked(self, item: InFlight, worker: WorkerHandle) -> None:
-        worker.in_flight[item.job.id] = item
-        self.owner[item.job.id] = worker
+        """Give ``item`` a free lane of ``worker``, to be written before the lock is released.
+        Its timeout clock starts now: a job that waited here for a lane lost no time."""
+        wire_id = protocol.wire_id(item.job.id)
+        lane = worker.free_lanes.pop()
+        worker.in_flight[wire_id] = item
+        worker.lane_of[wire_id] = lane
+        self.owner[wire_id] = worker
+        session = worker.sessions.get(lane)
+        if session is not None:
+            item.backend_pid, item.backend_start = session
+        now = time.monotonic()
+        item.ctx.started_monotonic = now
+        if item.job.timeout:
+            item.deadline = now + item.job.timeout
+        self._outbox.append((worker, lane, item))
         worker.jobs_run += 1
         if self.max_jobs is not None and worker.jobs_run >= self.max_jobs:
             self._recycle_locked(worker, f"it ran {worker.jobs_run} jobs (MAX_JOBS_PER_WORKER)")
 
-    def _send_run(self, worker: WorkerHandle, item: InFlight) -> None:
-        worker.send((protocol.RUN, item.job, item.ctx.cancel_requested))
+    def _assign_pending_locked(self) -> None:
+        """Start waiting jobs on free lanes (and write them)."""
+        while self.pending:
+            worker = self._pick_locked()
+            if worker is None:
+                break
+            self._assign_locked(self.pending.popleft(), worker)
+        self._flush_locked()
 
-    def _relay_cancel(self, item: InFlight) -> None:
-        worker = self.owner.get(item.job.id)
-        if worker is not None:
-            worker.send((protocol.CANCEL, item.job.id))
+    def _flush_locked(self) -> None:
+        """Write the jobs just assigned: one ``RUN`` message per worker.
 
-    def _assign_pending(self) -> None:
-        sends: list[tuple[WorkerHandle, InFlight]] = []
+        Written before the lock is released, so that whatever follows about one of these jobs
+        (an ``INTERRUPT`` from whoever takes it over, a ``CANCEL``) is written after it.
+        """
+        if not self._outbox:
+            return
+        batches: dict[WorkerHandle, list[tuple[int, tuple[Any, ...], bool]]] = {}
+        for worker, lane, item in self._outbox:
+            batches.setdefault(worker, []).append(
+                (lane, protocol.pack_job(item.job), item.ctx.cancel_requested))
+        self._outbox.clear()
+        for worker, batch in batches.items():
+            self._send(worker, (protocol.RUN, batch))
+
+    def cancel(self, item: InFlight) -> None:
+        """Set the job's cancel flag here (a job still waiting takes it along in its ``RUN``)
+        and tell its worker. Under the lock ``RUN`` messages are written with, so a ``CANCEL``
+        follows the job's ``RUN``."""
         with self.lock:
-            while self.pending:
-                worker = self._pick_locked()
-                if worker is None:
-                    break
-                item = self.pending.popleft()
-                self._assign_locked(item, worker)
-                sends.append((worker, item))
-        for worker, item in sends:
-            self._send_run(worker, item)
+            item.ctx._cancel_event.set()
+            wire_id = protocol.wire_id(item.job.id)
+            worker = self.owner.get(wire_id)
+            if worker is not None:
+                self._send(worker, (protocol.CANCEL, wire_id))
+
+    def _send(self, worker: WorkerHandle, message: tuple[Any, ...]) -> bool:
+        """Send from any thread; if the pipe is full, the manager thread writes the rest."""
+        if worker.send(message):
+            return True
+        self._wake()
+        return False
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn_locked(self) -> WorkerHandle:
@@ -359,6 +442,7 @@ class ProcessExecutor:
         selector = self._selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ, None)
         watched: set[WorkerHandle] = set()
+        writing: set[WorkerHandle] = set()  # watched for writability too (a full pipe)
         try:
             with self.lock:
                 self._to_spawn = self.processes
@@ -383,16 +467,31 @@ class ProcessExecutor:
                             selector.register(worker.process.sentinel, selectors.EVENT_READ,
                                               worker)
                 watched &= set(workers)
+                writing &= watched
                 woken: dict[WorkerHandle, bool] = {}
-                for key, _ in selector.select(timeout=HOUSEKEEPING_SECONDS):
+                for key, mask in selector.select(timeout=HOUSEKEEPING_SECONDS):
                     if key.data is None:
                         with contextlib.suppress(OSError):
                             os.read(self._wake_r, 4096)
-                    else:
-                        exited = key.fd == key.data.process.sentinel
-                        woken[key.data] = woken.get(key.data, False) or exited
+                        continue
+                    worker = key.data
+                    exited = key.fd == worker.process.sentinel
+                    if mask & selectors.EVENT_WRITE and worker.writer is not None:
+                        with contextlib.suppress(OSError):
+                            worker.writer.flush()
+                    if mask & selectors.EVENT_READ:
+                        woken[worker] = woken.get(worker, False) or exited
                 for worker, exited in woken.items():
                     self._receive(worker, exited)
+                for worker in watched:
+                    if worker.blocked != (worker in writing) and not worker.gone:
+                        events = selectors.EVENT_READ
+                        if worker.blocked:
+                            events |= selectors.EVENT_WRITE
+                            writing.add(worker)
+                        else:
+                            writing.discard(worker)
+                        selector.modify(worker.conn.fileno(), events, worker)
                 now = time.monotonic()
                 if now >= next_housekeeping:
                     next_housekeeping = now + HOUSEKEEPING_SECONDS / 2
@@ -413,38 +512,52 @@ class ProcessExecutor:
         """Handle what ``worker`` sent; once it has exited, settle its jobs and replace it."""
         if worker.gone:
             return
+        worker.channel()
+        reader = worker.reader
+        assert reader is not None
         try:
-            while worker.conn.poll():
-                self._handle(worker, worker.conn.recv())
+            # One read per wake-up (the selector reports whatever is left); everything once
+            # the process has exited.
+            for message in reader.drain() if exited else reader.read():
+                self._handle(worker, message)
         except (EOFError, OSError):
             exited = True  # its end of the pipe closed: it is exiting, wait for that
         if exited:
             self._lost(worker)
+            worker.close_channel()
 
     def _handle(self, worker: WorkerHandle, message: tuple[Any, ...]) -> None:
         tag = message[0]
         if tag == protocol.DONE:
             with self.lock:
-                job_id = message[1]
-                worker.abandoned.pop(job_id, None)
-                item = worker.in_flight.pop(job_id, None)
-                if item is not None and self.in_flight.get(job_id) is item:
-                    del self.in_flight[job_id]
-                    self.owner.pop(job_id, None)
+                for wire_id in message[1]:
+                    worker.abandoned.pop(wire_id, None)
+                    item = worker.in_flight.pop(wire_id, None)
+                    if item is None:
+                        continue  # taken over: its lane is retired
+                    worker.free_lanes.append(worker.lane_of.pop(wire_id))
+                    self.owner.pop(wire_id, None)
+                    job_id = item.job.id
+                    if self.in_flight.get(job_id) is item:
+                        del self.in_flight[job_id]
+                self._assign_pending_locked()
                 self.changed.notify_all()
-            if self.pending:
-                self._assign_pending()
-        elif tag == protocol.STARTED:
-            item = worker.in_flight.get(message[1])
-            if item is not None:
-                item.backend_pid, item.backend_start = message[2], message[3]
-                item.thread_ident = -1  # started (the thread is in another process)
+        elif tag == protocol.SESSION:
+            _, lane, pid, started = message
+            with self.lock:
+                worker.sessions[lane] = (pid, started)
+                for wire_id, its_lane in worker.lane_of.items():
+                    if its_lane == lane:  # a lane runs one job at a time
+                        item = worker.in_flight[wire_id]
+                        item.backend_pid, item.backend_start = pid, started
         elif tag == protocol.READY:
             with self.lock:
                 worker.ready = True
+                worker.free_lanes = list(range(self.concurrency - 1, -1, -1))
+                worker.next_lane = self.concurrency
+                self._assign_pending_locked()
                 self.changed.notify_all()
             logger.debug("worker %d ready", worker.number, extra={"event": "worker_ready"})
-            self._assign_pending()
         elif tag == protocol.CRASHED:
             item = worker.in_flight.get(message[1])
             if item is not None and self.on_crash is not None:
@@ -518,7 +631,7 @@ class ProcessExecutor:
             if check_memory:
                 self._last_housekeeping = now
             for worker in list(self.workers):
-                overdue = [job for job, at in worker.abandoned.items() if now >= at]
+                overdue = [job_id for at, job_id in worker.abandoned.values() if now >= at]
                 if overdue and not worker.draining:
                     self._recycle_locked(
                         worker, f"the handler of job {overdue[0]} did not return within "
@@ -540,6 +653,6 @@ class ProcessExecutor:
                 elif worker.stop_sent and worker.kill_at is not None and now >= worker.kill_at:
                     kills.append(worker)
         for worker in stops:
-            worker.send((protocol.STOP,))
+            self._send(worker, (protocol.STOP,))
         for worker in kills:
             self._kill(worker)

@@ -1,23 +1,46 @@
 """The messages between the supervisor and a worker process (pickled tuples on a pipe).
 
-Tuples with a one-letter tag rather than classes: the hand-off of every job costs one message
-each way, and the per-job cost of the process model is mostly this.
+Tuples with a one-letter tag rather than classes, and jobs as tuples of plain values rather than
+dataclasses: the hand-off is the whole per-job price of the process model, and pickling a
+dataclass (or a ``uuid.UUID``) costs several times what a tuple of ints and strings does.
+
+Messages carry batches: one ``RUN`` takes every job handed to a worker at once (a claim of ten
+jobs is one message, not ten), and one ``DONE`` reports every job that finished while the
+previous report was being written.
+
+Jobs run in *lanes*: a lane is one thread of the worker with its own database connection, and
+the supervisor decides which lane runs which job. A worker reports a lane's database session
+(``SESSION``) once per connection, before the first handler on it starts, so the supervisor
+knows every running job's session without a message per job, even for a handler that holds
+the worker's GIL from its first instruction. A lane whose job the supervisor took over (timeout,
+shutdown) is retired: its thread may never return, so later jobs go to a fresh lane.
 
 Supervisor to worker:
-    ``(RUN, job, cancel_requested)``  start this claimed job now, on a thread
+    ``(RUN, [(lane, job, cancel_requested), ...])``  start these claimed jobs (``job`` from
+                                                     ``pack_job``), each on its lane's thread
     ``(CANCEL, job_id)``              an operator asked to cancel it (``ctx.cancel_requested``)
     ``(INTERRUPT, job_id)``           the supervisor settled it (timeout, shutdown): stop it
     ``(STOP,)``                       exit now (nothing the supervisor cares about is running)
 
 Worker to supervisor:
     ``(READY, pid)``                          set up, accepting jobs
-    ``(STARTED, job_id, backend_pid, start)`` the session of a job running for a while (the
-                                              supervisor terminates it at the timeout)
-    ``(DONE, job_id)``                        the job's thread returned (settled or interrupted)
+    ``(SESSION, lane, backend_pid, start)``   the database session the lane's jobs run on, from
+                                              now on (the supervisor terminates it at a timeout)
+    ``(DONE, [job_id, ...])``                 these jobs' threads returned (settled or
+                                              interrupted)
     ``(CRASHED, job_id, text)``               its outcome could not be recorded
 """
 
 from __future__ import annotations
+
+import dataclasses
+import operator
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..store import ClaimedJob
 
 RUN = "r"
 CANCEL = "c"
@@ -25,6 +48,33 @@ INTERRUPT = "i"
 STOP = "s"
 
 READY = "R"
-STARTED = "S"
+SESSION = "S"
 DONE = "D"
 CRASHED = "X"
+
+_job_values: Callable[[ClaimedJob], tuple[Any, ...]] | None = None
+
+
+def wire_id(job_id: Any) -> Any:
+    """A job id as messages carry it: a UUID as its int."""
+    return job_id.int if isinstance(job_id, uuid.UUID) else job_id
+
+
+def pack_job(job: ClaimedJob) -> tuple[Any, ...]:
+    """A claimed job as the tuple of its fields, the id as an int (a ``UUID`` pickles as an
+    object with state, several times slower)."""
+    global _job_values
+    if _job_values is None:
+        from ..store import ClaimedJob
+
+        _job_values = operator.attrgetter(*(f.name for f in dataclasses.fields(ClaimedJob)))
+    values = _job_values(job)
+    return (wire_id(values[0]), *values[1:])
+
+
+def unpack_job(values: tuple[Any, ...]) -> ClaimedJob:
+    from ..store import ClaimedJob
+
+    if isinstance(values[0], int):
+        values = (uuid.UUID(int=values[0]), *values[1:])
+    return ClaimedJob(*values)
