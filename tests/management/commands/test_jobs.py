@@ -1,5 +1,11 @@
-"""``python manage.py jobs``, end to end: real subprocesses against the test database, checking
-output (human and ``--json``), effects in the database, and the documented exit codes."""
+"""``python manage.py jobs``, end to end against the test database: output (human and
+``--json``), effects in the database, and the documented exit codes.
+
+Each call goes through the command line's own path (``run_from_argv``: argument parsing, the
+``CommandError`` to exit-code mapping, the output streams), in this process: a subprocess per
+call cost a Django start-up each, most of this module's time. One test runs the real
+``manage.py jobs`` in subprocesses, so the process boundary stays covered.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,13 @@ import json
 import subprocess
 import sys
 import uuid
+from contextlib import redirect_stderr, redirect_stdout
 from datetime import timedelta
+from io import StringIO
 from typing import Any
 
 import pytest
+from django.core.management import load_command_class
 from django.utils import timezone
 
 from django_persistent_jobs.models import PersistentJob
@@ -21,6 +30,20 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
 
 def jobs(*args: str) -> tuple[int, str, str]:
+    """``manage.py jobs ARGS`` as the command line runs it: (exit code, stdout, stderr)."""
+    out, err = StringIO(), StringIO()
+    code = 0
+    with redirect_stdout(out), redirect_stderr(err):
+        command = load_command_class("django_persistent_jobs", "jobs")
+        try:
+            command.run_from_argv(["manage.py", "jobs", *args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+def jobs_process(*args: str) -> tuple[int, str, str]:
+    """The real ``manage.py jobs ARGS``, in a subprocess."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "manage.py"), "jobs", *args], cwd=ROOT,
         env=subprocess_env(), capture_output=True, text=True, timeout=60,
@@ -149,3 +172,17 @@ def test_a_database_it_cannot_reach_is_one_line_and_exit_1():
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("CommandError: database error: ") and "port 1" in done.stderr
+
+
+def test_the_real_command_line_in_subprocesses():
+    job = stage(queue="mail", status="dead_lettered", error_code="SMTP")
+    code, out, err = jobs_process("list", "--queue", "mail", "--json")
+    assert code == 0, err
+    assert [j["id"] for j in json.loads(out)["results"]] == [str(job.id)]
+    code, _, err = jobs_process("retry", str(job.id), "--mode", "reset")
+    assert code == 0, err
+    assert PersistentJob.objects.get(pk=job.pk).status == "pending"
+    code, _, err = jobs_process("show", str(uuid.uuid4()))
+    assert code == 3 and "No job" in err
+    code, _, err = jobs_process("list", "--limit", "0")
+    assert code == 2 and err.strip()
