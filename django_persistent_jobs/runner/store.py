@@ -24,10 +24,12 @@ import functools
 import json
 import math
 import time
+import uuid
 import weakref
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
@@ -46,7 +48,7 @@ TransitionKind = Literal["retry", "dead", "cancel", "handback", "release"]
 class ClaimedJob:
     """What the runner knows about a job it owns."""
 
-    id: Any
+    id: uuid.UUID
     job_type: str
     payload: Any
     attempt: int
@@ -57,7 +59,8 @@ class ClaimedJob:
     priority: int
     cancel_requested: bool
     tenant: str | None = None
-    due_at: Any = None  # next_run_at when claimed: when the job became due (queue-wait metric)
+    #: ``next_run_at`` when claimed: when the job became due (the queue-wait metric).
+    due_at: datetime | None = None
     #: Why the stored payload could not be decoded (the job is then dead-lettered, not run).
     payload_error: str | None = None
 
@@ -507,7 +510,7 @@ def transition_sql() -> str:
 
 
 def transition(
-    cursor: Cursor, job_id: Any, token: int, *, kind: TransitionKind, code: str, message: str,
+    cursor: Cursor, job_id: uuid.UUID, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
     handback_limit: int | None = None, charge_delay: float = 0.0,
     error_class: str = "",
@@ -529,7 +532,7 @@ def transition(
     Text is made storable (see ``storable_text``) and the delay bounded here, so nothing a
     handler raises can make the settling statement itself fail.
     """
-    params = {
+    params: dict[str, Any] = {
         "id": job_id, "token": token, "kind": kind,
         "code": storable_text(code, CODE_MAX_LENGTH),
         "message": storable_text(message, MESSAGE_MAX_LENGTH),
@@ -690,7 +693,7 @@ def attempt_outcome(cursor: Cursor, token: int) -> str | None:
     return None if row is None else str(row[0])
 
 
-def report_progress(cursor: Cursor, job_id: Any, token: int, progress: Any) -> bool:
+def report_progress(cursor: Cursor, job_id: uuid.UUID, token: int, progress: Any) -> bool:
     cursor.execute(
         "UPDATE persistent_jobs SET progress = %s::jsonb, updated_at = now() "
         "WHERE id = %s AND lock_token = %s AND status = 'running'",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import signal
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import ProgrammingError, connections
 
-from .. import conf
+from .. import bounds, conf
 from ..context import JobContext
 from ..errors import ConfigurationError
 from ..handlers import registry
@@ -108,16 +109,32 @@ class Runner:
         problems = [msg for spec in registry for msg in spec.errors]
         if problems:
             raise ConfigurationError("Invalid job handlers: " + "; ".join(problems))
-        if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
-            raise ConfigurationError(f"concurrency must be >= 1, got {concurrency!r}.")
+        if concurrency is not None and (isinstance(concurrency, bool)
+                                        or not isinstance(concurrency, int) or concurrency < 1):
+            raise ConfigurationError(f"concurrency must be an integer >= 1, got {concurrency!r}.")
+        if queues is not None:
+            if isinstance(queues, str | bytes) or not isinstance(queues, list | tuple):
+                raise ConfigurationError(
+                    f"queues must be a list of queue names, got {queues!r}.")
+            for queue in queues:
+                problem = bounds.queue_problem(queue)
+                if problem:
+                    raise ConfigurationError(f"queues: {problem}")
         if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
             raise ConfigurationError(f"processes must be >= 0, got {processes!r}.")
-        if poll_interval is not None and poll_interval <= 0:
-            raise ConfigurationError(f"poll_interval must be > 0, got {poll_interval!r}.")
+        for option, value, low in (("poll_interval", poll_interval, "> 0"),
+                                   ("shutdown_grace", shutdown_grace, ">= 0")):
+            if value is None:
+                continue
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or (
+                    value <= 0 if low == "> 0" else value < 0):
+                raise ConfigurationError(
+                    f"{option} must be a finite number of seconds {low}, got {value!r}.")
         if database_wait is not None and not database_wait >= 0:
             raise ConfigurationError(f"database_wait must be >= 0, got {database_wait!r}.")
-        # ``runner_id`` is the older spelling of ``name``: an operator-chosen label, never the
-        # fencing identity itself (see ``make_runner_id``).
+        # ``runner_id`` is an alias of ``name``: an operator-chosen label, never the fencing
+        # identity itself (see ``make_runner_id``).
         configured = name if name is not None else runner_id
         if configured is not None and not (
             isinstance(configured, str) and configured.strip()

@@ -638,8 +638,12 @@ def test_stop_on_a_runner_that_never_started_returns() -> None:
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("kwargs", [{"concurrency": 0}, {"concurrency": -1},
-                                    {"poll_interval": 0}, {"poll_interval": -0.5}])
+@pytest.mark.parametrize("kwargs", [
+    {"concurrency": 0}, {"concurrency": -1}, {"concurrency": "x"}, {"concurrency": 2.5},
+    {"poll_interval": 0}, {"poll_interval": -0.5}, {"poll_interval": float("nan")},
+    {"poll_interval": "1"}, {"shutdown_grace": -1}, {"shutdown_grace": float("inf")},
+    {"queues": "abc"}, {"queues": [""]}, {"queues": ["q" * 300]}, {"queues": [3]},
+])
 def test_embedded_runner_rejects_bad_arguments(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigurationError):
         Runner(**kwargs)
