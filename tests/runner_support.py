@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
+from django_persistent_jobs import signals
 from django_persistent_jobs.handlers import Registry, registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from tests.core_support import db_now, wait_for
@@ -196,3 +197,20 @@ def wait_handler_inside(since: datetime, timeout: float = 60.0, message: str = "
             return cursor.fetchone() is not None
 
     wait_for(inside, timeout, message=f"{message} to start")
+
+
+@pytest.fixture
+def finished() -> Iterator[list[tuple[Any, str | None]]]:
+    """Every ``job_finished`` signal as ``(job_id, status)``, in the order sent."""
+    seen: list[tuple[Any, str | None]] = []
+    lock = threading.Lock()
+
+    def receiver(*, job_id: Any, status: str | None, **kwargs: Any) -> None:
+        with lock:
+            seen.append((job_id, status))
+
+    signals.job_finished.connect(receiver, weak=False, dispatch_uid="tests-finished")
+    try:
+        yield seen
+    finally:
+        signals.job_finished.disconnect(dispatch_uid="tests-finished")

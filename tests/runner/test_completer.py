@@ -6,43 +6,27 @@ their completion in their own transaction."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from django.db import connection
 
-from django_persistent_jobs import JobContext, enqueue, enqueue_many, job_handler, signals
+from django_persistent_jobs import JobContext, enqueue, enqueue_many, job_handler
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.runner import Runner, store
 from django_persistent_jobs.runner.completer import Completer
 from tests.core_support import pj_settings, raw_connection, wait_for
-from tests.runner_support import Gate, isolated_registry
+from tests.runner_support import Gate, finished, isolated_registry
 from tests.testapp.models import LedgerEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
-__all__ = ["isolated_registry"]  # a fixture, used by name
+__all__ = ["finished", "isolated_registry"]  # fixtures, used by name
 
 StartRunner = Callable[..., Runner]
 
-
-@pytest.fixture
-def finished() -> Iterator[list[tuple[Any, str | None]]]:
-    """Every ``job_finished`` signal as ``(job_id, status)``, in the order sent."""
-    seen: list[tuple[Any, str | None]] = []
-    lock = threading.Lock()
-
-    def receiver(*, job_id: Any, status: str | None, **kwargs: Any) -> None:
-        with lock:
-            seen.append((job_id, status))
-
-    signals.job_finished.connect(receiver, weak=False, dispatch_uid="completer-finished")
-    try:
-        yield seen
-    finally:
-        signals.job_finished.disconnect(dispatch_uid="completer-finished")
 
 
 def commits() -> int:

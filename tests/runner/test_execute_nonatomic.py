@@ -4,43 +4,27 @@ never marked completed by an attempt that lost its claim, and is completed once.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from django.db import connection
 
-from django_persistent_jobs import JobContext, TransientJobError, enqueue, job_handler, signals
+from django_persistent_jobs import JobContext, TransientJobError, enqueue, job_handler
 from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.runner import Runner, store
 from tests.core_support import raw_connection, wait_for
-from tests.runner_support import Gate, isolated_registry, wait_status
+from tests.runner_support import Gate, finished, isolated_registry, wait_status
 from tests.testapp.models import SideEffect
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
-__all__ = ["isolated_registry"]  # a fixture, used by name
+__all__ = ["finished", "isolated_registry"]  # fixtures, used by name
 
 StartRunner = Callable[..., Runner]
 
-
-@pytest.fixture
-def finished() -> Iterator[list[tuple[Any, str | None]]]:
-    seen: list[tuple[Any, str | None]] = []
-    lock = threading.Lock()
-
-    def receiver(*, job_id: Any, status: str | None, **kwargs: Any) -> None:
-        with lock:
-            seen.append((job_id, status))
-
-    signals.job_finished.connect(receiver, weak=False, dispatch_uid="nonatomic-finished")
-    try:
-        yield seen
-    finally:
-        signals.job_finished.disconnect(dispatch_uid="nonatomic-finished")
 
 
 def writes_seen_elsewhere(job_id: Any) -> int:
