@@ -16,7 +16,7 @@ import binascii
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -108,7 +108,9 @@ def parse_when(name: str, value: str | None) -> datetime | None:
     if not datetime(1, 1, 2, tzinfo=parsed.tzinfo) < parsed < datetime(9999, 12, 31,
                                                                         tzinfo=parsed.tzinfo):
         raise QueryError(name, f"{name} is out of range.")
-    return parsed
+    # In UTC: Python accepts any offset under 24 hours, PostgreSQL only up to 15:59, and
+    # Django sends the value as text with its offset.
+    return parsed.astimezone(UTC)
 
 
 def build_filter(values: Mapping[str, Iterable[str]]) -> JobFilter:

@@ -2,11 +2,13 @@
 every such job that finished while the previous batch was being written.
 
 A handler that touched no database has nothing to commit atomically with its completion. Its
-thread hands the completion to its process's ``Completer`` and waits for the answer; the
+thread hands the completion to its process's ``Completer`` with ``submit`` and goes back to work
+at once (its slot is free for the next job: waiting for a commit is not running a handler); the
 completer writes every completion waiting at that moment in one fenced statement
-(``store.complete_many``), in autocommit on a connection of its own, and wakes each thread with
-its job's answer: completed, or claim lost (rescued, timed out or handed back meanwhile). The
-thread then logs and signals exactly as for a completion it wrote itself, after the commit.
+(``store.complete_many``), in autocommit on a connection of its own, and then calls each job's
+callback with its answer: completed, or claim lost (rescued, timed out or handed back
+meanwhile). The callback logs and signals exactly as for a completion the thread wrote itself,
+after the commit. ``complete`` is the blocking form (submit, then wait for the answer).
 
 Batches form by themselves, as group commit does: the busier the runner, the more threads finish
 while one batch is written, and the fewer commits per job. ``linger`` adds a short wait for more
@@ -25,7 +27,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 
@@ -45,22 +48,34 @@ MAX_BATCH = 200
 LINGER = 0.0
 
 
+#: Called on the completer's thread once a completion's batch was written (or given up):
+#: ``(outcome, error)``, with the meanings of ``Completer.complete``'s result and exception.
+Answer = Callable[[bool | None, BaseException | None], None]
+
+
 class _Waiting:
-    """One completion handed over, and its answer once the batch carrying it was written."""
+    """One completion handed over, and who to tell once the batch carrying it was written."""
 
-    __slots__ = ("alias", "done", "error", "job", "outcome", "result")
+    __slots__ = ("alias", "answered", "job", "on_answer", "result")
 
-    def __init__(self, alias: str, job: ClaimedJob, result: str | None) -> None:
+    def __init__(self, alias: str, job: ClaimedJob, result: str | None,
+                 on_answer: Answer) -> None:
         self.alias = alias
         self.job = job
         self.result = result
-        self.done = threading.Event()
-        self.outcome: bool | None = None
-        self.error: BaseException | None = None
+        self.on_answer = on_answer
+        self.answered = False
 
     def answer(self, outcome: bool | None, error: BaseException | None = None) -> None:
-        self.outcome, self.error = outcome, error
-        self.done.set()
+        if self.answered:
+            return
+        self.answered = True
+        try:
+            self.on_answer(outcome, error)
+        except Exception:  # a failing callback must not cost the other jobs of the batch
+            logger.exception("handling the completion of job %s failed", self.job.id,
+                             extra={"event": "completion_callback_failed",
+                                    "job_id": str(self.job.id)})
 
 
 class Completer:
@@ -77,6 +92,7 @@ class Completer:
         #: Statements that completed jobs, and the jobs they completed (for tests and benches).
         self.statements = 0
         self.completed = 0
+        self._writing = 0
 
     def complete(self, alias: str, job: ClaimedJob, result: str | None = None) -> bool | None:
         """Complete ``job`` (fenced by its token) with the next batch and wait for it.
@@ -86,20 +102,42 @@ class Completer:
         job then stays claimed and is rescued once this runner is gone. Raises what writing
         this job's completion raised, when that was not a transient condition.
         """
-        waiting = _Waiting(alias, job, result)
+        done = threading.Event()
+        answer: list[Any] = [None, None]
+
+        def on_answer(outcome: bool | None, error: BaseException | None) -> None:
+            answer[:] = [outcome, error]
+            done.set()
+
+        if not self.submit(alias, job, result, on_answer):
+            return None
+        done.wait()
+        if answer[1] is not None:
+            raise answer[1]
+        return bool(answer[0]) if answer[0] is not None else None
+
+    def submit(self, alias: str, job: ClaimedJob, result: str | None,
+               on_answer: Answer) -> bool:
+        """Hand ``job``'s completion to the next batch without waiting for it: ``on_answer``
+        is called on the completer's thread once it was written (see ``complete`` for what
+        it is told). False (and ``on_answer`` is never called) once the completer is closing:
+        the caller then treats the completion as abandoned."""
+        waiting = _Waiting(alias, job, result, on_answer)
         with self._cond:
             if self._closing:
-                return None
+                return False
             self._queue.append(waiting)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="pj-completer",
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify()
-        waiting.done.wait()
-        if waiting.error is not None:
-            raise waiting.error
-        return waiting.outcome
+        return True
+
+    def pending(self) -> int:
+        """Completions handed over and not answered yet (waiting or being written)."""
+        with self._cond:
+            return len(self._queue) + self._writing
 
     def close(self, timeout: float) -> bool:
         """Write what is waiting, then stop; give up on it after ``timeout`` seconds (the
@@ -129,8 +167,11 @@ class Completer:
                     logger.exception("writing %d completion(s) failed", len(batch),
                                      extra={"event": "completion_failed"})
                     for waiting in batch:
-                        if not waiting.done.is_set():
-                            waiting.answer(None, exc)
+                        waiting.answer(None, exc)
+                finally:
+                    with self._cond:
+                        self._writing -= len(batch)
+                        self._cond.notify_all()
         finally:
             with self._cond:
                 left, self._queue = list(self._queue), deque()
@@ -158,6 +199,7 @@ class Completer:
                 waiting = self._queue.popleft()
                 (batch if waiting.alias == alias else kept).append(waiting)
             self._queue.extendleft(reversed(kept))
+            self._writing += len(batch)
             return batch
 
     def _write(self, batch: list[_Waiting]) -> None:

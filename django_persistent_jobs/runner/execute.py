@@ -18,6 +18,7 @@ import logging
 import select
 import threading
 import traceback as tb_module
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,9 @@ class InFlight:
     owner: Any = None  # the pool's worker, once the job is taken over from it
     #: Where the completion of a handler that ran no SQL goes (None: written by its thread).
     completer: Completer | None = None
+    #: Called once a completion handed to ``completer`` was written and logged (``execute``
+    #: returned True): the job has then left this runner's hands.
+    on_settled: Callable[[], None] | None = None
 
 
 @dataclass
@@ -349,8 +353,14 @@ def run_awaitable(awaitable: Any, inflight: InFlight) -> Any:
     return async_to_sync(drive)()
 
 
-def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading.Event) -> None:
-    """Run the handler and settle the job. Never raises except ``JobInterrupted``."""
+def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading.Event) -> bool:
+    """Run the handler and settle the job. Never raises except ``JobInterrupted``.
+
+    True when the job's completion was handed to ``inflight.completer`` rather than written
+    here: the handler is done and its thread free, but the job is settled (logged, signalled,
+    ``inflight.on_settled`` called) on the completer's thread once the batch carrying it
+    commits. False when the job is settled on return.
+    """
     job = inflight.job
     signals.started(job, runner_id)
     spec = registry.get(job.job_type)
@@ -359,13 +369,13 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             "dead", "UNKNOWN_JOB_TYPE",
             f"no handler is registered for job type {job.job_type!r} in runner {runner_id}",
         ), runner_id, interrupt)
-        return
+        return False
     if job.payload_error is not None:
         record_outcome(alias, job, Outcome(
             "dead", "PAYLOAD_INVALID",
             f"the stored payload cannot be decoded: {job.payload_error}",
         ), runner_id, interrupt)
-        return
+        return False
     if spec.validator is not None:
         try:
             spec.validator(job.payload)
@@ -374,8 +384,9 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
                 "dead", "PAYLOAD_INVALID", f"payload rejected by the validator: {exc}",
                 "".join(tb_module.format_exception(exc)),
             ), runner_id, interrupt)
-            return
+            return False
     connection = connections[alias]
+    deferred: tuple[Completer, str | None] | None = None
     try:
         prepare_connection(alias, inflight)
         if spec.atomic:
@@ -408,28 +419,16 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
                     if not store.complete(cursor, job, result):
                         raise ClaimLost(job.id)
             else:
-                written = inflight.completer.complete(alias, job, result)
-                if written is None:
-                    _completion_abandoned(job, runner_id)
-                    return
-                if not written:
-                    raise ClaimLost(job.id)
+                deferred = (inflight.completer, result)
     except ClaimLost:
-        logger.warning(
-            "job %s: claim lost (rescued, timed out or handed back); %s", job.id,
-            "handler's writes rolled back" if spec.atomic
-            else "its writes had committed as they ran (atomic=False)",
-            extra={"event": "claim_lost", "job_id": str(job.id), "job_type": job.job_type,
-                   "runner_id": runner_id},
-        )
-        signals.finished(job, runner_id, status=None)
-        return
+        _claim_lost(job, spec, runner_id)
+        return False
     except JobInterrupted:
         raise
     except BaseException as exc:
         if inflight.taken_over.is_set():
             # The supervisor already recorded a timeout or hand-back for this attempt.
-            return
+            return False
         if isinstance(exc, KeyboardInterrupt):
             raise
         # ``SystemExit`` from a handler (``sys.exit()`` in library code) ends the attempt, not
@@ -439,7 +438,26 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         elif not spec.atomic:
             _close_open_transaction(connection)
         record_outcome(alias, job, classify(exc, spec, job.attempt), runner_id, interrupt)
-        return
+        return False
+    if deferred is not None:
+        completer, result = deferred
+
+        def on_answer(written: bool | None, error: BaseException | None) -> None:
+            try:
+                _answered(alias, inflight, spec, runner_id, interrupt, written, error)
+            finally:
+                if inflight.on_settled is not None:
+                    inflight.on_settled()
+
+        if completer.submit(alias, job, result, on_answer):
+            return True
+        _completion_abandoned(job, runner_id)
+        return False
+    _completed(job, runner_id)
+    return False
+
+
+def _completed(job: ClaimedJob, runner_id: str) -> None:
     signals.finished(job, runner_id, status="completed")
     if logger.isEnabledFor(logging.INFO):
         logger.info(
@@ -447,6 +465,35 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             extra={"event": "success", "job_id": str(job.id), "job_type": job.job_type,
                    "attempt": job.attempt, "runner_id": runner_id},
         )
+
+
+def _claim_lost(job: ClaimedJob, spec: HandlerSpec, runner_id: str) -> None:
+    logger.warning(
+        "job %s: claim lost (rescued, timed out or handed back); %s", job.id,
+        "handler's writes rolled back" if spec.atomic
+        else "its writes had committed as they ran (atomic=False)",
+        extra={"event": "claim_lost", "job_id": str(job.id), "job_type": job.job_type,
+               "runner_id": runner_id},
+    )
+    signals.finished(job, runner_id, status=None)
+
+
+def _answered(
+    alias: str, inflight: InFlight, spec: HandlerSpec, runner_id: str,
+    interrupt: threading.Event, written: bool | None, error: BaseException | None,
+) -> None:
+    """Settle a job whose completion the completer wrote (or could not), on its thread: what
+    ``execute`` does after a completion it wrote itself."""
+    job = inflight.job
+    if error is not None:
+        if not inflight.taken_over.is_set():
+            record_outcome(alias, job, classify(error, spec, job.attempt), runner_id, interrupt)
+    elif written is None:
+        _completion_abandoned(job, runner_id)
+    elif not written:
+        _claim_lost(job, spec, runner_id)
+    else:
+        _completed(job, runner_id)
 
 
 def _call_handler(spec: HandlerSpec, inflight: InFlight) -> str | None:

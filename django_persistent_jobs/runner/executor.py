@@ -30,6 +30,11 @@ class Executor(Protocol):
     def busy(self) -> int:
         """Jobs held (started or waiting to start)."""
 
+    @property
+    def completing(self) -> int:
+        """Jobs whose handler returned and whose batched completion is not written yet: they
+        hold no slot, but a stopping runner waits for them within its grace period."""
+
     def free_slots(self) -> int: ...
 
     def wait_for_free_slot(self, timeout: float) -> int:

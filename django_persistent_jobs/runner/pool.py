@@ -104,8 +104,8 @@ class WorkerPool:
     for short jobs is the difference between one claim transaction per job and one per batch.
     A waiting job's timeout starts only when a worker starts it. The workers hand the
     completions of handlers that ran no SQL to one ``Completer``, which writes them in batches;
-    the slot stays taken until the completion is written, so the supervisor still sees the job
-    (and waits for it at shutdown) until then.
+    the slot is free as soon as the handler returns (``completing`` counts those jobs until
+    their completion is written, and a stopping runner waits for them).
     """
 
     def __init__(
@@ -141,6 +141,10 @@ class WorkerPool:
     @property
     def busy(self) -> int:
         return len(self.in_flight)
+
+    @property
+    def completing(self) -> int:
+        return self.completer.pending()
 
     def free_slots(self) -> int:
         with self.lock:

@@ -701,7 +701,9 @@ class Runner:
                 f"runner {self.runner_id} stopped before starting attempt {item.job.attempt}; "
                 "handed back unstarted",
             ), "interrupted")
-        while self.pool.busy and not self.forced.is_set():
+        # Completions still being written count too: their handlers returned, and the runner
+        # must not unregister (or its workers exit) before they are recorded.
+        while (self.pool.busy or self.pool.completing) and not self.forced.is_set():
             if time.monotonic() - started >= grace:
                 break
             self._tick()

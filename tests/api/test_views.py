@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from django.test import Client
@@ -141,6 +142,11 @@ def test_list_filters_and_cursor_pagination(client: Client, operator_token: str)
     future = (datetime.now(UTC) + timedelta(hours=1)).isoformat().replace("+00:00", "Z")
     assert ids(f"created_before={future}") == {str(j.id) for j in jobs}
     assert ids(f"created_after={future}") == set()
+    # An offset PostgreSQL cannot read (it takes up to 15:59) is the same instant in UTC.
+    far = (datetime.now(UTC) + timedelta(hours=30)).astimezone(
+        timezone(timedelta(hours=17, minutes=12))).isoformat()
+    assert ids(f"created_after={quote(far)}") == set()
+    assert ids(f"created_before={quote(far)}") == {str(j.id) for j in jobs}
 
 
 def test_list_order_is_stable_while_jobs_are_added(client: Client, operator_token: str):

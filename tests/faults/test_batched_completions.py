@@ -9,6 +9,10 @@ its completion is still being written?
 * The same kill with ``atomic=False`` handlers, which wrote to the database (in autocommit)
   before returning: their writes stay, and the second run writes again. At least once, as
   documented for ``atomic=False``; the job itself is still completed once.
+* Meanwhile the runner goes on: a handler that returned holds no slot, so the next jobs run
+  while the completions wait.
+* A worker process dies while its completions are being written: the supervisor settles those
+  jobs like any other of the dead worker's (``WORKER_LOST``, charged), and they run again.
 
 The completion is held back by a row lock the scenario takes on the running jobs, which the
 batch statement waits for; the scenario sees it waiting in ``pg_stat_activity``.
@@ -16,6 +20,7 @@ batch statement waits for; the scenario sees it waiting in ``pg_stat_activity``.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections import Counter
 from pathlib import Path
@@ -56,13 +61,13 @@ def _runs(path: Path) -> Counter[str]:
 
 def _hold_completions(
     fleet: Fleet, tmp_path: Path, name: str, settings: dict[str, Any] | None = None,
-    job_type: str = SOLO,
+    job_type: str = SOLO, args: tuple[str, ...] = (),
 ) -> tuple[RunnerProcess, list[str], Path, psycopg.Connection[Any]]:
     """Start a runner, let it run ``JOBS`` SQL-less jobs to their return, and hold their
     completions back with row locks. Returns the runner, the job ids, the runs file and the
     connection holding the locks (its transaction open)."""
     runs, gate = tmp_path / "runs", tmp_path / "gate"
-    runner = fleet.spawn(name, concurrency=JOBS, settings=settings)
+    runner = fleet.spawn(name, concurrency=JOBS, settings=settings, args=args)
     ids = [str(job.id) for job in enqueue_many(
         [(job_type, {"runs": str(runs), "gate": str(gate), "n": i}) for i in range(JOBS)])]
     wait_for(lambda: len(_runs(runs)) == JOBS, 20, "every handler to start", reconnect=True)
@@ -136,3 +141,54 @@ def test_sigterm_writes_the_completions_being_written_before_exiting(
         (job_id, 1, "completed") for job_id in ids)
     assert _runs(runs) == {job_id: 1 for job_id in ids}
     report("batched_completion_sigterm", jobs=JOBS)
+
+
+def test_slots_are_free_while_completions_are_written(fleet: Fleet, tmp_path: Path) -> None:
+    """Every slot's job has returned and waits for its completion: the next jobs still run."""
+    runner, ids, _, blocker = _hold_completions(fleet, tmp_path, "busy")
+    more_runs = tmp_path / "more-runs"
+    with blocker:
+        more = [str(job.id) for job in enqueue_many(
+            [(SOLO, {"runs": str(more_runs), "n": i}) for i in range(JOBS)])]
+        wait_for(lambda: len(_runs(more_runs)) == JOBS, 20,
+                 "the next jobs to run while the first completions wait", reconnect=True)
+        assert status_counts(ids) == {"running": JOBS}
+        blocker.rollback()
+    wait_all_terminal([*ids, *more], timeout=30)
+    assert status_counts([*ids, *more]) == {"completed": 2 * JOBS}
+    assert {(a.attempt, a.outcome) for a in attempts_of([*ids, *more])} == {(1, "completed")}
+    assert runner.alive
+    report("slots_free_while_completing", jobs=2 * JOBS)
+
+
+def test_a_worker_that_dies_while_its_completions_are_written_has_them_run_again(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    """Process mode: the supervisor knows which returned jobs a worker had not completed yet,
+    and settles them when that worker dies, as it does its running jobs."""
+    from .test_worker_processes import worker_pids
+
+    runner, ids, runs, blocker = _hold_completions(fleet, tmp_path, "dying",
+                                                   args=("--processes", "1"))
+    with blocker:
+        [worker] = worker_pids(runner)
+        os.kill(worker, signal.SIGKILL)
+        # Its blocked completion statement would still commit once the locks go (PostgreSQL
+        # notices a vanished client only when it next talks to it): end it, as a server that
+        # noticed the lost connection would.
+        for pid, *_ in backends("dying", "wait_event_type = 'Lock' AND query LIKE '%%unnest%%'"):
+            terminate(pid)
+        runner.wait_line(rf"worker \d+ \(pid {worker}\) died \(killed by signal 9\) with "
+                         rf"{JOBS} job\(s\) in flight", timeout=10)
+        blocker.rollback()
+    wait_all_terminal(ids, timeout=30)
+    assert status_counts(ids) == {"completed": JOBS}
+    by_job: dict[str, list[tuple[int, str, str]]] = {}
+    for attempt in attempts_of(ids):
+        by_job.setdefault(str(attempt.job_id), []).append(
+            (attempt.attempt, attempt.outcome, attempt.error_code))
+    for job_id in ids:
+        assert by_job[job_id] == [(1, "failed", "WORKER_LOST"), (2, "completed", "")], by_job
+    assert _runs(runs) == {job_id: 2 for job_id in ids}  # run again: at least once
+    assert runner.alive
+    report("worker_lost_while_completing", jobs=JOBS)

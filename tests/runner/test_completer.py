@@ -226,8 +226,10 @@ def test_stopping_waits_for_completions_being_written(
         assert returned.wait()
         wait_for(blocked_flushes, message="the completion to wait for the row lock")
         runner.request_stop()
-        # The job holds its slot until its completion is written: the runner waits for it.
-        assert runner.pool.busy == 1 and not runner.finished.is_set()
+        # The handler returned, so the job holds no slot; the runner still waits for its
+        # completion before it stops.
+        assert runner.pool.busy == 0 and runner.pool.completing == 1
+        assert not runner.finished.wait(0.5)
         blocker.rollback()
     assert runner.finished.wait(30)
     assert finished == [(job.id, "completed")]

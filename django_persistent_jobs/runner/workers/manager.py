@@ -93,6 +93,9 @@ class WorkerHandle:
     #: Jobs taken over from it whose thread has not returned yet:
     #: wire id -> (recycle deadline, job id).
     abandoned: dict[Any, tuple[float, Any]] = field(default_factory=dict)
+    #: Jobs whose handler returned and whose completion the worker is still writing
+    #: (``RETURNED``, not ``DONE`` yet): no lane, no timeout, but settled if the worker dies.
+    completing: dict[Any, InFlight] = field(default_factory=dict)
     reader: Reader | None = None
     writer: Writer | None = None
 
@@ -211,6 +214,11 @@ class ProcessExecutor:
     @property
     def busy(self) -> int:
         return len(self.in_flight)
+
+    @property
+    def completing(self) -> int:
+        with self.lock:
+            return sum(len(worker.completing) for worker in self.workers)
 
     @property
     def running(self) -> int:
@@ -528,9 +536,27 @@ class ProcessExecutor:
 
     def _handle(self, worker: WorkerHandle, message: tuple[Any, ...]) -> None:
         tag = message[0]
-        if tag == protocol.DONE:
+        if tag == protocol.RETURNED:
+            # The handlers returned; their completions are being written in the worker. The
+            # lanes take the next jobs now: waiting for a commit is not running a handler.
             with self.lock:
                 for wire_id in message[1]:
+                    item = worker.in_flight.pop(wire_id, None)
+                    if item is None:
+                        continue  # taken over, or its DONE came first
+                    worker.free_lanes.append(worker.lane_of.pop(wire_id))
+                    self.owner.pop(wire_id, None)
+                    job_id = item.job.id
+                    if self.in_flight.get(job_id) is item:
+                        del self.in_flight[job_id]
+                    worker.completing[wire_id] = item
+                self._assign_pending_locked()
+                self.changed.notify_all()
+        elif tag == protocol.DONE:
+            with self.lock:
+                for wire_id in message[1]:
+                    if worker.completing.pop(wire_id, None) is not None:
+                        continue
                     worker.abandoned.pop(wire_id, None)
                     item = worker.in_flight.pop(wire_id, None)
                     if item is None:
@@ -585,6 +611,14 @@ class ProcessExecutor:
             self.workers.remove(worker)
             lost = [item for item in worker.in_flight.values()
                     if self.in_flight.get(item.job.id) is item]
+            # Handlers that returned, completions not known to be written: whether they
+            # committed is for the fenced settlement to find out (a written one is left alone).
+            # Back in ``in_flight`` so that the settlement can take them over.
+            for item in worker.completing.values():
+                if item.job.id not in self.in_flight:
+                    self.in_flight[item.job.id] = item
+                    lost.append(item)
+            worker.completing.clear()
             expected = worker.stop_sent and not lost
             if not worker.ready and not worker.stop_sent and not self._closed:
                 self._failed_starts += 1
@@ -645,7 +679,7 @@ class ProcessExecutor:
                         self._recycle_locked(worker, f"its memory ({rss / 2**20:.0f} MiB RSS) "
                                              "exceeds MAX_MEMORY_PER_WORKER")
                 if worker.draining and not worker.stop_sent:
-                    if not worker.in_flight and not worker.abandoned:
+                    if not worker.in_flight and not worker.abandoned and not worker.completing:
                         worker.stop_sent = True
                         stops.append(worker)
                     elif worker.kill_at is not None and now >= worker.kill_at:

@@ -26,8 +26,12 @@ Worker to supervisor:
     ``(READY, pid)``                          set up, accepting jobs
     ``(SESSION, lane, backend_pid, start)``   the database session the lane's jobs run on, from
                                               now on (the supervisor terminates it at a timeout)
-    ``(DONE, [job_id, ...])``                 these jobs' threads returned (settled or
-                                              interrupted)
+    ``(RETURNED, [job_id, ...])``             these jobs' handlers returned and their
+                                              completions were handed to the worker's batch
+                                              writer: their lanes are free, a ``DONE`` follows
+                                              once the completions are written
+    ``(DONE, [job_id, ...])``                 these jobs are settled (or their threads
+                                              returned after being interrupted)
     ``(CRASHED, job_id, text)``               its outcome could not be recorded
 """
 
@@ -50,6 +54,7 @@ STOP = "s"
 READY = "R"
 SESSION = "S"
 DONE = "D"
+RETURNED = "F"
 CRASHED = "X"
 
 _job_values: Callable[[ClaimedJob], tuple[Any, ...]] | None = None
