@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -25,9 +25,10 @@ from django.db.models.sql import Query
 from . import bounds, conf, signals
 from .errors import ConfigurationError, EnqueueError, PayloadError, UnknownJobTypeError
 from .handlers import HandlerSpec, registry
-from .ids import uuid7
+from .ids import UUID7Batch, uuid7
 from .models import JOB_COLUMNS_SQL, WAITING_DEDUP, PersistentJob, job_from_row
 from .payload import PayloadLimits, prepare_payload
+from .runner.store import prepared
 from .types import Dedup
 
 if TYPE_CHECKING:
@@ -73,9 +74,10 @@ _LOCK_KEYS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class _Prepared:
-    """One validated job, ready to insert."""
+    """One validated job, ready to insert. (Not frozen: a frozen dataclass's ``__init__`` sets
+    each field through ``object.__setattr__``, which was a sixth of ``enqueue_many``'s time.)"""
 
     id: uuid.UUID
     job_type: str
@@ -170,6 +172,7 @@ def _resolve_options(
 def _prepare_with(
     job_type: str, payload: Any, options: _Options, dedup_key: str | None,
     schedule: Mapping[str, Any] | None = None, limits: PayloadLimits | None = None,
+    new_id: Callable[[], uuid.UUID] | None = None,
 ) -> _Prepared:
     _require(bounds.dedup_key_problem(dedup_key))
     stored, text = prepare_payload({} if payload is None else payload, limits)
@@ -182,7 +185,8 @@ def _prepare_with(
                 f"payload rejected by the validator of {job_type!r}: {exc}"
             ) from exc
     return _Prepared(
-        id=uuid7(), job_type=job_type, payload=stored, payload_json=text, queue=options.queue,
+        id=new_id() if new_id is not None else uuid7(), job_type=job_type, payload=stored,
+        payload_json=text, queue=options.queue,
         priority=options.priority, max_retries=options.max_retries, run_at=options.run_at,
         delay=options.delay, timeout=options.timeout, dedup_key=dedup_key, dedup=options.dedup,
         schedule_json=json.dumps(schedule) if schedule is not None else None,
@@ -222,9 +226,15 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
     else:
         sql = (f"INSERT INTO persistent_jobs ({columns}) VALUES ({_values_sql()}) "
                f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}")
-    cursor.execute(sql, job.params())
-    row: tuple[Any, ...] | None = cursor.fetchone()
-    return row
+    if not conf.settings.PREPARED_STATEMENTS:
+        cursor.execute(sql, job.params())
+        row: tuple[Any, ...] | None = cursor.fetchone()
+        return row
+    # A prepared statement: PostgreSQL parses and plans the insert once per connection
+    # instead of on every call, a fifth of what a lone enqueue costs the server.
+    with prepared(cursor) as fast:
+        fast.execute(sql, job.params(), prepare=True)
+        return fast.fetchone()
 
 
 def _cancel_waiting_duplicates(cursor: Cursor, job_type: str, keys: list[str]) -> int:
@@ -460,17 +470,27 @@ def enqueue_many(items: Iterable[Any], **common: Any) -> list[PersistentJob]:
     prepared: list[_Prepared] = []
     cache: dict[Any, _Options] = {}
     limits = PayloadLimits()
+    new_id = UUID7Batch().next
     for index, item in enumerate(items):
         try:
-            job_type, payload, kwargs = _item_kwargs(item, common)
-            dedup_key = kwargs.pop("dedup_key", None)
-            cache_key = _options_key(job_type, kwargs)
+            if type(item) is tuple and len(item) == 2 and not common:
+                # The common case, (job_type, payload) with no options: one cache entry per
+                # job type, no option dict to build.
+                job_type, payload = item
+                dedup_key = None
+                cache_key: Any = (str, job_type) if type(job_type) is str else None
+                kwargs: dict[str, Any] = {}
+            else:
+                job_type, payload, kwargs = _item_kwargs(item, common)
+                dedup_key = kwargs.pop("dedup_key", None)
+                cache_key = _options_key(job_type, kwargs)
             options = cache.get(cache_key) if cache_key is not None else None
             if options is None:
                 options = _resolve_options(job_type, **kwargs)
                 if cache_key is not None:
                     cache[cache_key] = options
-            prepared.append(_prepare_with(job_type, payload, options, dedup_key, None, limits))
+            prepared.append(_prepare_with(job_type, payload, options, dedup_key, None, limits,
+                                          new_id))
         except EnqueueError as exc:
             raise type(exc)(f"item {index}: {exc}", exc.code) from exc
     if not prepared:
@@ -498,18 +518,51 @@ def _copy_insert(connection: BaseDatabaseWrapper, jobs: list[_Prepared]) -> None
         assert row is not None
         db_now: datetime = row[0]
         columns = ", ".join(_INSERT_COLUMNS)
+        now_text = _copy_time(db_now)
         with cursor.copy(f"COPY persistent_jobs ({columns}) FROM STDIN") as copy:
+            # The rows as COPY's text format, written in chunks: psycopg's ``write_row``
+            # adapts every value through its dumpers, which cost more than the rest of a
+            # job's preparation.
+            lines: list[str] = []
             for job in jobs:
-                next_run = job.run_at if job.run_at is not None else (
-                    db_now + timedelta(seconds=job.delay) if job.delay else db_now
-                )
-                copy.write_row((
-                    job.id, job.job_type, job.payload_json, job.queue, job.priority,
-                    job.max_retries, next_run, job.timeout, job.dedup_key, job.dedup.value,
-                    job.schedule_json, job.tenant,
-                ))
+                next_run = now_text if job.run_at is None and not job.delay else _copy_time(
+                    job.run_at if job.run_at is not None
+                    else db_now + timedelta(seconds=job.delay))
+                lines.append("\t".join((
+                    str(job.id), _copy_text(job.job_type), _copy_text(job.payload_json),
+                    _copy_text(job.queue), str(int(job.priority)), str(int(job.max_retries)),
+                    next_run, repr(float(job.timeout)), _copy_text(job.dedup_key),
+                    job.dedup.value, _copy_text(job.schedule_json), _copy_text(job.tenant),
+                )))
+                if len(lines) >= _COPY_CHUNK:
+                    copy.write("\n".join(lines) + "\n")
+                    lines.clear()
+            if lines:
+                copy.write("\n".join(lines) + "\n")
     finally:
         cursor.close()
+
+
+#: Rows per ``copy.write`` in ``_copy_insert``.
+_COPY_CHUNK = 1000
+#: COPY's text format gives these characters a meaning; anything else is taken as it is.
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"})
+
+
+def _copy_text(value: str | None) -> str:
+    """A text column's value in COPY's text format (``\\N`` for NULL)."""
+    if value is None:
+        return "\\N"
+    if "\\" in value or "\n" in value or "\r" in value or "\t" in value:
+        return value.translate(_COPY_ESCAPES)
+    return value
+
+
+def _copy_time(value: datetime) -> str:
+    """An aware datetime as COPY's text format reads a ``timestamptz`` (ISO 8601, UTC)."""
+    if value.tzinfo is None:
+        raise EnqueueError(f"run_at must be timezone-aware, got {value!r}")
+    return value.astimezone(UTC).isoformat()
 
 
 def _bulk_insert_deduplicated(cursor: Cursor, jobs: list[_Prepared]) -> set[Any]:

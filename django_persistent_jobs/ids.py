@@ -53,3 +53,54 @@ def uuid7() -> uuid.UUID:
         _random_at += 8
     value = (ms & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | counter << 64 | 0b10 << 62 | rand_b
     return uuid.UUID(int=value)
+
+
+def uuid7_many(count: int) -> list[uuid.UUID]:
+    """``count`` UUIDv7s as ``uuid7`` would make them one after the other, under one lock and
+    one clock read (``enqueue_many`` makes one per job)."""
+    global _last_ms, _counter, _random, _random_at
+    made: list[uuid.UUID] = []
+    make = uuid.UUID
+    while len(made) < count:
+        with _lock:
+            ms = time.time_ns() // 1_000_000
+            if ms <= _last_ms:
+                ms = _last_ms
+                if _counter >= 0xFFF:
+                    ms = _last_ms = _last_ms + 1
+                    first = 0
+                else:
+                    first = _counter + 1
+            else:
+                _last_ms = ms
+                first = 0
+            take = min(count - len(made), 0x1000 - first)
+            _counter = first + take - 1
+            need = 8 * take
+            if len(_random) - _random_at < need:
+                _random, _random_at = os.urandom(max(_RANDOM_BLOCK, need)), 0
+            block = _random[_random_at:_random_at + need]
+            _random_at += need
+        head = (ms & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | 0b10 << 62
+        for i in range(take):
+            rand_b = int.from_bytes(block[8 * i:8 * i + 8], "big") & 0x3FFF_FFFF_FFFF_FFFF
+            made.append(make(int=head | (first + i) << 64 | rand_b))
+    return made
+
+
+class UUID7Batch:
+    """Hands out UUIDv7s one at a time, made ``size`` at a time by ``uuid7_many``; for a caller
+    that needs many but does not know how many in advance (ids it does not use are skipped)."""
+
+    __slots__ = ("_ids", "_size")
+
+    def __init__(self, size: int = 256) -> None:
+        self._ids: list[uuid.UUID] = []
+        self._size = size
+
+    def next(self) -> uuid.UUID:
+        if not self._ids:
+            self._ids = uuid7_many(self._size)
+            self._ids.reverse()
+            self._size = min(self._size * 4, 4096)
+        return self._ids.pop()

@@ -119,6 +119,11 @@ def _dumps_plain_floats(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+#: ``json.dumps(..., separators=(",", ":"), ensure_ascii=False, allow_nan=False)``, built once:
+#: ``json.dumps`` with any non-default argument builds a new encoder on every call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 class PayloadLimits:
     """The payload settings, read once per call of ``enqueue``/``enqueue_many``."""
 
@@ -148,11 +153,7 @@ def prepare_payload(payload: Any, limits: PayloadLimits | None = None) -> tuple[
     state = [0, 0]  # keys seen, floats needing plain notation
     try:
         _walk(payload, [], 0, (limits.max_depth, limits.max_keys), state)
-        if state[1]:
-            text = _dumps_plain_floats(payload)
-        else:
-            text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False,
-                              allow_nan=False)
+        text = _dumps_plain_floats(payload) if state[1] else _COMPACT.encode(payload)
     except RecursionError:
         # Only reachable with a PAYLOAD_MAX_DEPTH beyond Python's recursion limit.
         raise PayloadError(

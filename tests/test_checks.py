@@ -117,6 +117,8 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "REDACT_KEYS'] must be a list of non-empty strings"),
     ({"ALLOW_UNREGISTERED": "no"}, "persistent_jobs.E014",
      "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got 'no'."),
+    ({"PREPARED_STATEMENTS": 1}, "persistent_jobs.E035",
+     "PERSISTENT_JOBS['PREPARED_STATEMENTS'] must be True or False, got 1."),
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
@@ -293,6 +293,57 @@ def test_enqueue_many_inserts_the_batch_in_one_statement(
     keyed = enqueue_many([("test.noop", {"i": i}) for i in range(5)], dedup_key="same")
     assert len({j.id for j in keyed}) == 1
     assert insert_statements() == [201, 1]
+
+
+@pytest.mark.django_db
+def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
+    """PostgreSQL parses and plans a lone enqueue's insert once per connection; behind a
+    pooler that cannot keep prepared statements, ``PREPARED_STATEMENTS=False`` sends it as
+    text every time. The job is the same either way."""
+
+    def prepared_inserts() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_prepared_statements "
+                           "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
+            return int(cursor.fetchone()[0])
+
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")  # what earlier tests prepared on this connection
+    with pj_settings(PREPARED_STATEMENTS=False):
+        plain = enqueue("core.enq.configured", {"n": 1}, delay=5)
+    assert prepared_inserts() == 0
+    fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]
+    assert prepared_inserts() == 1  # one statement, prepared once, used three times
+    stored = PersistentJob.objects.in_bulk([plain.id, *(j.id for j in fast)])
+    for job in (plain, *fast):
+        row = stored[job.id]
+        assert (row.job_type, row.queue, row.priority, row.max_retries) == (
+            "core.enq.configured", "emails", 7, 5)
+        assert (job.created_at, job.next_run_at) == (row.created_at, row.next_run_at)
+        assert job.next_run_at == db_now() + timedelta(seconds=5)
+        assert job.payload == row.payload
+
+
+@pytest.mark.django_db
+def test_enqueue_many_stores_text_and_times_as_given() -> None:
+    """The batch is written in COPY's text format, where a backslash, tab, newline or
+    carriage return means something: every such character arrives as it was sent."""
+    tricky = "a\\b\tc\nd\re \\N é ✓ \u2028"
+    paris = timezone(timedelta(hours=1))
+    when = datetime(2031, 5, 4, 3, 2, 1, 123456, tzinfo=paris)
+    jobs = enqueue_many([
+        {"job_type": "test.noop", "payload": {"text": tricky, "list": [tricky, 1.5, None]},
+         "queue": "q\\1", "tenant": tricky, "dedup": "enqueue", "dedup_key": tricky},
+        {"job_type": "test.noop", "payload": tricky, "run_at": when},
+        {"job_type": "test.noop", "payload": None, "delay": 1.5},
+    ])
+    rows = {j.id: j for j in PersistentJob.objects.filter(id__in=[j.id for j in jobs])}
+    first, second, third = (rows[j.id] for j in jobs)
+    assert first.payload == {"text": tricky, "list": [tricky, 1.5, None]}
+    assert (first.queue, first.tenant, first.dedup_key) == ("q\\1", tricky, tricky)
+    assert second.payload == tricky and second.next_run_at == when
+    assert third.payload == {} and third.next_run_at == db_now() + timedelta(seconds=1.5)
+    assert first.next_run_at == db_now()
 
 
 @pytest.mark.django_db

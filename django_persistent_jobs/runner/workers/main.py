@@ -34,13 +34,6 @@ from .channel import Reader
 PR_SET_PDEATHSIG = 1
 
 logger = logging.getLogger("django_persistent_jobs.runner")
-#: The worker's GIL switch interval (seconds; CPython's default is 0.005). Lanes running
-#: CPU-bound handlers hold the GIL for a whole interval before another thread gets it, and
-#: every hand-off step of a job (the pipe reader, the completion writer, a lane taking its next
-#: job) is such a thread: at the default, each waits up to 5 ms behind a busy handler, and the
-#: worker's core idles while jobs wait in those queues. A shorter interval costs a handler
-#: a few microseconds per switch, only while another thread wants the GIL.
-SWITCH_INTERVAL = 0.0005
 #: At exit, how long completions still being written get (the supervisor kills a worker that
 #: has not exited 2 s after being told to stop).
 EXIT_COMPLETION_SECONDS = 1.5
@@ -79,7 +72,6 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
     # supervisor decides what the workers do (finish within the grace, then stop).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.setswitchinterval(SWITCH_INTERVAL)
     import django
 
     django.setup()
