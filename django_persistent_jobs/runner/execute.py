@@ -77,8 +77,9 @@ class InFlight:
     #: Where the completion of a handler that ran no SQL goes (None: written by its thread).
     completer: Completer | None = None
     #: Called once a completion handed to ``completer`` was written and logged (``execute``
-    #: returned True): the job has then left this runner's hands.
-    on_settled: Callable[[], None] | None = None
+    #: returned True): the job has then left this runner's hands. Given the exception if its
+    #: outcome could not be recorded (what ``execute`` raises when it settles a job itself).
+    on_settled: Callable[[BaseException | None], None] | None = None
 
 
 @dataclass
@@ -443,11 +444,15 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         completer, result = deferred
 
         def on_answer(written: bool | None, error: BaseException | None) -> None:
+            failure: BaseException | None = None
             try:
                 _answered(alias, inflight, spec, runner_id, interrupt, written, error)
-            finally:
-                if inflight.on_settled is not None:
-                    inflight.on_settled()
+            except BaseException as exc:
+                failure = exc
+            if inflight.on_settled is not None:
+                inflight.on_settled(failure)
+            elif failure is not None:
+                raise failure
 
         if completer.submit(alias, job, result, on_answer):
             return True

@@ -188,8 +188,15 @@ class WorkerPool:
                 return False
             self.in_flight[item.job.id] = item
         item.completer = self.completer
+        item.on_settled = lambda failure: self._settled(item, failure)
         self.queue.put(item)
         return True
+
+    def _settled(self, item: InFlight, failure: BaseException | None) -> None:
+        """A job whose completion was batched is settled; as for a job whose thread could not
+        record its outcome, a failure to record it stops the runner (``crashed``)."""
+        if failure is not None:
+            self.crashed(item, failure)
 
     def seal(self) -> None:
         """Accept no more jobs. After this, ``snapshot()`` is final but for jobs finishing."""

@@ -233,7 +233,7 @@ class Worker:
             self._done(wire_id)
             return False
         deferred = False
-        item.on_settled = lambda: self._done(wire_id)
+        item.on_settled = lambda failure: self._settled(wire_id, failure)
         try:
             self._report_session(lane, item)
             deferred = execute.execute(self.alias, item, self.runner_id, self.never)
@@ -301,6 +301,12 @@ class Worker:
 
     def _done(self, wire_id: Any) -> None:
         self._report(protocol.DONE, wire_id)
+
+    def _settled(self, wire_id: Any, failure: BaseException | None) -> None:
+        """A job whose completion was batched is settled (``execute``'s ``on_settled``)."""
+        if failure is not None:
+            self.send((protocol.CRASHED, wire_id, f"{type(failure).__name__}: {failure}"))
+        self._done(wire_id)
 
     def _report(self, tag: str, wire_id: Any) -> None:
         """Report a job that returned (``RETURNED``) or is settled (``DONE``). Reports

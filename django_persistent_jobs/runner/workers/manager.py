@@ -585,7 +585,7 @@ class ProcessExecutor:
                 self.changed.notify_all()
             logger.debug("worker %d ready", worker.number, extra={"event": "worker_ready"})
         elif tag == protocol.CRASHED:
-            item = worker.in_flight.get(message[1])
+            item = worker.in_flight.get(message[1]) or worker.completing.get(message[1])
             if item is not None and self.on_crash is not None:
                 self.on_crash(item, RuntimeError(message[2]))
 
