@@ -31,8 +31,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
 JOBS = 3000
 RUNNERS = 3
 CONCURRENCY = 4
-#: Each job sleeps this long, so a kill always finds jobs in flight however fast the machine.
-WORK = 0.02
+#: Each job sleeps this long, so a kill always finds jobs in flight however fast the machine
+#: (and the drain lasts long enough for several kills).
+WORK = 0.04
 SOAK_DEADLINE = 180.0
 
 
@@ -50,6 +51,7 @@ def test_sigkill_soak(fleet: Fleet) -> None:
     began = time.monotonic()
     deadline = began + SOAK_DEADLINE
     kills: list[tuple[str, int, list[object]]] = []  # (runner id, pid, jobs it held when killed)
+    caught: set[object] = set()  # every job a kill caught in flight
 
     def drained() -> bool:
         counts = status_counts(ids)
@@ -62,10 +64,13 @@ def test_sigkill_soak(fleet: Fleet) -> None:
             time.sleep(0.05)
         if drained():
             break
-        # The victim: a started runner with jobs in flight right now, so every kill counts.
+        # The victim: a started runner with jobs in flight right now, so every kill counts, and
+        # at least one of them a job no earlier kill caught. Otherwise the last few jobs of the
+        # drain are caught again and again: the runner that claims them after their rescue is
+        # the only one with jobs in flight, is killed at once, and they end dead-lettered.
         def victim() -> RunnerProcess | None:
             candidates = [r for r in runners if r.runner_id is not None
-                          and _running_jobs(r.runner_id)]
+                          and set(_running_jobs(r.runner_id)) - caught]
             return rng.choice(candidates) if candidates else None
 
         target: RunnerProcess | None = wait_for(
@@ -81,6 +86,7 @@ def test_sigkill_soak(fleet: Fleet) -> None:
         wait_for(lambda: not backends(victim_name), timeout=10,  # noqa: B023 (used at once)
                  message=f"runner {victim_name}'s sessions to end", reconnect=True)
         kills.append((target.runner_id, target.pid, _running_jobs(target.runner_id)))
+        caught.update(kills[-1][2])
         runners[runners.index(target)] = fleet.spawn(wait_started=False,
                                                      concurrency=CONCURRENCY)
     duration = time.monotonic() - began
