@@ -559,9 +559,11 @@ def _copy_text(value: str | None) -> str:
 
 
 def _copy_time(value: datetime) -> str:
-    """An aware datetime as COPY's text format reads a ``timestamptz`` (ISO 8601, UTC)."""
+    """A datetime as COPY's text format reads a ``timestamptz``: an aware one in UTC, a naive
+    one (``USE_TZ = False``) as it is, read in the session's time zone as psycopg would send
+    it."""
     if value.tzinfo is None:
-        raise EnqueueError(f"run_at must be timezone-aware, got {value!r}")
+        return value.isoformat()
     return value.astimezone(UTC).isoformat()
 
 

@@ -297,9 +297,9 @@ def test_enqueue_many_inserts_the_batch_in_one_statement(
 
 @pytest.mark.django_db
 def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
-    """PostgreSQL parses and plans a lone enqueue's insert once per connection; behind a
-    pooler that cannot keep prepared statements, ``PREPARED_STATEMENTS=False`` sends it as
-    text every time. The job is the same either way."""
+    """With ``PREPARED_STATEMENTS`` PostgreSQL parses and plans a lone enqueue's insert once per
+    connection; without it (the default, safe behind any pooler) the insert goes as text every
+    time. The job is the same either way."""
 
     def prepared_inserts() -> int:
         with connection.cursor() as cursor:
@@ -312,7 +312,8 @@ def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
     with pj_settings(PREPARED_STATEMENTS=False):
         plain = enqueue("core.enq.configured", {"n": 1}, delay=5)
     assert prepared_inserts() == 0
-    fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]
+    with pj_settings(PREPARED_STATEMENTS=True):
+        fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]
     assert prepared_inserts() == 1  # one statement, prepared once, used three times
     stored = PersistentJob.objects.in_bulk([plain.id, *(j.id for j in fast)])
     for job in (plain, *fast):
@@ -344,6 +345,19 @@ def test_enqueue_many_stores_text_and_times_as_given() -> None:
     assert second.payload == tricky and second.next_run_at == when
     assert third.payload == {} and third.next_run_at == db_now() + timedelta(seconds=1.5)
     assert first.next_run_at == db_now()
+
+
+@pytest.mark.django_db
+def test_enqueue_many_works_without_time_zone_support(settings: Any) -> None:
+    """With ``USE_TZ = False`` the database clock reads as a naive datetime, which the batch
+    writes as it is (read back in the session's time zone)."""
+    settings.USE_TZ = False
+    jobs = enqueue_many([("test.noop", {"n": 1}), {"job_type": "test.noop", "delay": 60}])
+    rows = {j.id: j for j in PersistentJob.objects.filter(id__in=[j.id for j in jobs])}
+    now, later = rows[jobs[0].id], rows[jobs[1].id]
+    assert now.next_run_at.tzinfo is None
+    assert later.next_run_at - now.next_run_at == timedelta(seconds=60)
+    assert abs(now.next_run_at - now.created_at) < timedelta(seconds=1)
 
 
 @pytest.mark.django_db

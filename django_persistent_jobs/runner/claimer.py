@@ -46,10 +46,10 @@ def claim_loop(runner: Runner) -> None:
             scan.forget()  # something was committed: it may sit before where the last claim ended
         runner.wake.clear()
         # Burst mode may believe "nothing is due" only from a claim that began with none of our
-        # jobs in flight. A job leaves the pool after its completion (and whatever it enqueued)
-        # has committed, so a job finishing *during* the claim commits after the claim's
-        # snapshot: the claim misses its follow-up jobs although the pool is empty afterwards.
-        idle_before_claim = pool.busy == 0
+        # jobs in flight or completing. A job finishing *during* the claim commits after the
+        # claim's snapshot (its follow-ups, or a waiting job its dedup key held back, stay
+        # unseen), and a SQL-less job leaves its slot before its batched completion commits.
+        idle_before_claim = pool.busy == 0 and pool.completing == 0
 
         def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(runner):
@@ -90,9 +90,10 @@ def claim_loop(runner: Runner) -> None:
                 break
             # Wait for a running job to finish (it may enqueue more) or a wake-up, then look again
             # (at once if they all finished meanwhile: that claim decides).
-            busy_now = pool.busy
+            busy_now = pool.busy + pool.completing
             if busy_now:
-                _wait_for(runner, lambda busy_now=busy_now: pool.busy < busy_now, 0.01)
+                _wait_for(runner, lambda busy_now=busy_now: pool.busy + pool.completing < busy_now,
+                          0.01)
             continue
         runner.wake.wait(poll)
 

@@ -56,10 +56,11 @@ Answer = Callable[[bool | None, BaseException | None], None]
 class _Waiting:
     """One completion handed over, and who to tell once the batch carrying it was written."""
 
-    __slots__ = ("alias", "answered", "job", "on_answer", "result")
+    __slots__ = ("alias", "answered", "completer", "job", "on_answer", "result")
 
-    def __init__(self, alias: str, job: ClaimedJob, result: str | None,
+    def __init__(self, completer: Completer, alias: str, job: ClaimedJob, result: str | None,
                  on_answer: Answer) -> None:
+        self.completer = completer
         self.alias = alias
         self.job = job
         self.result = result
@@ -70,6 +71,7 @@ class _Waiting:
         if self.answered:
             return
         self.answered = True
+        self.completer._answered()  # no longer pending, before whoever waits on it is told
         try:
             self.on_answer(outcome, error)
         except Exception:  # a failing callback must not cost the other jobs of the batch
@@ -92,7 +94,7 @@ class Completer:
         #: Statements that completed jobs, and the jobs they completed (for tests and benches).
         self.statements = 0
         self.completed = 0
-        self._writing = 0
+        self._unanswered = 0
 
     def complete(self, alias: str, job: ClaimedJob, result: str | None = None) -> bool | None:
         """Complete ``job`` (fenced by its token) with the next batch and wait for it.
@@ -122,11 +124,12 @@ class Completer:
         is called on the completer's thread once it was written (see ``complete`` for what
         it is told). False (and ``on_answer`` is never called) once the completer is closing:
         the caller then treats the completion as abandoned."""
-        waiting = _Waiting(alias, job, result, on_answer)
+        waiting = _Waiting(self, alias, job, result, on_answer)
         with self._cond:
             if self._closing:
                 return False
             self._queue.append(waiting)
+            self._unanswered += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="pj-completer",
                                                 daemon=True)
@@ -136,8 +139,11 @@ class Completer:
 
     def pending(self) -> int:
         """Completions handed over and not answered yet (waiting or being written)."""
+        return self._unanswered
+
+    def _answered(self) -> None:
         with self._cond:
-            return len(self._queue) + self._writing
+            self._unanswered -= 1
 
     def close(self, timeout: float) -> bool:
         """Write what is waiting, then stop; give up on it after ``timeout`` seconds (the
@@ -168,10 +174,6 @@ class Completer:
                                      extra={"event": "completion_failed"})
                     for waiting in batch:
                         waiting.answer(None, exc)
-                finally:
-                    with self._cond:
-                        self._writing -= len(batch)
-                        self._cond.notify_all()
         finally:
             with self._cond:
                 left, self._queue = list(self._queue), deque()
@@ -199,7 +201,6 @@ class Completer:
                 waiting = self._queue.popleft()
                 (batch if waiting.alias == alias else kept).append(waiting)
             self._queue.extendleft(reversed(kept))
-            self._writing += len(batch)
             return batch
 
     def _write(self, batch: list[_Waiting]) -> None:

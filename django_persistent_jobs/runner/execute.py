@@ -80,6 +80,9 @@ class InFlight:
     #: returned True): the job has then left this runner's hands. Given the exception if its
     #: outcome could not be recorded (what ``execute`` raises when it settles a job itself).
     on_settled: Callable[[BaseException | None], None] | None = None
+    #: A worker process reported this job done (a job reaches ``DONE`` once, whichever of its
+    #: lane and its completion gets there first).
+    done_reported: bool = False
 
 
 @dataclass

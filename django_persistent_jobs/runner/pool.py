@@ -146,19 +146,26 @@ class WorkerPool:
     def completing(self) -> int:
         return self.completer.pending()
 
+    def _free_locked(self) -> int:
+        # Completions still being written beyond one per thread take slots back: if they stop
+        # landing (a row lock, a slow disk), the runner stops claiming instead of piling up
+        # jobs that ran but are not completed.
+        return (self.capacity - len(self.in_flight)
+                - max(0, self.completer.pending() - self.size))
+
     def free_slots(self) -> int:
         with self.lock:
-            return self.capacity - len(self.in_flight)
+            return self._free_locked()
 
     def wait_for_free_slot(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         with self.changed:
-            while len(self.in_flight) >= self.capacity and not self._closed:
+            while self._free_locked() <= 0 and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self.changed.wait(remaining)
-            return self.capacity - len(self.in_flight)
+            return self._free_locked()
 
     def unstarted(self) -> list[InFlight]:
         """Claimed jobs no worker has started (after ``seal()`` none will start)."""
@@ -197,6 +204,8 @@ class WorkerPool:
         record its outcome, a failure to record it stops the runner (``crashed``)."""
         if failure is not None:
             self.crashed(item, failure)
+        with self.lock:
+            self.changed.notify_all()  # a completion landed: a slot it held back may be free
 
     def seal(self) -> None:
         """Accept no more jobs. After this, ``snapshot()`` is final but for jobs finishing."""

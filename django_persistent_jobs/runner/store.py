@@ -202,17 +202,6 @@ def claim_session(cursor: Cursor | psycopg.Cursor[Any]) -> None:
     in autocommit only (a ``SET`` inside a transaction that rolls back would be undone): the
     runner claims on a connection of its own, in autocommit, that runs no handler code, and
     calls this before each claim (a reconnected session starts with the server's defaults).
-
-    Its commits are asynchronous (``synchronous_commit = off``): a claim does not wait for its
-    WAL flush, which on a durable server is most of a claim's latency and what every freed
-    slot waits for. Losing a claim costs nothing: only a server crash can lose one, within
-    a fraction of a second of its commit, and then the job is simply pending again and
-    uncharged. Whatever depends on the claim commits durably after it (the handler's
-    transaction, a completion, the runner's unregistering), and a durable commit flushes all
-    the WAL written before it, the claim's included; a handler whose claim was lost cannot
-    commit anything (its fenced completion finds no claim), so it runs again, as after any
-    crash. The only other statements on this connection are the hand-backs of jobs claimed
-    just as the runner was stopping, followed by the runner's durable unregistering.
     """
     raw = getattr(cursor, "cursor", cursor).connection
     if raw in _CLAIM_SESSIONS or not raw.autocommit:
@@ -220,7 +209,6 @@ def claim_session(cursor: Cursor | psycopg.Cursor[Any]) -> None:
     if raw.info.transaction_status != TransactionStatus.IDLE:
         return
     cursor.execute("SET enable_seqscan = off")
-    cursor.execute("SET synchronous_commit = off")
     _CLAIM_SESSIONS.add(raw)
 
 

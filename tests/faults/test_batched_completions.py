@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -144,21 +145,29 @@ def test_sigterm_writes_the_completions_being_written_before_exiting(
 
 
 def test_slots_are_free_while_completions_are_written(fleet: Fleet, tmp_path: Path) -> None:
-    """Every slot's job has returned and waits for its completion: the next jobs still run."""
+    """Every slot's job has returned and waits for its completion: the next jobs still run, up
+    to one more per slot; then the runner stops claiming until completions land, instead of
+    running jobs it cannot complete."""
     runner, ids, _, blocker = _hold_completions(fleet, tmp_path, "busy")
     more_runs = tmp_path / "more-runs"
     with blocker:
         more = [str(job.id) for job in enqueue_many(
-            [(SOLO, {"runs": str(more_runs), "n": i}) for i in range(JOBS)])]
+            [(SOLO, {"runs": str(more_runs), "n": i}) for i in range(2 * JOBS)])]
         wait_for(lambda: len(_runs(more_runs)) == JOBS, 20,
                  "the next jobs to run while the first completions wait", reconnect=True)
         assert status_counts(ids) == {"running": JOBS}
+        # Bounded look for what must not happen: a third round of jobs starting.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert len(_runs(more_runs)) == JOBS
+            assert status_counts(more)["pending"] == JOBS
+            time.sleep(0.05)
         blocker.rollback()
     wait_all_terminal([*ids, *more], timeout=30)
-    assert status_counts([*ids, *more]) == {"completed": 2 * JOBS}
+    assert status_counts([*ids, *more]) == {"completed": 3 * JOBS}
     assert {(a.attempt, a.outcome) for a in attempts_of([*ids, *more])} == {(1, "completed")}
     assert runner.alive
-    report("slots_free_while_completing", jobs=2 * JOBS)
+    report("slots_free_while_completing", jobs=3 * JOBS)
 
 
 def test_a_worker_that_dies_while_its_completions_are_written_has_them_run_again(

@@ -265,18 +265,3 @@ def test_the_claim_is_prepared_and_the_completion_planned_each_time() -> None:
     assert any("FOR UPDATE SKIP LOCKED" in s for s in statements), statements
     assert not any("status = 'completed'" in s for s in statements), statements
 
-
-@pytest.mark.django_db(transaction=True)
-def test_the_claiming_session_commits_asynchronously_and_only_it() -> None:
-    """A claim does not wait for its WAL flush (see ``claim_session``): set on the runner's
-    claiming connection, never on another session, where handlers and completions commit."""
-    with raw_connection() as claimer, raw_connection() as other:
-        store.claim_session(claimer.cursor())
-        setting = "SELECT current_setting('synchronous_commit')"
-        assert claimer.execute(setting).fetchone() == ("off",)
-        assert other.execute(setting).fetchone() == ("on",)
-        job = enqueue("test.noop", {})
-        [claimed] = store.claim(claimer.cursor(), "async", 10, None, ["test.noop"])
-        assert claimed.id == job.id
-        assert other.execute("SELECT status FROM persistent_jobs WHERE id = %s",
-                             [job.id]).fetchone() == ("running",)

@@ -233,7 +233,7 @@ class Worker:
             self._done(wire_id)
             return False
         deferred = False
-        item.on_settled = lambda failure: self._settled(wire_id, failure)
+        item.on_settled = lambda failure: self._settled(item, wire_id, failure)
         try:
             self._report_session(lane, item)
             deferred = execute.execute(self.alias, item, self.runner_id, self.never)
@@ -250,7 +250,9 @@ class Worker:
             logger.info("abandoned worker for job %s exited", job.id,
                         extra={"event": "abandoned_worker_exited", "job_id": str(job.id)})
         if not deferred:
-            self._done(wire_id)
+            # (Also when a timeout's interrupt reached this thread just after the completion
+            # was handed over: the completer's report then finds it reported.)
+            self._done_once(item, wire_id)
         elif not interrupted:
             # Its completion is being written (``on_settled`` reports it done): the lane is
             # free for the next job meanwhile.
@@ -302,10 +304,19 @@ class Worker:
     def _done(self, wire_id: Any) -> None:
         self._report(protocol.DONE, wire_id)
 
-    def _settled(self, wire_id: Any, failure: BaseException | None) -> None:
+    def _settled(self, item: Any, wire_id: Any, failure: BaseException | None) -> None:
         """A job whose completion was batched is settled (``execute``'s ``on_settled``)."""
         if failure is not None:
             self.send((protocol.CRASHED, wire_id, f"{type(failure).__name__}: {failure}"))
+        self._done_once(item, wire_id)
+
+    def _done_once(self, item: Any, wire_id: Any) -> None:
+        """``DONE`` for this run of the job, at most once: a second one could arrive after the
+        job was claimed again and handed to this worker, and end the new run's tracking."""
+        with self.lock:
+            if item.done_reported:
+                return
+            item.done_reported = True
         self._done(wire_id)
 
     def _report(self, tag: str, wire_id: Any) -> None:

@@ -227,7 +227,12 @@ class ProcessExecutor:
 
     def _free_locked(self) -> int:
         free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
-        return max(0, free + self.prefetch - len(self.pending))
+        # Completions still being written beyond one per lane take lanes back: if they stop
+        # landing (a row lock, a slow disk), the runner stops claiming instead of piling up
+        # jobs that ran but are not completed.
+        completing = sum(len(w.completing) for w in self.workers)
+        lanes = self.concurrency * sum(1 for w in self.workers if w.ready)
+        return max(0, free + self.prefetch - len(self.pending) - max(0, completing - lanes))
 
     def free_slots(self) -> int:
         with self.lock:
