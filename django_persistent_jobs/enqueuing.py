@@ -172,7 +172,7 @@ def _resolve_options(
 def _prepare_with(
     job_type: str, payload: Any, options: _Options, dedup_key: str | None,
     schedule: Mapping[str, Any] | None = None, limits: PayloadLimits | None = None,
-    new_id: Callable[[], uuid.UUID] | None = None,
+    new_id: Callable[[], uuid.UUID] = uuid7,
 ) -> _Prepared:
     _require(bounds.dedup_key_problem(dedup_key))
     stored, text = prepare_payload({} if payload is None else payload, limits)
@@ -185,7 +185,7 @@ def _prepare_with(
                 f"payload rejected by the validator of {job_type!r}: {exc}"
             ) from exc
     return _Prepared(
-        id=new_id() if new_id is not None else uuid7(), job_type=job_type, payload=stored,
+        id=new_id(), job_type=job_type, payload=stored,
         payload_json=text, queue=options.queue,
         priority=options.priority, max_retries=options.max_retries, run_at=options.run_at,
         delay=options.delay, timeout=options.timeout, dedup_key=dedup_key, dedup=options.dedup,
@@ -442,8 +442,9 @@ def _item_kwargs(item: Any, common: dict[str, Any]) -> tuple[str, Any, dict[str,
 def _options_key(job_type: Any, kwargs: dict[str, Any]) -> Any:
     """A cache key for resolved options; ``None`` when a value is unhashable. Types are part of
     it: ``priority=True`` must not reuse what ``priority=1`` resolved to (they are equal)."""
-    key = (type(job_type), job_type,
-           tuple((name, type(value), value) for name, value in sorted(kwargs.items())))
+    options = tuple((name, type(value), value) for name, value in sorted(kwargs.items())
+                    ) if kwargs else ()  # most items have no options of their own
+    key = (type(job_type), job_type, options)
     try:
         hash(key)
     except TypeError:
@@ -473,13 +474,13 @@ def enqueue_many(items: Iterable[Any], **common: Any) -> list[PersistentJob]:
     new_id = UUID7Batch().next
     for index, item in enumerate(items):
         try:
-            if type(item) is tuple and len(item) == 2 and not common:
-                # The common case, (job_type, payload) with no options: one cache entry per
-                # job type, no option dict to build.
+            if type(item) is tuple and len(item) == 2 and not common and type(item[0]) is str:
+                # Most batches: (job_type, payload) with no options, which ``_item_kwargs`` and
+                # ``_options_key`` would turn into an empty option dict and this same key.
                 job_type, payload = item
-                dedup_key = None
-                cache_key: Any = (str, job_type) if type(job_type) is str else None
                 kwargs: dict[str, Any] = {}
+                dedup_key = None
+                cache_key: Any = (str, job_type, ())
             else:
                 job_type, payload, kwargs = _item_kwargs(item, common)
                 dedup_key = kwargs.pop("dedup_key", None)

@@ -34,25 +34,7 @@ def uuid7() -> uuid.UUID:
     The 12-bit ``rand_a`` field carries a counter when several ids share a millisecond, so ids made
     by one process sort in creation order (``enqueue_many`` relies on it for FIFO).
     """
-    global _last_ms, _counter, _random, _random_at
-    with _lock:
-        ms = time.time_ns() // 1_000_000
-        if ms <= _last_ms:
-            _counter += 1
-            if _counter > 0xFFF:
-                _last_ms += 1
-                _counter = 0
-            ms = _last_ms
-        else:
-            _last_ms = ms
-            _counter = 0
-        counter = _counter
-        if _random_at >= len(_random):
-            _random, _random_at = os.urandom(_RANDOM_BLOCK), 0
-        rand_b = int.from_bytes(_random[_random_at:_random_at + 8], "big") & 0x3FFF_FFFF_FFFF_FFFF
-        _random_at += 8
-    value = (ms & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | counter << 64 | 0b10 << 62 | rand_b
-    return uuid.UUID(int=value)
+    return uuid7_many(1)[0]
 
 
 def uuid7_many(count: int) -> list[uuid.UUID]:

@@ -116,7 +116,8 @@ class Completer:
         done.wait()
         if answer[1] is not None:
             raise answer[1]
-        return bool(answer[0]) if answer[0] is not None else None
+        outcome: bool | None = answer[0]
+        return outcome
 
     def submit(self, alias: str, job: ClaimedJob, result: str | None,
                on_answer: Answer) -> bool:

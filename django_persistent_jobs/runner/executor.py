@@ -15,6 +15,13 @@ from typing import Protocol
 from .execute import InFlight
 
 
+def held_back(completing: int, slots: int) -> int:
+    """Slots that completions still being written take back: those beyond one per slot. If
+    completions stop landing (a row lock, a slow disk), the runner stops claiming instead of
+    piling up jobs that ran but are not completed."""
+    return max(0, completing - slots)
+
+
 class Executor(Protocol):
     """Slots for claimed jobs, and the means to take a job back from whoever runs it."""
 

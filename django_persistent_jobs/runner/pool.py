@@ -22,6 +22,7 @@ from django.db import connections
 
 from .completer import Completer
 from .execute import InFlight, JobInterrupted
+from .executor import held_back
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -147,11 +148,8 @@ class WorkerPool:
         return self.completer.pending()
 
     def _free_locked(self) -> int:
-        # Completions still being written beyond one per thread take slots back: if they stop
-        # landing (a row lock, a slow disk), the runner stops claiming instead of piling up
-        # jobs that ran but are not completed.
         return (self.capacity - len(self.in_flight)
-                - max(0, self.completer.pending() - self.size))
+                - held_back(self.completer.pending(), self.size))
 
     def free_slots(self) -> int:
         with self.lock:
@@ -204,8 +202,11 @@ class WorkerPool:
         record its outcome, a failure to record it stops the runner (``crashed``)."""
         if failure is not None:
             self.crashed(item, failure)
-        with self.lock:
-            self.changed.notify_all()  # a completion landed: a slot it held back may be free
+        if self.completer.pending() >= self.size:
+            # It was held back until now (see ``held_back``): the claim loop may go on. Only
+            # then, so that the claim loop is not woken once per completed job.
+            with self.lock:
+                self.changed.notify_all()
 
     def seal(self) -> None:
         """Accept no more jobs. After this, ``snapshot()`` is final but for jobs finishing."""

@@ -264,4 +264,3 @@ def test_the_claim_is_prepared_and_the_completion_planned_each_time() -> None:
         statements = [row[0] for row in cursor.fetchall()]
     assert any("FOR UPDATE SKIP LOCKED" in s for s in statements), statements
     assert not any("status = 'completed'" in s for s in statements), statements
-

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..execute import InFlight
+from ..executor import held_back
 from . import protocol
 from .channel import Reader, Writer
 from .launch import WorkerProcess, settings_module
@@ -227,12 +228,9 @@ class ProcessExecutor:
 
     def _free_locked(self) -> int:
         free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
-        # Completions still being written beyond one per lane take lanes back: if they stop
-        # landing (a row lock, a slow disk), the runner stops claiming instead of piling up
-        # jobs that ran but are not completed.
         completing = sum(len(w.completing) for w in self.workers)
         lanes = self.concurrency * sum(1 for w in self.workers if w.ready)
-        return max(0, free + self.prefetch - len(self.pending) - max(0, completing - lanes))
+        return max(0, free + self.prefetch - len(self.pending) - held_back(completing, lanes))
 
     def free_slots(self) -> int:
         with self.lock:
@@ -546,15 +544,9 @@ class ProcessExecutor:
             # lanes take the next jobs now: waiting for a commit is not running a handler.
             with self.lock:
                 for wire_id in message[1]:
-                    item = worker.in_flight.pop(wire_id, None)
-                    if item is None:
-                        continue  # taken over, or its DONE came first
-                    worker.free_lanes.append(worker.lane_of.pop(wire_id))
-                    self.owner.pop(wire_id, None)
-                    job_id = item.job.id
-                    if self.in_flight.get(job_id) is item:
-                        del self.in_flight[job_id]
-                    worker.completing[wire_id] = item
+                    item = self._release_locked(worker, wire_id)
+                    if item is not None:  # (None: taken over, or its DONE came first)
+                        worker.completing[wire_id] = item
                 self._assign_pending_locked()
                 self.changed.notify_all()
         elif tag == protocol.DONE:
@@ -563,14 +555,7 @@ class ProcessExecutor:
                     if worker.completing.pop(wire_id, None) is not None:
                         continue
                     worker.abandoned.pop(wire_id, None)
-                    item = worker.in_flight.pop(wire_id, None)
-                    if item is None:
-                        continue  # taken over: its lane is retired
-                    worker.free_lanes.append(worker.lane_of.pop(wire_id))
-                    self.owner.pop(wire_id, None)
-                    job_id = item.job.id
-                    if self.in_flight.get(job_id) is item:
-                        del self.in_flight[job_id]
+                    self._release_locked(worker, wire_id)  # (None: taken over, lane retired)
                 self._assign_pending_locked()
                 self.changed.notify_all()
         elif tag == protocol.SESSION:
@@ -593,6 +578,18 @@ class ProcessExecutor:
             item = worker.in_flight.get(message[1]) or worker.completing.get(message[1])
             if item is not None and self.on_crash is not None:
                 self.on_crash(item, RuntimeError(message[2]))
+
+    def _release_locked(self, worker: WorkerHandle, wire_id: Any) -> InFlight | None:
+        """The job ``worker`` ran on one of its lanes, now off it: the lane is free and the job
+        no longer held (a ``RETURNED`` or ``DONE``). None if it was not on a lane any more."""
+        item = worker.in_flight.pop(wire_id, None)
+        if item is None:
+            return None
+        worker.free_lanes.append(worker.lane_of.pop(wire_id))
+        self.owner.pop(wire_id, None)
+        if self.in_flight.get(item.job.id) is item:
+            del self.in_flight[item.job.id]
+        return item
 
     def _lost(self, worker: WorkerHandle) -> None:
         worker.gone = True
