@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             store.complete(cur, jobs[0])
             done += 1
             if done % args.every == 0:
-                params: dict[str, object] = {"runner": "x"}
+                params: dict[str, object] = {"runner": "x", "direct": 1, "started": [],
+                                             "started_at": []}
                 resumed = scan.key is not None and not args.from_head
                 statement = store.claim_sql(1, after=resumed)
                 if resumed and scan.key is not None:

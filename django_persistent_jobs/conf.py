@@ -386,7 +386,7 @@ class Settings:
     #: Jobs claimed per statement; None: as many as there are free slots.
     BATCH_SIZE = Setting[int | None](None, _optional_int(allow_zero=False), _same)
     #: Claimed jobs held waiting for a worker; None: as many as CONCURRENCY.
-    PREFETCH = Setting[int | None](0, _optional_int(allow_zero=True), _same)
+    PREFETCH = Setting[int | None](None, _optional_int(allow_zero=True), _same)
     #: The database alias jobs live in.
     DATABASE = Setting[str]("default", _database, str)
     #: Largest serialized payload, in UTF-8 bytes.

@@ -37,6 +37,13 @@ class JobAttempt(models.Model):
     attempt = models.PositiveIntegerField()
     runner_id = models.CharField(max_length=200)
     started_at = models.DateTimeField(db_default=Now())
+    # False while a claimed job waits in its runner for a free worker (``PREFETCH``): if that
+    # runner dies, the job is handed back uncharged instead of being charged an attempt it
+    # never ran. Rows written before this column existed, or by raw SQL, count as started.
+    started = models.BooleanField(
+        default=True, db_default=True,
+        help_text="False while the claimed job waits in its runner for a free worker.",
+    )
     finished_at = models.DateTimeField(null=True, blank=True)
     duration = models.DurationField(null=True, blank=True)
     outcome = models.CharField(

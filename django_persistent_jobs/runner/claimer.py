@@ -29,11 +29,20 @@ def claim_loop(runner: Runner) -> None:
     pool = runner.pool
     poll = settings.poll_interval
     scan = store.ClaimScan()
+    starts = runner.starts
+    lease = runner.lifecycle.lease
     while not runner.stopping.is_set():
-        free = pool.wait_for_free_slot(timeout=poll)
+        free = pool.wait_for_free_slot(timeout=starts.due_in(poll))
         if runner.stopping.is_set():
             break
+        if not lease.is_set():
+            # Without its lease (the LISTEN session is down) other runners may take this
+            # runner's waiting jobs back at any moment: claim none until it is held again.
+            lease.wait(poll)
+            continue
         if free <= 0:
+            if starts.overdue:
+                _write_starts(runner)
             continue
         if not heartbeat_fresh(runner):
             # Frozen or cut off for a while: others may have declared this runner dead. Let the
@@ -57,9 +66,13 @@ def claim_loop(runner: Runner) -> None:
             store.claim_session(cursor)
             # Only types this process has handlers for, read at each claim (a sorted list of a
             # few names): during a rolling deploy a type only the new release knows waits for a
-            # new runner instead of being dead-lettered as unknown by an old one.
-            return scan.claim(cursor, runner.runner_id, limit, settings.queues,
-                              job_types=registry.job_types())
+            # new runner instead of being dead-lettered as unknown by an old one. Jobs beyond
+            # the idle workers are recorded as waiting; the claim also records the starts of
+            # earlier waiting jobs.
+            with starts.taken() as (tokens, times):
+                return scan.claim(cursor, runner.runner_id, limit, settings.queues,
+                                  job_types=registry.job_types(), direct=pool.idle(),
+                                  started=tokens, started_at=times)
 
         jobs = run_with_retry(runner.alias, do_claim, what="claiming jobs",
                               interrupt=runner.stopping)
@@ -95,7 +108,17 @@ def claim_loop(runner: Runner) -> None:
                 _wait_for(runner, lambda busy_now=busy_now: pool.busy + pool.completing < busy_now,
                           0.01)
             continue
-        runner.wake.wait(poll)
+        runner.wake.wait(starts.due_in(poll))
+
+
+def _write_starts(runner: Runner) -> None:
+    """Record the noted starts of waiting jobs when no claim is coming to carry them."""
+    def write(cursor: Cursor) -> None:
+        with runner.starts.taken() as (tokens, times):
+            if tokens:
+                store.mark_started(cursor, tokens, times)
+
+    run_with_retry(runner.alias, write, what="recording job starts", interrupt=runner.stopping)
 
 
 def _wait_for(runner: Runner, condition: Any, step: float) -> None:

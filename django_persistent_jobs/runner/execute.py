@@ -20,6 +20,7 @@ import threading
 import traceback as tb_module
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import async_to_sync
@@ -391,6 +392,8 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             return False
     connection = connections[alias]
     deferred: tuple[Completer, str | None] | None = None
+    if job.waiting:
+        job.started_at = datetime.now(UTC)  # the completion records it (claimed earlier)
     try:
         prepare_connection(alias, inflight)
         if spec.atomic:

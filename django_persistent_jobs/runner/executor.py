@@ -10,6 +10,7 @@ decided in one place, the runner's composition root.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from .execute import InFlight
@@ -29,6 +30,9 @@ class Executor(Protocol):
     changed: threading.Condition
     #: Claimed jobs the executor holds, by job id (the cancel relay looks jobs up here).
     in_flight: dict[object, InFlight]
+    #: Called when a job that waited for a worker (``job.waiting``) is given to one, from
+    #: whichever thread does that; it must not block (the runner notes the start).
+    on_start: Callable[[InFlight], None] | None
 
     def start(self) -> None:
         """Start the threads or processes; returns once jobs can be accepted."""
@@ -43,6 +47,9 @@ class Executor(Protocol):
         hold no slot, but a stopping runner waits for them within its grace period."""
 
     def free_slots(self) -> int: ...
+
+    def idle(self) -> int:
+        """Workers (threads, or lanes of worker processes) that would start a job at once."""
 
     def wait_for_free_slot(self, timeout: float) -> int:
         """Block until a slot is free or ``timeout``; return the number of free slots."""
@@ -60,6 +67,10 @@ class Executor(Protocol):
 
     def unstarted(self) -> list[InFlight]:
         """Jobs accepted but not started (after ``seal()`` none will start)."""
+
+    def withdraw_unstarted(self) -> list[InFlight]:
+        """Take back every job not started yet, atomically with the start of jobs: none of
+        the returned jobs will start (the caller hands them back)."""
 
     def snapshot(self) -> list[InFlight]: ...
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -130,16 +129,21 @@ def heartbeat_loop(liveness: Liveness, halt: threading.Event) -> None:
 
 
 def rescue_loop(liveness: Liveness, executor: Executor, halt: threading.Event) -> None:
-    """Reap dead runners and rescue their jobs every heartbeat interval; relay cancellation
+    """Reap dead runners and rescue their jobs every heartbeat interval; hand back the waiting
+    jobs of runners whose lease lapsed every ``LEASE_CHECK_SECONDS``; relay cancellation
     requests to running handlers meanwhile. Its own thread, apart from the heartbeat: a rescue
     may have to wait for the database, and this runner must go on proving it is alive."""
     interval = liveness.settings.heartbeat_interval
-    next_round = 0.0
+    next_round = next_lease_check = 0.0
+    lapses = LeaseWatch()
     while not halt.is_set():
         now = time.monotonic()
         if now >= next_round:
             rescue(liveness, halt)
             next_round = now + interval
+        if now >= next_lease_check:
+            hand_back_lapsed(liveness, lapses, halt)
+            next_lease_check = now + LEASE_CHECK_SECONDS
         if executor.busy:
             relay_cancel_requests(liveness.alias, liveness.runner_id, executor, halt)
         halt.wait(min(CANCEL_POLL_SECONDS, interval))
@@ -176,22 +180,82 @@ def rescue(liveness: Liveness, interrupt: threading.Event) -> int:
     orphans = run_with_retry(alias, store.orphaned_jobs, what="finding orphaned jobs",
                              interrupt=interrupt) or []
     rescued = 0
-    for job_id, token, job_type, attempts, locked_by in orphans:
+    for held in orphans:
         if interrupt.is_set():
             break
-        if _rescue_job(alias, liveness.runner_id, job_id, token, job_type, attempts, locked_by,
-                       f"runner {locked_by} stopped heartbeating while running attempt "
-                       f"{attempts}; rescued by {liveness.runner_id}"):
+        why = (f"runner {held.locked_by} stopped heartbeating while running attempt "
+               f"{held.attempts}" if held.started else
+               f"runner {held.locked_by} stopped heartbeating before it started attempt "
+               f"{held.attempts}")
+        if _rescue_job(alias, liveness.runner_id, held, f"{why}; rescued by "
+                       f"{liveness.runner_id}"):
             rescued += 1
     return rescued
 
 
-def _rescue_job(alias: str, runner_id: str, job_id: uuid.UUID, token: int, job_type: str,
-                attempts: int, locked_by: str | None, message: str) -> bool:
-    outcome = Outcome("retry", "RUNNER_LOST", message,
+#: How often a runner looks for other runners whose lease lapsed, and how long a lease must
+#: stay lapsed before their waiting jobs are handed back: a live runner whose LISTEN session
+#: dropped takes its lease again well within that (and takes its waiting jobs back at once).
+LEASE_CHECK_SECONDS = 0.5
+LEASE_GRACE_SECONDS = 1.0
+
+
+class LeaseWatch:
+    """Since when each runner's lease has been seen lapsed, by this runner's clock."""
+
+    def __init__(self) -> None:
+        self.since: dict[str, float] = {}
+
+    def confirm(self, lapsed: list[str], now: float) -> list[str]:
+        """The runners seen lapsed now that were already lapsed ``LEASE_GRACE_SECONDS`` ago."""
+        self.since = {runner: self.since.get(runner, now) for runner in lapsed}
+        return [runner for runner, since in self.since.items()
+                if now - since >= LEASE_GRACE_SECONDS]
+
+
+def hand_back_lapsed(liveness: Liveness, lapses: LeaseWatch, interrupt: threading.Event) -> int:
+    """Hand back the waiting jobs of runners whose lease lapsed: they never started, so they
+    are not charged, and they need not wait for the stale-lock timeout. A runner that is only
+    cut off from the server keeps its started jobs (its heartbeat decides about those) and
+    takes its waiting ones back itself, so none runs twice. Only a runner that has beaten
+    without a gap for a stale-lock timeout does this, as for any rescue: right after a server
+    restart every lease is lapsed at once."""
+    if not liveness.may_reap():
+        lapses.since.clear()
+        return 0
+    alias, me = liveness.alias, liveness.runner_id
+    lapsed = run_with_retry(alias, lambda c: store.lapsed_leases(c, me),
+                            what="checking runner leases", interrupt=interrupt) or []
+    confirmed = lapses.confirm(lapsed, time.monotonic())
+    if not confirmed:
+        return 0
+    waiting = run_with_retry(alias, lambda c: store.waiting_jobs_of(c, confirmed),
+                             what="finding waiting jobs of lost runners",
+                             interrupt=interrupt) or []
+    handed = 0
+    for held in waiting:
+        if interrupt.is_set():
+            break
+        if _rescue_job(alias, me, held, f"the lease of runner {held.locked_by} lapsed before "
+                       f"it started attempt {held.attempts}; handed back by {me}"):
+            handed += 1
+    return handed
+
+
+def _rescue_job(alias: str, runner_id: str, held: store.HeldJob, message: str) -> bool:
+    """Settle a job a lost runner held. A started attempt is charged (a job that kills its
+    runner runs out of retries); one that only waited for a worker is handed back, counted
+    against ``HANDBACK_LIMIT`` but not charged."""
+    job_id, token, job_type, attempts = held.id, held.token, held.job_type, held.attempts
+    outcome = Outcome("retry" if held.started else "handback", "RUNNER_LOST", message,
                       delay=_backoff_for(registry.get(job_type), attempts))
 
     def apply(cursor: Cursor) -> str | None:
+        if not held.started:
+            return store.transition(
+                cursor, job_id, token, kind="handback", code=outcome.code,
+                message=outcome.message, charge_delay=outcome.delay,
+            )
         return store.transition(
             cursor, job_id, token, kind="retry", code=outcome.code,
             message=outcome.message, delay=outcome.delay, outcome="rescued",
@@ -209,13 +273,16 @@ def _rescue_job(alias: str, runner_id: str, job_id: uuid.UUID, token: int, job_t
     signals.rescued(job_id, token, job_type, attempts, runner_id, status, outcome.code,
                     outcome.message)
     logger.warning(
-        "job %s rescued from runner %s -> %s", job_id, locked_by, status,
+        "job %s %s from runner %s -> %s", job_id,
+        "rescued" if held.started else "handed back unstarted", held.locked_by, status,
         extra={"event": "rescue", "job_id": str(job_id), "job_type": job_type,
-               "dead_runner_id": locked_by, "status": status, "attempt": attempts},
+               "dead_runner_id": held.locked_by, "status": status, "attempt": attempts,
+               "started": held.started},
     )
     return True
 
 
 __all__ = [
-    "Liveness", "heartbeat_fresh", "heartbeat_loop", "log_transition", "rescue", "rescue_loop",
+    "LeaseWatch", "Liveness", "hand_back_lapsed", "heartbeat_fresh", "heartbeat_loop",
+    "log_transition", "rescue", "rescue_loop",
 ]

@@ -1,4 +1,12 @@
-"""LISTEN loop: turns NOTIFYs into a wake-up of the claim loop.
+"""LISTEN loop: turns NOTIFYs into a wake-up of the claim loop, and holds the runner's lease.
+
+The lease is a session-level advisory lock on the LISTEN connection (``store.take_lease``): the
+server drops it the moment this session ends, however the runner died (SIGKILL, a lost host),
+so other runners can hand back this runner's *waiting* jobs within a second or two instead of
+after the stale-lock timeout. Its heartbeat still decides when its *started* jobs are rescued.
+When this connection is lost, the runner has lost its lease too: ``lease_lost`` takes its
+waiting jobs back before another runner can, and the claim loop claims nothing until the lease
+is held again.
 
 NOTIFY is only a hint. The claim loop polls on its own, and this loop pings its connection every
 few seconds, so a dead LISTEN connection (a restarted server, a terminated backend, a silently
@@ -9,24 +17,32 @@ notifications were missed while it was down.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from django.db import connections
 
 from ..services import NOTIFY_CHANNEL
+from . import store
 from .db import Backoff, is_connection_error, reset_connection
 from .lifecycle import Lifecycle
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 KEEPALIVE_SECONDS = 5.0
+#: How often to try for a lease our previous session still holds.
+LEASE_RETRY_SECONDS = 0.5
 
 
 def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
-                poll_interval: float) -> None:
+                poll_interval: float, lease_lost: Callable[[], None] | None = None) -> None:
     """Set ``lifecycle.wake`` for every NOTIFY until ``lifecycle.halt``; ``listening`` tells
-    whether notifications can arrive right now (``poll_interval`` is only for the log)."""
-    halt, wake, listening = lifecycle.halt, lifecycle.wake, lifecycle.listening
+    whether notifications can arrive right now (``poll_interval`` is only for the log), and
+    ``lifecycle.lease`` whether this runner holds its lease."""
+    halt, wake, listening, lease = (lifecycle.halt, lifecycle.wake, lifecycle.listening,
+                                    lifecycle.lease)
     backoff = Backoff()
     while not halt.is_set():
         try:
@@ -34,22 +50,32 @@ def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
             connection.ensure_connection()
             raw = connection.connection
             assert raw is not None
+            owned = _take_lease(raw, runner_id, lease)
             raw.execute(f"LISTEN {NOTIFY_CHANNEL}")
             listening.set()
             wake.set()  # anything committed while we were not listening
             backoff.reset()
-            last_ping = time.monotonic()
+            last_ping = last_try = time.monotonic()
             while not halt.is_set():
                 for _ in raw.notifies(timeout=0.1):
                     wake.set()
-                if time.monotonic() - last_ping >= KEEPALIVE_SECONDS:
+                now = time.monotonic()
+                if not owned and now - last_try >= LEASE_RETRY_SECONDS:
+                    # Our previous session still holds it (the server has not noticed that
+                    # it is gone): take it over the moment it goes.
+                    owned, last_try = _take_lease(raw, runner_id, lease), now
+                if now - last_ping >= KEEPALIVE_SECONDS:
                     raw.execute("SELECT 1")
-                    last_ping = time.monotonic()
+                    last_ping = now
         except Exception as exc:
             if not is_connection_error(exc) and not _is_psycopg_error(exc):
                 raise
             listening.clear()
             reset_connection(alias)
+            if lease.is_set():
+                lease.clear()
+                if lease_lost is not None:
+                    lease_lost()
             delay = backoff.next()
             logger.warning(
                 "LISTEN connection lost (%s); polling every %.2fs until it is back, "
@@ -58,6 +84,15 @@ def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
             )
             halt.wait(delay)
     listening.clear()
+
+
+def _take_lease(raw: Any, runner_id: str, lease: threading.Event) -> bool:
+    """Take the lease on this session; ``lease`` is set either way, since a lease held by our
+    previous session protects this runner's jobs as well as one held by this session."""
+    with raw.cursor() as cursor:
+        owned = store.take_lease(cursor, runner_id)
+    lease.set()
+    return owned
 
 
 def _is_psycopg_error(exc: BaseException) -> bool:

@@ -81,6 +81,8 @@ class _Worker:
                 return True
             self.current = item
             item.thread_ident = threading.get_ident()
+        if item.job.waiting and pool.on_start is not None:
+            pool.on_start(item)
         try:
             pool.execute(item)
         except JobInterrupted:
@@ -127,6 +129,7 @@ class WorkerPool:
         self._closed = False
         self._sealed = False
         self.completer = Completer()
+        self.on_start: Callable[[InFlight], None] | None = None
 
     def start(self) -> None:
         with self.lock:
@@ -169,6 +172,21 @@ class WorkerPool:
         """Claimed jobs no worker has started (after ``seal()`` none will start)."""
         with self.lock:
             return [item for item in self.in_flight.values() if item.thread_ident is None]
+
+    def idle(self) -> int:
+        with self.lock:
+            return max(0, self.size - len(self.in_flight))
+
+    def withdraw_unstarted(self) -> list[InFlight]:
+        """Jobs no worker has started, taken back: a worker that picks one skips it."""
+        with self.lock:
+            items = [item for item in self.in_flight.values() if item.thread_ident is None]
+            for item in items:
+                item.taken_over.set()
+                del self.in_flight[item.job.id]
+            if items:
+                self.changed.notify_all()
+            return items
 
     @property
     def running(self) -> int:

@@ -30,7 +30,7 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import psycopg
 from django.db import IntegrityError, transaction
@@ -63,6 +63,12 @@ class ClaimedJob:
     due_at: datetime | None = None
     #: Why the stored payload could not be decoded (the job is then dead-lettered, not run).
     payload_error: str | None = None
+    #: Claimed to wait for a free worker: its attempt is recorded as started only when a
+    #: worker starts it (``StartLog``).
+    waiting: bool = False
+    #: When a worker started it, if it waited: its completion records that as the attempt's
+    #: start (the claim recorded the claim time).
+    started_at: datetime | None = None
 
 
 @contextmanager
@@ -149,15 +155,22 @@ def picked_sql(limit: int, with_queues: bool = False, with_types: bool = False,
     if after:
         qs = qs.after_key(_Placeholder("after_priority"), _Placeholder("after_at"),
                           _Placeholder("after_id"))
-    return compile_queryset(
-        qs.values("id", "attempts").select_for_update(skip_locked=True)[: int(limit)])
+    return compile_queryset(qs.values("id", "attempts", "priority", "next_run_at")
+                            .select_for_update(skip_locked=True)[: int(limit)])
 
 
 @functools.lru_cache(maxsize=64)
 def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False,
               after: bool = False) -> str:
-    """The claim statement for ``limit`` jobs (parameters ``runner``, and ``queues`` and
-    ``types`` if asked): lock the picked jobs, insert their attempt rows, mark them running.
+    """The claim statement for ``limit`` jobs (parameters ``runner``, ``direct``, ``started``,
+    ``started_at``, and ``queues`` and ``types`` if asked): lock the picked jobs, insert their
+    attempt rows, mark them running.
+
+    The first ``direct`` jobs in claim order go to a free worker at once: their attempts are
+    recorded as started. The others wait in the runner for a worker (``PREFETCH``) and are
+    recorded as waiting (``started`` false), so that a runner that dies before starting them
+    hands them back uncharged. The same statement records the starts of earlier waiting jobs
+    (attempt ids ``started``, times ``started_at``): one round trip per claim, not one per job.
 
     The LIMIT is a literal: with ``LIMIT $n`` PostgreSQL keeps re-planning instead of settling
     on the generic plan of the prepared statement (a runner only ever uses a few values), so
@@ -172,9 +185,13 @@ def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False,
     return f"""
 WITH picked AS (
     {picked_sql(limit, with_queues, with_types, after)}
+), marked AS (
+    {_MARK_STARTED}
 ), attempt AS (
-    INSERT INTO persistent_jobs_attempts (job_id, attempt, runner_id)
-    SELECT p.id, p.attempts + 1, %(runner)s FROM picked p
+    INSERT INTO persistent_jobs_attempts (job_id, attempt, runner_id, started)
+    SELECT p.id, p.attempts + 1, %(runner)s,
+        row_number() OVER (ORDER BY p.priority DESC, p.next_run_at, p.id) <= %(direct)s
+    FROM picked p
     RETURNING id, job_id
 )
 UPDATE persistent_jobs j SET status = 'running', attempts = j.attempts + 1,
@@ -184,6 +201,17 @@ WHERE j.id = ANY(ARRAY(SELECT job_id FROM attempt)) AND j.id = a.job_id
 RETURNING j.id, j.job_type, j.payload::text, j.attempts, j.max_retries, j.timeout_seconds,
     j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at, j.tenant
 """
+
+
+_MARK_STARTED = """UPDATE persistent_jobs_attempts a SET started = true, started_at = s.at
+    FROM unnest(%(started)s::bigint[], %(started_at)s::timestamptz[]) AS s(id, at)
+    WHERE a.id = s.id AND NOT a.started AND a.outcome = 'running'"""
+
+
+def mark_started(cursor: Cursor, tokens: Sequence[int], times: Sequence[datetime]) -> None:
+    """Record that these waiting attempts were given to a worker (when no claim follows soon
+    enough to carry the record, see ``claim_sql``)."""
+    cursor.execute(_MARK_STARTED, {"started": list(tokens), "started_at": list(times)})
 
 
 #: Connections ``claim_session`` has set up (weakly held: a closed connection just goes away).
@@ -241,6 +269,8 @@ ClaimKey = tuple[int, Any, Any]
 def claim(
     cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
     job_types: Collection[str] | None = None, after: ClaimKey | None = None,
+    direct: int | None = None, started: Sequence[int] = (),
+    started_at: Sequence[datetime] = (),
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
 
@@ -249,9 +279,14 @@ def claim(
     those types are claimed: a runner passes the types it has handlers for, so during a rolling
     deploy a job type only the new release knows waits for a new runner instead of being
     dead-lettered as unknown by an old one. ``None`` claims every type. With ``after`` only jobs
-    of its priority after it in claim order are considered (see ``ClaimScan``).
+    of its priority after it in claim order are considered (see ``ClaimScan``). ``direct`` jobs
+    (default: all) start at once, the rest are recorded as waiting; ``started`` and
+    ``started_at`` record the starts of earlier waiting attempts (see ``claim_sql``).
     """
-    params: dict[str, Any] = {"runner": runner_id}
+    params: dict[str, Any] = {
+        "runner": runner_id, "direct": limit if direct is None else direct,
+        "started": list(started), "started_at": list(started_at),
+    }
     if queues:
         params["queues"] = list(queues)
     if job_types is not None:
@@ -264,12 +299,13 @@ def claim(
         rows = fast.fetchall()
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
     jobs = []
-    for r in rows:
+    direct = params["direct"]
+    for index, r in enumerate(rows):
         payload, problem = _decode_payload(r[2])
         jobs.append(ClaimedJob(
             id=r[0], job_type=r[1], payload=payload, attempt=r[3], max_retries=r[4],
             timeout=r[5], token=r[6], queue=r[7], priority=r[8], cancel_requested=r[9],
-            tenant=r[11], due_at=r[10], payload_error=problem,
+            tenant=r[11], due_at=r[10], payload_error=problem, waiting=index >= direct,
         ))
     return jobs
 
@@ -299,14 +335,19 @@ class ClaimScan:
         self.key = None
 
     def claim(self, cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
-              job_types: Collection[str] | None = None) -> list[ClaimedJob]:
+              job_types: Collection[str] | None = None, direct: int | None = None,
+              started: Sequence[int] = (), started_at: Sequence[datetime] = (),
+              ) -> list[ClaimedJob]:
         now = time.monotonic()
         if self.key is not None and now - self.full_at < self.rescan:
-            jobs = claim(cursor, runner_id, limit, queues, job_types, after=self.key)
+            jobs = claim(cursor, runner_id, limit, queues, job_types, after=self.key,
+                         direct=direct, started=started, started_at=started_at)
             if jobs:
                 self.key = _key(jobs[-1])
                 return jobs
-        jobs = claim(cursor, runner_id, limit, queues, job_types)
+            started, started_at = (), ()  # recorded by the claim that found nothing
+        jobs = claim(cursor, runner_id, limit, queues, job_types, direct=direct,
+                     started=started, started_at=started_at)
         self.full_at = now
         self.key = _key(jobs[-1]) if jobs else None
         return jobs
@@ -341,7 +382,8 @@ WITH done AS (
     RETURNING id
 )
 UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
-    duration = clock_timestamp() - a.started_at, outcome = 'completed'
+    started_at = coalesce(%s, a.started_at), started = true,
+    duration = clock_timestamp() - coalesce(%s, a.started_at), outcome = 'completed'
 FROM done WHERE a.id = %s
 RETURNING a.id
 """
@@ -356,7 +398,8 @@ def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool
     while the attempts table was nearly empty would scan that whole table for every job.
     """
     with prepared(cursor) as fast:
-        fast.execute(_COMPLETE, [result, job.id, job.token, job.token], prepare=False)
+        fast.execute(_COMPLETE, [result, job.id, job.token, job.started_at, job.started_at,
+                                 job.token], prepare=False)
         return fast.fetchone() is not None
 
 
@@ -365,12 +408,14 @@ WITH done AS (
     UPDATE persistent_jobs j SET status = 'completed', locked_by = NULL, locked_at = NULL,
         lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
         result = d.result::jsonb
-    FROM unnest(%s::uuid[], %s::bigint[], %s::text[]) AS d(id, token, result)
+    FROM unnest(%s::uuid[], %s::bigint[], %s::text[], %s::timestamptz[])
+        AS d(id, token, result, started_at)
     WHERE j.id = d.id AND j.lock_token = d.token
-    RETURNING d.token
+    RETURNING d.token, d.started_at
 )
 UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
-    duration = clock_timestamp() - a.started_at, outcome = 'completed'
+    started_at = coalesce(done.started_at, a.started_at), started = true,
+    duration = clock_timestamp() - coalesce(done.started_at, a.started_at), outcome = 'completed'
 FROM done WHERE a.id = done.token
 RETURNING a.id
 """
@@ -387,7 +432,7 @@ def complete_many(cursor: Cursor, jobs: Sequence[tuple[ClaimedJob, str | None]])
     """
     ordered = sorted(jobs, key=lambda pair: str(pair[0].id))
     params = [[job.id for job, _ in ordered], [job.token for job, _ in ordered],
-              [result for _, result in ordered]]
+              [result for _, result in ordered], [job.started_at for job, _ in ordered]]
     with prepared(cursor) as fast:
         fast.execute(_COMPLETE_MANY, params, prepare=False)
         return {int(row[0]) for row in fast.fetchall()}
@@ -628,29 +673,78 @@ def reap_dead_runners(cursor: Cursor, stale_seconds: float) -> list[tuple[str, A
     return [(row[0], row[1]) for row in cursor.fetchall()]
 
 
-def orphaned_jobs(cursor: Cursor, limit: int = 1000) -> list[tuple[Any, int, str, int, str | None]]:
-    """Running jobs whose runner row is gone: ``(id, token, job_type, attempts, locked_by)``.
+class HeldJob(NamedTuple):
+    """A running job as a rescuer sees it; ``started`` is false while its attempt was only
+    waiting in its runner for a worker (see ``claim_sql``)."""
+
+    id: Any
+    token: int
+    job_type: str
+    attempts: int
+    locked_by: str | None
+    started: bool
+
+
+_HELD = ("SELECT j.id, j.lock_token, j.job_type, j.attempts, j.locked_by, "
+         "coalesce(a.started, true) FROM persistent_jobs j "
+         "LEFT JOIN persistent_jobs_attempts a ON a.id = j.lock_token ")
+
+
+def orphaned_jobs(cursor: Cursor, limit: int = 1000) -> list[HeldJob]:
+    """Running jobs whose runner row is gone.
 
     Runners insert their row before they claim anything and delete it only on exit, so a running
     job without a live runner row has nobody executing it (or only a zombie, which fencing stops).
     """
     cursor.execute(
-        "SELECT j.id, j.lock_token, j.job_type, j.attempts, j.locked_by FROM persistent_jobs j "
-        "WHERE j.status = 'running' AND NOT EXISTS (SELECT 1 FROM persistent_jobs_runners r "
-        "WHERE r.id = j.locked_by) LIMIT %s",
+        _HELD + "WHERE j.status = 'running' AND NOT EXISTS (SELECT 1 FROM "
+        "persistent_jobs_runners r WHERE r.id = j.locked_by) LIMIT %s",
         [limit],
     )
-    return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
+    return [HeldJob(*row) for row in cursor.fetchall()]
 
 
-def running_jobs_of(cursor: Cursor, runner_id: str) -> list[tuple[Any, int, str, int, str | None]]:
-    """Running jobs locked by ``runner_id``: ``(id, token, job_type, attempts, locked_by)``."""
+def running_jobs_of(cursor: Cursor, runner_id: str) -> list[HeldJob]:
+    """Running jobs locked by ``runner_id``."""
+    cursor.execute(_HELD + "WHERE j.status = 'running' AND j.locked_by = %s", [runner_id])
+    return [HeldJob(*row) for row in cursor.fetchall()]
+
+
+#: The first key of every runner's lease (``pg_advisory_lock(int, int)``): "pj" in ASCII, so
+#: the leases are told apart from an application's own advisory locks in ``pg_locks``.
+LEASE_NAMESPACE = 0x706A
+
+
+def take_lease(cursor: Cursor | psycopg.Cursor[Any], runner_id: str) -> bool:
+    """Take this runner's lease on the current session: a session-level advisory lock the
+    server releases the moment the session ends, however the runner died. False if another
+    session holds it (this runner's previous session, not yet gone on the server side)."""
+    cursor.execute("SELECT pg_try_advisory_lock(%s, hashtext(%s))",
+                   [LEASE_NAMESPACE, runner_id])
+    row = cursor.fetchone()
+    return bool(row and row[0])
+
+
+def lapsed_leases(cursor: Cursor, runner_id: str) -> list[str]:
+    """Other registered runners no session holds the lease of: dead, or cut off from the
+    server (a caller must see a lease lapsed twice, some time apart, before acting on it)."""
     cursor.execute(
-        "SELECT id, lock_token, job_type, attempts, locked_by FROM persistent_jobs "
-        "WHERE status = 'running' AND locked_by = %s",
-        [runner_id],
+        "SELECT r.id FROM persistent_jobs_runners r WHERE r.id <> %s AND NOT EXISTS ("
+        "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
+        "AND l.objsubid = 2 AND l.classid = %s "
+        "AND l.objid = (hashtext(r.id)::bigint & 4294967295)::text::oid) ORDER BY r.id",
+        [runner_id, LEASE_NAMESPACE],
     )
-    return [(r[0], r[1], r[2], r[3], r[4]) for r in cursor.fetchall()]
+    return [row[0] for row in cursor.fetchall()]
+
+
+def waiting_jobs_of(cursor: Cursor, runner_ids: Sequence[str]) -> list[HeldJob]:
+    """Running jobs of these runners whose attempt never started (they waited for a worker)."""
+    cursor.execute(
+        _HELD + "WHERE j.status = 'running' AND j.locked_by = ANY(%s) AND NOT a.started",
+        [list(runner_ids)],
+    )
+    return [HeldJob(*row) for row in cursor.fetchall()]
 
 
 def cleanup(cursor: Cursor, status: str, older_than_seconds: float, batch: int = 5000) -> int:

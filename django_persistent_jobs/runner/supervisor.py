@@ -49,6 +49,7 @@ from .heartbeat import Liveness, heartbeat_loop, rescue_loop
 from .lifecycle import Lifecycle
 from .listener import listen_loop
 from .loop import Loop
+from .starts import StartLog
 from .threads import ThreadExecutor
 from .timeouts import TimeoutEnforcer
 
@@ -175,6 +176,9 @@ class Runner:
         self.exit_code = EXIT_OK
         self.processes = processes
         self.pool: Executor = self._make_executor()
+        #: Starts of jobs that waited for a worker, until a claim records them.
+        self.starts = StartLog()
+        self.pool.on_start = lambda item: self.starts.note(item.job.token)
         self.timeouts = TimeoutEnforcer(self.alias, self.runner_id, self.pool, self.forced)
         # Liveness as this runner itself knows it (maintained by the heartbeat loop).
         self.liveness = Liveness(self.alias, self.runner_id, self.settings, self.register)
@@ -387,7 +391,8 @@ class Runner:
         settings, alias, lifecycle = self.settings, self.alias, self.lifecycle
         bodies: list[tuple[str, Callable[[], None]]] = [
             ("listener", lambda: listen_loop(alias, lifecycle, runner_id=self.runner_id,
-                                             poll_interval=settings.poll_interval)),
+                                             poll_interval=settings.poll_interval,
+                                             lease_lost=self._lease_lost)),
             ("claimer", lambda: claim_loop(self)),
             ("heartbeat", lambda: heartbeat_loop(self.liveness, lifecycle.halt)),
             ("rescue", lambda: rescue_loop(self.liveness, self.pool, lifecycle.halt)),
@@ -594,11 +599,28 @@ class Runner:
         # waiting for a free slot is not running out of time).
         return InFlight(job=job, ctx=ctx, deadline=None)
 
-    def hand_back_unstarted(self, jobs: list[store.ClaimedJob]) -> None:
+    def hand_back_unstarted(
+        self, jobs: list[store.ClaimedJob], code: str = "SHUTDOWN",
+        message: str = "runner stopping; claimed job handed back unstarted",
+    ) -> None:
         for job in jobs:
-            record_outcome(self.alias, job, Outcome(
-                "release", "SHUTDOWN", "runner stopping; claimed job handed back unstarted",
-            ), self.runner_id, self.forced, attempt_outcome="interrupted")
+            record_outcome(self.alias, job, Outcome("release", code, message), self.runner_id,
+                           self.forced, attempt_outcome="interrupted")
+
+    def _lease_lost(self) -> None:
+        """The LISTEN session, and with it this runner's lease, is gone: another runner may
+        hand back the jobs waiting here for a worker (``hand_back_lapsed``), so none of them
+        may start. Take them back and hand them back ourselves (fenced: a no-op for any that
+        another runner got to first)."""
+        items = self.pool.withdraw_unstarted()
+        if items:
+            logger.warning("runner %s lost its lease; handing back %d waiting job(s)",
+                           self.runner_id, len(items),
+                           extra={"event": "lease_lost", "runner_id": self.runner_id})
+            self.hand_back_unstarted(
+                [item.job for item in items], "LEASE_LOST",
+                "the runner's LISTEN session (which holds its lease) was lost; claimed job "
+                "handed back unstarted")
 
     def _worker_crashed(self, item: InFlight, exc: BaseException) -> None:
         """A job's outcome could not be recorded (not a transient database condition: those

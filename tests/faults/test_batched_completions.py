@@ -148,7 +148,9 @@ def test_slots_are_free_while_completions_are_written(fleet: Fleet, tmp_path: Pa
     """Every slot's job has returned and waits for its completion: the next jobs still run, up
     to one more per slot; then the runner stops claiming until completions land, instead of
     running jobs it cannot complete."""
-    runner, ids, _, blocker = _hold_completions(fleet, tmp_path, "busy")
+    # No waiting jobs (PREFETCH 0): those would start as slots free up whatever the pending
+    # completions, up to PREFETCH more than shown here.
+    runner, ids, _, blocker = _hold_completions(fleet, tmp_path, "busy", {"PREFETCH": 0})
     more_runs = tmp_path / "more-runs"
     with blocker:
         more = [str(job.id) for job in enqueue_many(

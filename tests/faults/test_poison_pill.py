@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
               pytest.mark.timeout(150)]
 
 RETRIES = 2
+HANDBACK_LIMIT = 3  # the setting's default
 
 
 def test_poison_pill_is_dead_lettered_and_runners_keep_serving(fleet: Fleet) -> None:
@@ -54,17 +55,28 @@ def test_poison_pill_is_dead_lettered_and_runners_keep_serving(fleet: Fleet) -> 
     if PROCESSES != "0":
         _check_worker_processes_contained_the_pill(pill, others, deaths, runners, row)
         return
-    assert row["code"] == "RUNNER_LOST"
+    assert row["code"] in {"RUNNER_LOST", "INTERRUPTED"}
     attempts = sql("SELECT runner_id, outcome, error_code FROM persistent_jobs_attempts "
                    "WHERE job_id = %s ORDER BY id", [pill])
-    assert [(o, c) for _, o, c in attempts] == [("rescued", "RUNNER_LOST")] * (RETRIES + 1)
+    # Every run is charged, but for one the pill's runner had not recorded as started yet: it
+    # had waited for the busy slot (PREFETCH) and the pill killed the runner within the 0.1 s
+    # before its start was written. Such a run is handed back (not charged, counted against
+    # HANDBACK_LIMIT), so the pill still ends dead-lettered, after at most that many more runs.
+    outcomes = [(o, c) for _, o, c in attempts]
+    handed_back = outcomes.count(("interrupted", "RUNNER_LOST"))
+    charged = [pair for pair in outcomes if pair != ("interrupted", "RUNNER_LOST")]
+    assert len(charged) == RETRIES + 1, outcomes
+    assert set(charged) <= {("rescued", "RUNNER_LOST"), ("failed", "INTERRUPTED"),
+                            ("dead_lettered", "INTERRUPTED")}, outcomes
+    assert handed_back <= HANDBACK_LIMIT, outcomes
     # Each attempt took down a different runner process, and nothing else did.
-    assert [d.proc.returncode for d in deaths] == [1] * (RETRIES + 1)
+    assert [d.proc.returncode for d in deaths] == [1] * len(outcomes)
     assert {runner_id for runner_id, _, _ in attempts} == {d.runner_id for d in deaths}
     assert ledger_of(pill) == []
     verify([pill], require_completed=False)
     verdict = verify(others)  # every other job completed, exactly once
-    assert all((a.outcome, a.error_code) in {("completed", ""), ("rescued", "RUNNER_LOST")}
+    assert all((a.outcome, a.error_code) in {("completed", ""), ("rescued", "RUNNER_LOST"),
+                                             ("interrupted", "RUNNER_LOST")}
                for a in verdict.attempts)
     assert all(r.alive for r in runners)
     report("poison_pill", max_retries=RETRIES, runner_deaths=len(deaths),

@@ -151,6 +151,7 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
             ("some queues, registered types", store.claim_sql(10, True, True),
              {"runner": "r", "queues": ["mail"], "types": ["core.idx.1", "core.idx.3"]}),
         ):
+            params = {**params, "direct": 10, "started": [], "started_at": []}
             cursor.execute("EXPLAIN " + sql, params)
             plans[name] = "\n".join(r[0] for r in cursor.fetchall())
         # The runner prepares the statement, so PostgreSQL settles on a generic plan (queues
@@ -162,10 +163,14 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
                                       "some queues, registered types, generic plan": (True, True),
                                       }.items():
             generic = (store.claim_sql(10, queues, types).replace("%(runner)s", "$1")
-                       .replace("%(queues)s", "$2").replace("%(types)s", "$3"))
+                       .replace("%(queues)s", "$2").replace("%(types)s", "$3")
+                       .replace("%(direct)s", "$4").replace("%(started)s", "$5")
+                       .replace("%(started_at)s", "$6"))
             cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            cursor.execute(f"PREPARE pj_claim_generic(text, text[], text[]) AS {generic}")
-            cursor.execute("EXPLAIN EXECUTE pj_claim_generic('r', '{mail}', '{core.idx.1}')")
+            cursor.execute("PREPARE pj_claim_generic(text, text[], text[], int, bigint[], "
+                           f"timestamptz[]) AS {generic}")
+            cursor.execute("EXPLAIN EXECUTE pj_claim_generic('r', '{mail}', '{core.idx.1}', "
+                           "10, '{}', '{}')")
             plans[name] = "\n".join(r[0] for r in cursor.fetchall())
             cursor.execute("DEALLOCATE pj_claim_generic")
             cursor.execute("SET LOCAL plan_cache_mode = auto")
@@ -173,10 +178,13 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
         # condition), which is what keeps it from walking the dead entries before that key.
         resumed = (store.claim_sql(10, after=True).replace("%(runner)s", "$1")
                    .replace("%(after_priority)s", "$2").replace("%(after_at)s", "$3")
-                   .replace("%(after_id)s", "$4"))
+                   .replace("%(after_id)s", "$4").replace("%(direct)s", "$5")
+                   .replace("%(started)s", "$6").replace("%(started_at)s", "$7"))
         cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        cursor.execute(f"PREPARE pj_claim_after(text, int, timestamptz, uuid) AS {resumed}")
-        cursor.execute("EXPLAIN EXECUTE pj_claim_after('r', 0, now(), gen_random_uuid())")
+        cursor.execute("PREPARE pj_claim_after(text, int, timestamptz, uuid, int, bigint[], "
+                       f"timestamptz[]) AS {resumed}")
+        cursor.execute("EXPLAIN EXECUTE pj_claim_after('r', 0, now(), gen_random_uuid(), 10, "
+                       "'{}', '{}')")
         plans["resumed after a key, generic plan"] = "\n".join(r[0] for r in cursor.fetchall())
         cursor.execute("DEALLOCATE pj_claim_after")
         cursor.execute("SET LOCAL plan_cache_mode = auto")

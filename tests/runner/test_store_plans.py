@@ -109,7 +109,9 @@ def test_per_job_statements_use_indexes_after_statistics_of_empty_tables() -> No
             "WHERE statement LIKE '%%FOR UPDATE SKIP LOCKED%%' AND generic_plans > 0"
         ).fetchone() or (None, None)
         assert name is not None, "the claim never reached its generic plan"
-        args = ", ".join("'{test.noop}'" if t.endswith("[]") else "'plans'" for t in types)
+        examples = {"text[]": "'{test.noop}'", "bigint[]": "'{}'",
+                    "timestamp with time zone[]": "'{}'", "text": "'plans'"}
+        args = ", ".join(examples.get(t, "1") for t in types)
         plan = "\n".join(r[0] for r in claimer.execute(f'EXPLAIN EXECUTE "{name}"({args})'))
 
     assert "pj_claim_idx" in plan and "Seq Scan" not in plan, plan

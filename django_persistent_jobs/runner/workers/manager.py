@@ -162,6 +162,7 @@ class ProcessExecutor:
         self.owner: dict[object, WorkerHandle] = {}  # by wire id, once given to a worker
         #: Accepted while no lane was free (``PREFETCH``, or no worker ready yet).
         self.pending: deque[InFlight] = deque()
+        self.on_start: Callable[[InFlight], None] | None = None
         #: Assigned to a lane, not written yet (only while ``lock`` is held: ``_flush_locked``).
         self._outbox: list[tuple[WorkerHandle, int, InFlight]] = []
         self.workers: list[WorkerHandle] = []
@@ -236,6 +237,11 @@ class ProcessExecutor:
         with self.lock:
             return self._free_locked()
 
+    def idle(self) -> int:
+        with self.lock:
+            free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
+            return max(0, free - len(self.pending))
+
     def wait_for_free_slot(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         with self.changed:
@@ -273,6 +279,18 @@ class ProcessExecutor:
     def unstarted(self) -> list[InFlight]:
         with self.lock:
             return list(self.pending)
+
+    def withdraw_unstarted(self) -> list[InFlight]:
+        """The jobs waiting here for a lane, taken back: none of them goes to a worker."""
+        with self.lock:
+            items = list(self.pending)
+            self.pending.clear()
+            for item in items:
+                item.taken_over.set()
+                self.in_flight.pop(item.job.id, None)
+            if items:
+                self.changed.notify_all()
+        return items
 
     def snapshot(self) -> list[InFlight]:
         with self.lock:
@@ -357,6 +375,8 @@ class ProcessExecutor:
         session = worker.sessions.get(lane)
         if session is not None:
             item.backend_pid, item.backend_start = session
+        if item.job.waiting and self.on_start is not None:
+            self.on_start(item)
         now = time.monotonic()
         item.ctx.started_monotonic = now
         if item.job.timeout:

@@ -1,0 +1,140 @@
+"""Scenario 12: jobs claimed to wait for a free worker (``PREFETCH``) when their runner is lost.
+
+A runner claims more jobs than it has idle workers: the extras wait in it, recorded as waiting
+(their attempt not started). Those jobs never ran, so:
+
+* The runner is SIGKILLed: its lease (an advisory lock held by its LISTEN session) goes with its
+  session, and a live runner hands the waiting jobs back uncharged within a couple of seconds,
+  long before the stale-lock timeout that still governs the job the dead runner had started
+  (that one is rescued and charged, as before). Each waiting job then runs exactly once.
+* The runner is alive but its LISTEN session is terminated: it has lost its lease, so it takes
+  its waiting jobs back and hands them back itself (none may start while another runner could
+  hand it back too), claims again once its lease is back, and every job still runs once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from django_persistent_jobs import enqueue_many
+from django_persistent_jobs.runner import store
+
+from .harness import (
+    Fleet,
+    RunnerProcess,
+    attempts_of,
+    backends,
+    report,
+    sql,
+    status_counts,
+    terminate,
+    wait_all_terminal,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
+              pytest.mark.timeout(120)]
+
+STALE = 10.0
+SETTINGS = {"STALE_LOCK_TIMEOUT": STALE, "HEARTBEAT_INTERVAL": 1.0}
+WAITING = 3
+
+
+def _runs(path: Path) -> Counter[str]:
+    if not path.exists():
+        return Counter()
+    return Counter(line.split()[0] for line in path.read_text().splitlines() if line.strip())
+
+
+def _flags(ids: list[str]) -> dict[str, bool]:
+    """Whether each job's current attempt is recorded as started."""
+    return dict(sql("SELECT j.id::text, a.started FROM persistent_jobs j JOIN "
+                    "persistent_jobs_attempts a ON a.id = j.lock_token WHERE j.id = ANY(%s)",
+                    [ids]))
+
+
+def _claim_with_waiting(fleet: Fleet, tmp_path: Path, name: str) -> tuple[
+        RunnerProcess, list[str], Path, Path]:
+    """A runner with one worker slot and room for ``WAITING`` more: it starts one job (held
+    at a gate) and holds the others waiting."""
+    runs, gate = tmp_path / "runs", tmp_path / "gate"
+    runner = fleet.spawn(name, concurrency=1, settings={**SETTINGS, "PREFETCH": WAITING},
+                         args=["--queues", "held"])
+    ids = [str(job.id) for job in enqueue_many(
+        [("faults.solo", {"runs": str(runs), "gate": str(gate), "n": i})
+         for i in range(WAITING + 1)], queue="held")]
+    wait_for(lambda: status_counts(ids) == {"running": WAITING + 1} and len(_runs(runs)) == 1,
+             20, "one job started and the others waiting", reconnect=True)
+    return runner, ids, runs, gate
+
+
+def test_a_killed_runners_waiting_jobs_are_handed_back_uncharged_before_the_stale_timeout(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    fleet.spawn("survivor", settings=SETTINGS, args=["--queues", "default"])
+    survivor_ready = time.monotonic()  # it logged "started": it has registered and beaten
+    victim, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "victim")
+    (started,) = _runs(runs)
+    waiting = [job_id for job_id in ids if job_id != started]
+    assert _flags(ids) == {started: True, **{job_id: False for job_id in waiting}}
+    # A runner hands back others' jobs only once it has beaten without a gap for a whole
+    # stale-lock timeout (see heartbeat.py): wait for the survivor to get there.
+    wait_for(lambda: time.monotonic() - survivor_ready > STALE + 0.5, STALE + 5,
+             "the survivor to be allowed to rescue")
+
+    victim.kill()
+    killed = time.monotonic()
+    wait_for(lambda: status_counts(waiting) == {"pending": WAITING}, STALE,
+             "the waiting jobs to be handed back", reconnect=True)
+    handed_back_after = time.monotonic() - killed
+    assert handed_back_after < STALE / 2, handed_back_after
+    assert status_counts([started]) == {"running": 1}  # started: its heartbeat decides
+    rows = sql("SELECT attempts, handbacks, last_error_code FROM persistent_jobs "
+               "WHERE id = ANY(%s)", [waiting])
+    assert rows == [(0, 1, "RUNNER_LOST")] * WAITING  # not charged
+
+    gate.touch()
+    finisher = fleet.spawn("finisher", settings=SETTINGS, args=["--queues", "held"])
+    wait_all_terminal(ids, timeout=STALE + 20)
+    assert status_counts(ids) == {"completed": WAITING + 1}
+    history: dict[str, list[tuple[int, str, str, str]]] = {}
+    for attempt in attempts_of(ids):
+        history.setdefault(str(attempt.job_id), []).append(
+            (attempt.attempt, attempt.runner_id, attempt.outcome, attempt.error_code))
+    assert history[started] == [(1, victim.runner_id, "rescued", "RUNNER_LOST"),
+                                (2, finisher.runner_id, "completed", "")]
+    for job_id in waiting:
+        assert history[job_id] == [(1, victim.runner_id, "interrupted", "RUNNER_LOST"),
+                                   (1, finisher.runner_id, "completed", "")]
+    runs_by_job = _runs(runs)
+    assert runs_by_job == {started: 2, **{job_id: 1 for job_id in waiting}}
+    report("waiting_jobs_of_killed_runner", waiting=WAITING,
+           handed_back_after_s=round(handed_back_after, 2), stale_lock_timeout_s=STALE)
+
+
+def test_a_runner_that_loses_its_lease_hands_its_waiting_jobs_back_itself(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    runner, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "leaseless")
+    (started,) = _runs(runs)
+    waiting = [job_id for job_id in ids if job_id != started]
+    mark = runner.mark()
+    (holder,) = sql("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND classid = %s AND objid = (hashtext(%s)::bigint & 4294967295)::text::oid",
+                    [store.LEASE_NAMESPACE, runner.runner_id])
+    assert [pid for pid, *_ in backends("leaseless")].count(holder[0]) == 1  # its LISTEN session
+    assert terminate(holder[0])
+    runner.wait_line(r"lost its lease; handing back 3 waiting job\(s\)", since=mark)
+    gate.touch()
+    wait_all_terminal(ids, timeout=30)
+    assert status_counts(ids) == {"completed": WAITING + 1}
+    for attempt in attempts_of(waiting):
+        assert (attempt.outcome, attempt.error_code) in {("interrupted", "LEASE_LOST"),
+                                                         ("completed", "")}, attempt
+    rows = sql("SELECT attempts, handbacks FROM persistent_jobs WHERE id = ANY(%s)", [waiting])
+    assert rows == [(1, 0)] * WAITING  # released: neither charged nor counted
+    assert _runs(runs) == {job_id: 1 for job_id in ids}  # every job ran exactly once
