@@ -385,7 +385,7 @@ class Settings:
     DEFAULT_QUEUE = Setting[str]("default", _default_queue, str)
     #: Jobs claimed per statement; None: as many as there are free slots.
     BATCH_SIZE = Setting[int | None](None, _optional_int(allow_zero=False), _same)
-    #: Claimed jobs held waiting for a worker; None: as many as CONCURRENCY.
+    #: Claimed jobs held waiting for a worker; None: adaptive (see runner/claimer.py).
     PREFETCH = Setting[int | None](None, _optional_int(allow_zero=True), _same)
     #: The database alias jobs live in.
     DATABASE = Setting[str]("default", _database, str)
@@ -538,6 +538,4 @@ class RunnerSettings:
             "timeout_grace": settings.TIMEOUT_GRACE,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if values["prefetch"] is None:
-            values["prefetch"] = values["concurrency"]
         return cls(**values)

@@ -7,8 +7,10 @@ comes first.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..handlers import registry
@@ -29,9 +31,12 @@ def claim_loop(runner: Runner) -> None:
     pool = runner.pool
     poll = settings.poll_interval
     scan = store.ClaimScan()
+    room = WaitingRoom(pool) if settings.prefetch is None else None
     starts = runner.starts
     lease = runner.lifecycle.lease
     while not runner.stopping.is_set():
+        if room is not None:
+            room.adjust()
         free = pool.wait_for_free_slot(timeout=starts.due_in(poll))
         if runner.stopping.is_set():
             break
@@ -50,7 +55,7 @@ def claim_loop(runner: Runner) -> None:
             with runner.beaten:
                 runner.beaten.wait(poll)
             continue
-        limit = min(free, settings.batch_size or free)
+        limit = claim_limit(min(free, settings.batch_size or free))
         if runner.wake.is_set():
             scan.forget()  # something was committed: it may sit before where the last claim ended
         runner.wake.clear()
@@ -109,6 +114,52 @@ def claim_loop(runner: Runner) -> None:
                           0.01)
             continue
         runner.wake.wait(starts.due_in(poll))
+
+
+#: With the adaptive ``PREFETCH`` (``None``), at most this many claimed jobs per worker slot wait.
+ADAPTIVE_PREFETCH_FACTOR = 4
+#: ... and no more than the workers finished in this many seconds: at the recent pace, a job
+#: waits about this long for a worker.
+LOOKAHEAD_SECONDS = 0.1
+
+
+class WaitingRoom:
+    """The adaptive ``PREFETCH``: let as many claimed jobs wait for a worker as the workers
+    finished in the last ``LOOKAHEAD_SECONDS``, up to the executor's cap.
+
+    Tiny jobs (thousands a second) get the whole cap, so one claim statement serves a batch;
+    long jobs get next to none, so a runner busy with them does not hold jobs that another,
+    idle runner could start now. A runner that has finished nothing yet claims only for idle
+    workers.
+    """
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+        self.cap = executor.waiting_room
+        self.history: deque[tuple[float, int]] = deque()
+        executor.waiting_room = 0
+
+    def adjust(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        finished = self.executor.finished
+        history = self.history
+        history.append((now, finished))
+        while len(history) > 1 and history[1][0] <= now - LOOKAHEAD_SECONDS:
+            history.popleft()
+        self.executor.waiting_room = min(self.cap, finished - history[0][1])
+
+
+#: The claim sizes a runner uses: each size is a statement text of its own (its LIMIT is a
+#: literal, see ``store.claim_sql``), prepared once per connection, so a runner keeps to a few.
+CLAIM_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def claim_limit(wanted: int) -> int:
+    """The largest claim size not above ``wanted`` (the loop claims again at once when a claim
+    came back full, so rounding down costs a round trip at most, never a job)."""
+    if wanted >= CLAIM_SIZES[-1]:
+        return CLAIM_SIZES[-1]
+    return CLAIM_SIZES[bisect.bisect_right(CLAIM_SIZES, wanted) - 1]
 
 
 def _write_starts(runner: Runner) -> None:

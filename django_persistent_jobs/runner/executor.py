@@ -33,6 +33,11 @@ class Executor(Protocol):
     #: Called when a job that waited for a worker (``job.waiting``) is given to one, from
     #: whichever thread does that; it must not block (the runner notes the start).
     on_start: Callable[[InFlight], None] | None
+    #: How many claimed jobs may wait for a worker now, on top of the slots (the claim loop
+    #: sets it when ``PREFETCH`` is adaptive).
+    waiting_room: int
+    #: Jobs that have left a slot so far (the claim loop reads the pace from it).
+    finished: int
 
     def start(self) -> None:
         """Start the threads or processes; returns once jobs can be accepted."""

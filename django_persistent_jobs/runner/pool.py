@@ -117,7 +117,10 @@ class WorkerPool:
         prefetch: int = 0,
     ) -> None:
         self.size = size
-        self.capacity = size + max(0, prefetch)
+        #: Claimed jobs that may wait for a worker right now (the claim loop adjusts it
+        #: when ``PREFETCH`` is adaptive); ``finished`` counts jobs that left a slot.
+        self.waiting_room = max(0, prefetch)
+        self.finished = 0
         self.execute = execute
         self.on_crash = on_crash
         self.queue: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
@@ -151,7 +154,7 @@ class WorkerPool:
         return self.completer.pending()
 
     def _free_locked(self) -> int:
-        return (self.capacity - len(self.in_flight)
+        return (self.size + self.waiting_room - len(self.in_flight)
                 - held_back(self.completer.pending(), self.size))
 
     def free_slots(self) -> int:
@@ -241,6 +244,7 @@ class WorkerPool:
         """Called with ``lock`` held when a job leaves the runner's hands."""
         if self.in_flight.get(item.job.id) is item:
             del self.in_flight[item.job.id]
+            self.finished += 1
             self.changed.notify_all()
 
     def snapshot(self) -> list[InFlight]:

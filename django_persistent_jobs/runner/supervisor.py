@@ -32,7 +32,7 @@ from ..context import JobContext
 from ..errors import ConfigurationError
 from ..handlers import registry
 from . import store
-from .claimer import claim_loop
+from .claimer import ADAPTIVE_PREFETCH_FACTOR, claim_loop
 from .cleanup import cleanup_loop
 from .db import (
     LOCK_NOT_AVAILABLE,
@@ -301,7 +301,7 @@ class Runner:
         settings = self.settings
         if not self.processes:
                 return ThreadExecutor(settings.concurrency, self._execute, self._worker_crashed,
-                                  prefetch=settings.prefetch or 0)
+                                  prefetch=self._prefetch(settings.concurrency))
         from .workers.manager import ProcessExecutor
 
         return ProcessExecutor(
@@ -310,9 +310,16 @@ class Runner:
             on_failure=self._executor_failed,
             max_jobs=settings.max_jobs_per_worker,
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
-            prefetch=settings.prefetch or 0,
+            prefetch=self._prefetch(settings.concurrency * self.processes),
             log_level=logging.getLogger("django_persistent_jobs").level or None,
         )
+
+    def _prefetch(self, slots: int) -> int:
+        """The most claimed jobs that may wait for a worker: ``PREFETCH``, or with the adaptive
+        default the cap the claim loop works under (``claimer.WaitingRoom``)."""
+        if self.settings.prefetch is not None:
+            return self.settings.prefetch
+        return ADAPTIVE_PREFETCH_FACTOR * slots
 
     def _executor_failed(self, exc: BaseException) -> None:
         """The executor cannot run jobs any more: stop loudly, like a runner whose loop died."""

@@ -153,7 +153,10 @@ class ProcessExecutor:
         self.max_jobs = max_jobs
         self.max_memory = None if max_memory_mib is None else max_memory_mib * 1024 * 1024
         self.grace = grace
-        self.prefetch = max(0, prefetch)
+        #: Claimed jobs that may wait here for a lane right now (see the thread pool's);
+        #: ``finished`` counts jobs that left a lane.
+        self.waiting_room = max(0, prefetch)
+        self.finished = 0
         self.log_level = log_level
         self.log_to_stderr = log_to_stderr
         self.lock = threading.Lock()
@@ -231,7 +234,8 @@ class ProcessExecutor:
         free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
         completing = sum(len(w.completing) for w in self.workers)
         lanes = self.concurrency * sum(1 for w in self.workers if w.ready)
-        return max(0, free + self.prefetch - len(self.pending) - held_back(completing, lanes))
+        return max(0, free + self.waiting_room - len(self.pending)
+                   - held_back(completing, lanes))
 
     def free_slots(self) -> int:
         with self.lock:
@@ -607,6 +611,7 @@ class ProcessExecutor:
             return None
         worker.free_lanes.append(worker.lane_of.pop(wire_id))
         self.owner.pop(wire_id, None)
+        self.finished += 1
         if self.in_flight.get(item.job.id) is item:
             del self.in_flight[item.job.id]
         return item
