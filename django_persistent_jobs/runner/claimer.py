@@ -1,8 +1,10 @@
 """Claim loop: fills free worker slots with due jobs.
 
-It claims only as many jobs as there are free slots, so a claimed job starts at once and its
-timeout clock is honest. It sleeps until a NOTIFY, a freed slot or the poll interval, whichever
-comes first.
+It claims as many jobs as there are free slots, plus room for jobs waiting for a worker
+(``PREFETCH``; by default as many as the workers finished in the last ``LOOKAHEAD_SECONDS``), so
+that one claim statement serves a batch of short jobs. A waiting job's timeout clock starts when
+a worker starts it, and its start is recorded as ``starts`` describes.
+It sleeps until a NOTIFY, a freed slot or the poll interval, whichever comes first.
 """
 
 from __future__ import annotations
@@ -33,21 +35,15 @@ def claim_loop(runner: Runner) -> None:
     scan = store.ClaimScan()
     room = WaitingRoom(pool) if settings.prefetch is None else None
     starts = runner.starts
-    lease = runner.lifecycle.lease
     while not runner.stopping.is_set():
         if room is not None:
             room.adjust()
         free = pool.wait_for_free_slot(timeout=starts.due_in(poll))
         if runner.stopping.is_set():
             break
-        if not lease.is_set():
-            # Without its lease (the LISTEN session is down) other runners may take this
-            # runner's waiting jobs back at any moment: claim none until it is held again.
-            lease.wait(poll)
-            continue
         if free <= 0:
             if starts.overdue:
-                _write_starts(runner)
+                _write_starts(runner)  # no claim is coming to carry them
             continue
         if not heartbeat_fresh(runner):
             # Frozen or cut off for a while: others may have declared this runner dead. Let the
@@ -94,6 +90,7 @@ def claim_loop(runner: Runner) -> None:
             if not runner.dispatch(job):
                 # The supervisor sealed the pool for shutdown between the check above and now.
                 runner.hand_back_unstarted(jobs[index:])
+                _write_starts(runner)
                 return
         if logger.isEnabledFor(logging.DEBUG) and jobs:
             logger.debug("claimed %d job(s)", len(jobs),
@@ -114,6 +111,17 @@ def claim_loop(runner: Runner) -> None:
                           0.01)
             continue
         runner.wake.wait(starts.due_in(poll))
+    _write_starts(runner)  # the starts noted last, before the runner settles what it holds
+
+
+def _write_starts(runner: Runner) -> None:
+    """Record the starts noted on the fast path (``starts.StartLog``) on their own."""
+    def write(cursor: Cursor) -> None:
+        with runner.starts.taken() as (tokens, times):
+            if tokens:
+                store.mark_started(cursor, tokens, times)
+
+    run_with_retry(runner.alias, write, what="recording job starts", interrupt=runner.forced)
 
 
 #: With the adaptive ``PREFETCH`` (``None``), at most this many claimed jobs per worker slot wait.
@@ -160,16 +168,6 @@ def claim_limit(wanted: int) -> int:
     if wanted >= CLAIM_SIZES[-1]:
         return CLAIM_SIZES[-1]
     return CLAIM_SIZES[bisect.bisect_right(CLAIM_SIZES, wanted) - 1]
-
-
-def _write_starts(runner: Runner) -> None:
-    """Record the noted starts of waiting jobs when no claim is coming to carry them."""
-    def write(cursor: Cursor) -> None:
-        with runner.starts.taken() as (tokens, times):
-            if tokens:
-                store.mark_started(cursor, tokens, times)
-
-    run_with_retry(runner.alias, write, what="recording job starts", interrupt=runner.stopping)
 
 
 def _wait_for(runner: Runner, condition: Any, step: float) -> None:

@@ -20,7 +20,6 @@ import threading
 import traceback as tb_module
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import async_to_sync
@@ -45,6 +44,7 @@ if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
 
     from .completer import Completer
+    from .starts import StartGate
     from .store import ClaimedJob, TransitionKind
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -77,6 +77,8 @@ class InFlight:
     owner: Any = None  # the pool's worker, once the job is taken over from it
     #: Where the completion of a handler that ran no SQL goes (None: written by its thread).
     completer: Completer | None = None
+    #: Records the start of a job that waited for a worker before it runs (None: no gate).
+    gate: StartGate | None = None
     #: Called once a completion handed to ``completer`` was written and logged (``execute``
     #: returned True): the job has then left this runner's hands. Given the exception if its
     #: outcome could not be recorded (what ``execute`` raises when it settles a job itself).
@@ -392,8 +394,17 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             return False
     connection = connections[alias]
     deferred: tuple[Completer, str | None] | None = None
-    if job.waiting:
-        job.started_at = datetime.now(UTC)  # the completion records it (claimed earlier)
+    if job.waiting and inflight.gate is not None:
+        admitted = inflight.gate.admit(job.token)
+        if not admitted:
+            # Handed back by another runner while it waited here (this runner's lease had
+            # lapsed), or the runner is stopping with the database away: it must not run.
+            logger.warning("job %s: not started, %s", job.id,
+                           "it was handed back while it waited for a worker"
+                           if admitted is False else "its start could not be recorded",
+                           extra={"event": "start_refused", "job_id": str(job.id),
+                                  "runner_id": runner_id})
+            return False
     try:
         prepare_connection(alias, inflight)
         if spec.atomic:

@@ -30,8 +30,10 @@ class Executor(Protocol):
     changed: threading.Condition
     #: Claimed jobs the executor holds, by job id (the cancel relay looks jobs up here).
     in_flight: dict[object, InFlight]
-    #: Called when a job that waited for a worker (``job.waiting``) is given to one, from
-    #: whichever thread does that; it must not block (the runner notes the start).
+    #: Called when a job that waited for a worker (``job.waiting``) is about to start, from
+    #: whichever thread starts it; it must not block. It chooses how the start is recorded
+    #: (``starts``): it clears ``job.waiting`` for the fast path; a job still waiting after it
+    #: passes the gate where it runs.
     on_start: Callable[[InFlight], None] | None
     #: How many claimed jobs may wait for a worker now, on top of the slots (the claim loop
     #: sets it when ``PREFETCH`` is adaptive).
@@ -73,9 +75,6 @@ class Executor(Protocol):
     def unstarted(self) -> list[InFlight]:
         """Jobs accepted but not started (after ``seal()`` none will start)."""
 
-    def withdraw_unstarted(self) -> list[InFlight]:
-        """Take back every job not started yet, atomically with the start of jobs: none of
-        the returned jobs will start (the caller hands them back)."""
 
     def snapshot(self) -> list[InFlight]: ...
 

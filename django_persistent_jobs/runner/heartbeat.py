@@ -216,16 +216,20 @@ class LeaseWatch:
 def hand_back_lapsed(liveness: Liveness, lapses: LeaseWatch, interrupt: threading.Event) -> int:
     """Hand back the waiting jobs of runners whose lease lapsed: they never started, so they
     are not charged, and they need not wait for the stale-lock timeout. A runner that is only
-    cut off from the server keeps its started jobs (its heartbeat decides about those) and
-    takes its waiting ones back itself, so none runs twice. Only a runner that has beaten
-    without a gap for a stale-lock timeout does this, as for any rescue: right after a server
-    restart every lease is lapsed at once."""
+    cut off from the server keeps its started jobs (its heartbeat decides about those); a
+    waiting job it still holds is refused at its start (``starts.StartGate``), so none runs
+    twice. Only a runner that has beaten without a gap for a stale-lock timeout does this,
+    as for any rescue: right after a server restart every lease is lapsed at once."""
     if not liveness.may_reap():
         lapses.since.clear()
         return 0
     alias, me = liveness.alias, liveness.runner_id
+    asked = time.monotonic()
     lapsed = run_with_retry(alias, lambda c: store.lapsed_leases(c, me),
                             what="checking runner leases", interrupt=interrupt) or []
+    if time.monotonic() - asked > LEASE_CHECK_SECONDS:
+        lapses.since.clear()  # the database was slow or away: sightings across it prove nothing
+        return 0
     confirmed = lapses.confirm(lapsed, time.monotonic())
     if not confirmed:
         return 0
@@ -237,25 +241,26 @@ def hand_back_lapsed(liveness: Liveness, lapses: LeaseWatch, interrupt: threadin
         if interrupt.is_set():
             break
         if _rescue_job(alias, me, held, f"the lease of runner {held.locked_by} lapsed before "
-                       f"it started attempt {held.attempts}; handed back by {me}"):
+                       f"it started attempt {held.attempts}; handed back by {me}",
+                       lease_of=held.locked_by):
             handed += 1
     return handed
 
 
-def _rescue_job(alias: str, runner_id: str, held: store.HeldJob, message: str) -> bool:
+def _rescue_job(alias: str, runner_id: str, held: store.HeldJob, message: str,
+                lease_of: str | None = None) -> bool:
     """Settle a job a lost runner held. A started attempt is charged (a job that kills its
-    runner runs out of retries); one that only waited for a worker is handed back, counted
-    against ``HANDBACK_LIMIT`` but not charged."""
+    runner runs out of retries); one still recorded as waiting is handed back, not charged but
+    counted against ``HANDBACK_LIMIT`` (see ``starts``), unless a worker's start got there
+    first."""
     job_id, token, job_type, attempts = held.id, held.token, held.job_type, held.attempts
     outcome = Outcome("retry" if held.started else "handback", "RUNNER_LOST", message,
                       delay=_backoff_for(registry.get(job_type), attempts))
 
     def apply(cursor: Cursor) -> str | None:
         if not held.started:
-            return store.transition(
-                cursor, job_id, token, kind="handback", code=outcome.code,
-                message=outcome.message, charge_delay=outcome.delay,
-            )
+            return store.release_waiting(cursor, held, outcome.code, outcome.message,
+                                         lease_of=lease_of, charge_delay=outcome.delay)
         return store.transition(
             cursor, job_id, token, kind="retry", code=outcome.code,
             message=outcome.message, delay=outcome.delay, outcome="rescued",

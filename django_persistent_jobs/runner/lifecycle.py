@@ -26,8 +26,7 @@ class Lifecycle:
 
     A shutdown goes ``stopping`` (no new claims, no new schedule runs) -> the grace period ->
     ``halt`` (every loop ends). ``forced`` cuts the grace period short. ``wake`` asks the claim
-    loop to look for due jobs now; ``listening`` is set while the LISTEN connection is up;
-    ``lease`` while that connection holds the runner's lease (``store.take_lease``).
+    loop to look for due jobs now; ``listening`` is set while the LISTEN connection is up.
     """
 
     stopping: threading.Event = field(default_factory=_event)
@@ -35,7 +34,6 @@ class Lifecycle:
     forced: threading.Event = field(default_factory=_event)
     wake: threading.Event = field(default_factory=_event)
     listening: threading.Event = field(default_factory=_event)
-    lease: threading.Event = field(default_factory=_event)
 
 
 class Beating(Protocol):

@@ -4,9 +4,11 @@ The lease is a session-level advisory lock on the LISTEN connection (``store.tak
 server drops it the moment this session ends, however the runner died (SIGKILL, a lost host),
 so other runners can hand back this runner's *waiting* jobs within a second or two instead of
 after the stale-lock timeout. Its heartbeat still decides when its *started* jobs are rescued.
-When this connection is lost, the runner has lost its lease too: ``lease_lost`` takes its
-waiting jobs back before another runner can, and the claim loop claims nothing until the lease
-is held again.
+A runner that is alive but lost this session for a while may see its waiting jobs handed back
+too: each is refused when a worker is about to start it (``starts.StartGate``), so nothing runs
+twice; the reconnected session takes the lease again. The loop notes, in ``lease``, when it last
+heard from its session while holding the lease: waiting jobs start on the fast path only while
+that is recent (``starts``).
 
 NOTIFY is only a hint. The claim loop polls on its own, and this loop pings its connection every
 few seconds, so a dead LISTEN connection (a restarted server, a terminated backend, a silently
@@ -17,9 +19,7 @@ notifications were missed while it was down.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from django.db import connections
@@ -28,6 +28,7 @@ from ..services import NOTIFY_CHANNEL
 from . import store
 from .db import Backoff, is_connection_error, reset_connection
 from .lifecycle import Lifecycle
+from .starts import Lease
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -37,12 +38,12 @@ LEASE_RETRY_SECONDS = 0.5
 
 
 def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
-                poll_interval: float, lease_lost: Callable[[], None] | None = None) -> None:
+                poll_interval: float, lease: Lease | None = None) -> None:
     """Set ``lifecycle.wake`` for every NOTIFY until ``lifecycle.halt``; ``listening`` tells
     whether notifications can arrive right now (``poll_interval`` is only for the log), and
-    ``lifecycle.lease`` whether this runner holds its lease."""
-    halt, wake, listening, lease = (lifecycle.halt, lifecycle.wake, lifecycle.listening,
-                                    lifecycle.lease)
+    ``lease`` whether this session holds the runner's lease and when it was last heard from."""
+    lease = lease if lease is not None else Lease()
+    halt, wake, listening = lifecycle.halt, lifecycle.wake, lifecycle.listening
     backoff = Backoff()
     while not halt.is_set():
         try:
@@ -50,20 +51,21 @@ def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
             connection.ensure_connection()
             raw = connection.connection
             assert raw is not None
-            owned = _take_lease(raw, runner_id, lease)
+            owned = _take_lease(raw, runner_id)
             raw.execute(f"LISTEN {NOTIFY_CHANNEL}")
             listening.set()
             wake.set()  # anything committed while we were not listening
             backoff.reset()
             last_ping = last_try = time.monotonic()
             while not halt.is_set():
+                lease.held(owned)
                 for _ in raw.notifies(timeout=0.1):
                     wake.set()
                 now = time.monotonic()
                 if not owned and now - last_try >= LEASE_RETRY_SECONDS:
                     # Our previous session still holds it (the server has not noticed that
                     # it is gone): take it over the moment it goes.
-                    owned, last_try = _take_lease(raw, runner_id, lease), now
+                    owned, last_try = _take_lease(raw, runner_id), now
                 if now - last_ping >= KEEPALIVE_SECONDS:
                     raw.execute("SELECT 1")
                     last_ping = now
@@ -71,11 +73,8 @@ def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
             if not is_connection_error(exc) and not _is_psycopg_error(exc):
                 raise
             listening.clear()
+            lease.lost()
             reset_connection(alias)
-            if lease.is_set():
-                lease.clear()
-                if lease_lost is not None:
-                    lease_lost()
             delay = backoff.next()
             logger.warning(
                 "LISTEN connection lost (%s); polling every %.2fs until it is back, "
@@ -84,15 +83,14 @@ def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
             )
             halt.wait(delay)
     listening.clear()
+    lease.lost()
 
 
-def _take_lease(raw: Any, runner_id: str, lease: threading.Event) -> bool:
-    """Take the lease on this session; ``lease`` is set either way, since a lease held by our
-    previous session protects this runner's jobs as well as one held by this session."""
+def _take_lease(raw: Any, runner_id: str) -> bool:
+    """Take the lease on this session; False while another session holds it (most likely our
+    previous one, not yet gone on the server side: it protects this runner's jobs as well)."""
     with raw.cursor() as cursor:
-        owned = store.take_lease(cursor, runner_id)
-    lease.set()
-    return owned
+        return store.take_lease(cursor, runner_id)
 
 
 def _is_psycopg_error(exc: BaseException) -> bool:

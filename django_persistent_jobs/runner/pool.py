@@ -23,6 +23,7 @@ from django.db import connections
 from .completer import Completer
 from .execute import InFlight, JobInterrupted
 from .executor import held_back
+from .starts import StartGate
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -132,6 +133,8 @@ class WorkerPool:
         self._closed = False
         self._sealed = False
         self.completer = Completer()
+        #: Records the starts of waiting jobs before they run (set by the runner).
+        self.gate: StartGate | None = None
         self.on_start: Callable[[InFlight], None] | None = None
 
     def start(self) -> None:
@@ -180,17 +183,6 @@ class WorkerPool:
         with self.lock:
             return max(0, self.size - len(self.in_flight))
 
-    def withdraw_unstarted(self) -> list[InFlight]:
-        """Jobs no worker has started, taken back: a worker that picks one skips it."""
-        with self.lock:
-            items = [item for item in self.in_flight.values() if item.thread_ident is None]
-            for item in items:
-                item.taken_over.set()
-                del self.in_flight[item.job.id]
-            if items:
-                self.changed.notify_all()
-            return items
-
     @property
     def running(self) -> int:
         with self.lock:
@@ -214,6 +206,7 @@ class WorkerPool:
                 return False
             self.in_flight[item.job.id] = item
         item.completer = self.completer
+        item.gate = self.gate
         item.on_settled = lambda failure: self._settled(item, failure)
         self.queue.put(item)
         return True

@@ -1,15 +1,27 @@
-"""The starts of waiting jobs, noted in memory and written to the database in batches.
+"""Starting a job that waited for a worker: on record soon after, or before, it runs.
 
-A job claimed to wait for a free worker (``PREFETCH``) is recorded as waiting; when a worker
-starts it, the runner notes the start here, and the next claim statement writes every noted start
-in the same round trip (``store.claim_sql``). When no claim follows within ``FLUSH_AFTER``
-seconds (every worker busy, nothing more to claim), the claim loop writes them on their own. So a
-start costs no statement of its own while the runner drains, and is on record within a fraction
-of a second.
+A job claimed to wait for a free worker (``PREFETCH``) is recorded as waiting (its attempt's
+``started`` is false). Another runner hands a waiting job back when its runner is lost: at once
+if that runner's lease lapsed (``heartbeat.hand_back_lapsed``), or once its heartbeat is stale.
+Two ways to start one, chosen per job by the executor (``Lease.fresh``):
 
-Until it is written, a started job counts as waiting: if the runner dies in that window the job
-is handed back uncharged (counted against ``HANDBACK_LIMIT``, which still ends a job that keeps
-killing its runner) instead of charged an attempt.
+* **Fast** (``StartLog``), while this runner's LISTEN session holds its lease and was heard from
+  within ``FRESH_SECONDS``: the worker starts the job at once and the start is noted; the next
+  claim statement writes every noted start (``store.claim_sql``), or the claim loop writes them
+  on their own after ``FLUSH_AFTER``. No statement of its own while the runner drains. Nobody
+  hands back a job of a runner whose lease is held, and a lapse is acted on only after
+  ``heartbeat.LEASE_GRACE_SECONDS``, longer than ``FRESH_SECONDS`` + ``FLUSH_AFTER``: by then
+  the start is on record.
+* **Gated** (``StartGate``), otherwise (the LISTEN session was lost, the process was frozen):
+  the start is recorded with a fenced statement (``store.admit``) before the handler runs, and
+  a job another runner handed back meanwhile is refused, never run here. The hand-back locks the
+  attempt row and requires it unstarted (``store.release_waiting``), so the two exclude each
+  other. The gate batches itself as the completer does: one statement for every start
+  requested while the previous one was written.
+
+A start noted but not yet written when the runner dies counts as waiting: the hand-back is then
+counted against ``HANDBACK_LIMIT`` (which still ends a job that keeps killing its runner), not
+charged.
 """
 
 from __future__ import annotations
@@ -19,14 +31,45 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from django.db import connections
+
+from . import store
+from .db import run_with_retry
+
+if TYPE_CHECKING:
+    from django.db.backends.utils import CursorWrapper as Cursor
+
 
 #: How long a noted start may wait for a claim to carry it before it is written on its own.
 FLUSH_AFTER = 0.1
+#: How recently the LISTEN session must have been heard from, holding the lease, for a waiting
+#: job to start on the fast path.
+FRESH_SECONDS = 0.3
+
+
+class Lease:
+    """Whether this runner's LISTEN session holds its lease, and when it was last heard from
+    (``listener.listen_loop`` keeps it; the executors read it at each start)."""
+
+    def __init__(self) -> None:
+        self.heard_at: float | None = None
+
+    def held(self, owned: bool) -> None:
+        self.heard_at = time.monotonic() if owned else None
+
+    def lost(self) -> None:
+        self.heard_at = None
+
+    def fresh(self) -> bool:
+        heard = self.heard_at
+        return heard is not None and time.monotonic() - heard <= FRESH_SECONDS
 
 
 class StartLog:
-    """Attempt ids (fencing tokens) of waiting jobs a worker started, with when, not yet
-    written. Thread-safe: executors note from their threads, the claim loop takes."""
+    """Attempt ids (fencing tokens) of waiting jobs started on the fast path, with when, not
+    yet written. Thread-safe: executors note from their threads, the claim loop takes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -70,3 +113,73 @@ class StartLog:
                 if oldest is not None:
                     self._oldest = min(oldest, self._oldest or oldest)
             raise
+
+
+class _Request:
+    __slots__ = ("admitted", "done", "token")
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.admitted: bool | None = None
+        self.done = threading.Event()
+
+
+class StartGate:
+    """Records the starts of waiting jobs before they run, in batches, on a thread of its own
+    (the slow path, see the module docstring)."""
+
+    def __init__(self, alias: str, interrupt: threading.Event | None = None) -> None:
+        self.alias = alias
+        self.interrupt = interrupt if interrupt is not None else threading.Event()
+        self._cond = threading.Condition()
+        self._queue: list[_Request] = []
+        self._thread: threading.Thread | None = None
+        #: Statements written and starts admitted (for tests and benches).
+        self.statements = 0
+        self.admitted = 0
+
+    def admit(self, token: int) -> bool | None:
+        """Record the start of the waiting attempt ``token``; True once it is on record (run
+        the job), False if the attempt is not this runner's any more (do not run it), None if
+        the gate gave up (the runner is stopping while the database is away: do not run it;
+        the job stays claimed and is handed back or rescued)."""
+        request = _Request(token)
+        with self._cond:
+            self._queue.append(request)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="pj-start-gate",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        request.done.wait()
+        return request.admitted
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue:
+                        if not self._cond.wait(5.0) and not self._queue:
+                            return  # idle: the next request starts a new thread
+                    batch, self._queue = self._queue, []
+                self._write(batch)
+        finally:
+            connections.close_all()
+
+    def _write(self, batch: list[_Request]) -> None:
+        tokens = sorted({request.token for request in batch})
+
+        def write(cursor: Cursor) -> set[int]:
+            return store.admit(cursor, tokens)
+
+        try:
+            admitted = run_with_retry(self.alias, write, what=f"recording {len(tokens)} "
+                                      "job start(s)", interrupt=self.interrupt)
+        except Exception:
+            admitted = None
+        if admitted is not None:
+            self.statements += 1
+            self.admitted += len(admitted)
+        for request in batch:
+            request.admitted = None if admitted is None else request.token in admitted
+            request.done.set()

@@ -64,11 +64,8 @@ class ClaimedJob:
     #: Why the stored payload could not be decoded (the job is then dead-lettered, not run).
     payload_error: str | None = None
     #: Claimed to wait for a free worker: its attempt is recorded as started only when a
-    #: worker starts it (``StartLog``).
+    #: worker is about to run it (``starts.StartGate``).
     waiting: bool = False
-    #: When a worker started it, if it waited: its completion records that as the attempt's
-    #: start (the claim recorded the claim time).
-    started_at: datetime | None = None
 
 
 @contextmanager
@@ -168,9 +165,11 @@ def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False,
 
     The first ``direct`` jobs in claim order go to a free worker at once: their attempts are
     recorded as started. The others wait in the runner for a worker (``PREFETCH``) and are
-    recorded as waiting (``started`` false), so that a runner that dies before starting them
-    hands them back uncharged. The same statement records the starts of earlier waiting jobs
-    (attempt ids ``started``, times ``started_at``): one round trip per claim, not one per job.
+    recorded as waiting (``started`` false) until a worker starts them (``starts``), so that a
+    runner that dies before starting them has them handed back uncharged. Each row returns its
+    attempt's ``started``: the database's order decides which jobs are direct, not a re-sort in
+    Python. The same statement records the starts of earlier waiting jobs (attempt ids
+    ``started``, times ``started_at``): one round trip per claim, not one per job.
 
     The LIMIT is a literal: with ``LIMIT $n`` PostgreSQL keeps re-planning instead of settling
     on the generic plan of the prepared statement (a runner only ever uses a few values), so
@@ -192,14 +191,14 @@ WITH picked AS (
     SELECT p.id, p.attempts + 1, %(runner)s,
         row_number() OVER (ORDER BY p.priority DESC, p.next_run_at, p.id) <= %(direct)s
     FROM picked p
-    RETURNING id, job_id
+    RETURNING id, job_id, started
 )
 UPDATE persistent_jobs j SET status = 'running', attempts = j.attempts + 1,
     locked_by = %(runner)s, locked_at = now(), lock_token = a.id, updated_at = now()
 FROM attempt a
 WHERE j.id = ANY(ARRAY(SELECT job_id FROM attempt)) AND j.id = a.job_id
 RETURNING j.id, j.job_type, j.payload::text, j.attempts, j.max_retries, j.timeout_seconds,
-    j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at, j.tenant
+    j.lock_token, j.queue, j.priority, j.cancel_requested, j.next_run_at, j.tenant, a.started
 """
 
 
@@ -209,9 +208,24 @@ _MARK_STARTED = """UPDATE persistent_jobs_attempts a SET started = true, started
 
 
 def mark_started(cursor: Cursor, tokens: Sequence[int], times: Sequence[datetime]) -> None:
-    """Record that these waiting attempts were given to a worker (when no claim follows soon
-    enough to carry the record, see ``claim_sql``)."""
+    """Record the starts noted on the fast path (``starts.StartLog``) when no claim comes
+    soon enough to carry them (see ``claim_sql``)."""
     cursor.execute(_MARK_STARTED, {"started": list(tokens), "started_at": list(times)})
+
+
+def admit(cursor: Cursor, tokens: Sequence[int]) -> set[int]:
+    """Record the start of these waiting attempts, now; the ones that were still waiting under
+    this runner's claim (the others were handed back or settled meanwhile: not ours to run).
+
+    Fenced by the attempt row itself: a hand-back of a waiting job locks that row and requires
+    it unstarted (``release_waiting``), so of the two, exactly one succeeds.
+    """
+    cursor.execute(
+        "UPDATE persistent_jobs_attempts SET started = true, started_at = now() "
+        "WHERE id = ANY(%s) AND NOT started AND outcome = 'running' RETURNING id",
+        [list(tokens)],
+    )
+    return {int(row[0]) for row in cursor.fetchall()}
 
 
 #: Connections ``claim_session`` has set up (weakly held: a closed connection just goes away).
@@ -299,13 +313,12 @@ def claim(
         rows = fast.fetchall()
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
     jobs = []
-    direct = params["direct"]
-    for index, r in enumerate(rows):
+    for r in rows:
         payload, problem = _decode_payload(r[2])
         jobs.append(ClaimedJob(
             id=r[0], job_type=r[1], payload=payload, attempt=r[3], max_retries=r[4],
             timeout=r[5], token=r[6], queue=r[7], priority=r[8], cancel_requested=r[9],
-            tenant=r[11], due_at=r[10], payload_error=problem, waiting=index >= direct,
+            tenant=r[11], due_at=r[10], payload_error=problem, waiting=not r[12],
         ))
     return jobs
 
@@ -382,8 +395,7 @@ WITH done AS (
     RETURNING id
 )
 UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
-    started_at = coalesce(%s, a.started_at), started = true,
-    duration = clock_timestamp() - coalesce(%s, a.started_at), outcome = 'completed'
+    duration = clock_timestamp() - a.started_at, outcome = 'completed'
 FROM done WHERE a.id = %s
 RETURNING a.id
 """
@@ -398,8 +410,7 @@ def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool
     while the attempts table was nearly empty would scan that whole table for every job.
     """
     with prepared(cursor) as fast:
-        fast.execute(_COMPLETE, [result, job.id, job.token, job.started_at, job.started_at,
-                                 job.token], prepare=False)
+        fast.execute(_COMPLETE, [result, job.id, job.token, job.token], prepare=False)
         return fast.fetchone() is not None
 
 
@@ -408,14 +419,12 @@ WITH done AS (
     UPDATE persistent_jobs j SET status = 'completed', locked_by = NULL, locked_at = NULL,
         lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
         result = d.result::jsonb
-    FROM unnest(%s::uuid[], %s::bigint[], %s::text[], %s::timestamptz[])
-        AS d(id, token, result, started_at)
+    FROM unnest(%s::uuid[], %s::bigint[], %s::text[]) AS d(id, token, result)
     WHERE j.id = d.id AND j.lock_token = d.token
-    RETURNING d.token, d.started_at
+    RETURNING d.token
 )
 UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
-    started_at = coalesce(done.started_at, a.started_at), started = true,
-    duration = clock_timestamp() - coalesce(done.started_at, a.started_at), outcome = 'completed'
+    duration = clock_timestamp() - a.started_at, outcome = 'completed'
 FROM done WHERE a.id = done.token
 RETURNING a.id
 """
@@ -432,7 +441,7 @@ def complete_many(cursor: Cursor, jobs: Sequence[tuple[ClaimedJob, str | None]])
     """
     ordered = sorted(jobs, key=lambda pair: str(pair[0].id))
     params = [[job.id for job, _ in ordered], [job.token for job, _ in ordered],
-              [result for _, result in ordered], [job.started_at for job, _ in ordered]]
+              [result for _, result in ordered]]
     with prepared(cursor) as fast:
         fast.execute(_COMPLETE_MANY, params, prepare=False)
         return {int(row[0]) for row in fast.fetchall()}
@@ -736,6 +745,29 @@ def lapsed_leases(cursor: Cursor, runner_id: str) -> list[str]:
         [runner_id, LEASE_NAMESPACE],
     )
     return [row[0] for row in cursor.fetchall()]
+
+
+def release_waiting(cursor: Cursor, held: HeldJob, code: str, message: str,
+                    lease_of: str | None = None, charge_delay: float = 0.0) -> str | None:
+    """Hand a lost runner's waiting job back to ``pending``, not charged: as far as the
+    database knows it never ran (counted against ``HANDBACK_LIMIT``: a start noted just before
+    the runner died may not be on record yet, see ``starts``). Inside a transaction (the
+    caller's): the attempt row is locked first and must still be waiting, so a worker's gated
+    start (``admit``) and this hand-back exclude each other.
+    With ``lease_of``, only while that runner's lease is still lapsed (held here until commit,
+    so the runner cannot take it back meanwhile). The new status, or None if not done."""
+    if lease_of is not None:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))",
+                       [LEASE_NAMESPACE, lease_of])
+        row = cursor.fetchone()
+        if not (row and row[0]):
+            return None
+    cursor.execute("SELECT 1 FROM persistent_jobs_attempts WHERE id = %s AND NOT started "
+                   "AND outcome = 'running' FOR UPDATE", [held.token])
+    if cursor.fetchone() is None:
+        return None
+    return transition(cursor, held.id, held.token, kind="handback", code=code, message=message,
+                      charge_delay=charge_delay)
 
 
 def waiting_jobs_of(cursor: Cursor, runner_ids: Sequence[str]) -> list[HeldJob]:

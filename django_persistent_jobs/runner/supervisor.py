@@ -49,7 +49,7 @@ from .heartbeat import Liveness, heartbeat_loop, rescue_loop
 from .lifecycle import Lifecycle
 from .listener import listen_loop
 from .loop import Loop
-from .starts import StartLog
+from .starts import Lease, StartGate, StartLog
 from .threads import ThreadExecutor
 from .timeouts import TimeoutEnforcer
 
@@ -176,9 +176,13 @@ class Runner:
         self.exit_code = EXIT_OK
         self.processes = processes
         self.pool: Executor = self._make_executor()
-        #: Starts of jobs that waited for a worker, until a claim records them.
+        #: How the starts of waiting jobs are recorded (see ``starts``).
+        self.lease = Lease()
         self.starts = StartLog()
-        self.pool.on_start = lambda item: self.starts.note(item.job.token)
+        self.pool.on_start = self._starting
+        if isinstance(self.pool, ThreadExecutor):
+            # Worker processes have a gate each; here the threads share the runner's.
+            self.pool.gate = StartGate(self.alias, self.forced)
         self.timeouts = TimeoutEnforcer(self.alias, self.runner_id, self.pool, self.forced)
         # Liveness as this runner itself knows it (maintained by the heartbeat loop).
         self.liveness = Liveness(self.alias, self.runner_id, self.settings, self.register)
@@ -399,7 +403,7 @@ class Runner:
         bodies: list[tuple[str, Callable[[], None]]] = [
             ("listener", lambda: listen_loop(alias, lifecycle, runner_id=self.runner_id,
                                              poll_interval=settings.poll_interval,
-                                             lease_lost=self._lease_lost)),
+                                             lease=self.lease)),
             ("claimer", lambda: claim_loop(self)),
             ("heartbeat", lambda: heartbeat_loop(self.liveness, lifecycle.halt)),
             ("rescue", lambda: rescue_loop(self.liveness, self.pool, lifecycle.halt)),
@@ -614,20 +618,12 @@ class Runner:
             record_outcome(self.alias, job, Outcome("release", code, message), self.runner_id,
                            self.forced, attempt_outcome="interrupted")
 
-    def _lease_lost(self) -> None:
-        """The LISTEN session, and with it this runner's lease, is gone: another runner may
-        hand back the jobs waiting here for a worker (``hand_back_lapsed``), so none of them
-        may start. Take them back and hand them back ourselves (fenced: a no-op for any that
-        another runner got to first)."""
-        items = self.pool.withdraw_unstarted()
-        if items:
-            logger.warning("runner %s lost its lease; handing back %d waiting job(s)",
-                           self.runner_id, len(items),
-                           extra={"event": "lease_lost", "runner_id": self.runner_id})
-            self.hand_back_unstarted(
-                [item.job for item in items], "LEASE_LOST",
-                "the runner's LISTEN session (which holds its lease) was lost; claimed job "
-                "handed back unstarted")
+    def _starting(self, item: InFlight) -> None:
+        """A waiting job is about to start: on the fast path (its start noted, written with
+        the next claim) while this runner's lease is fresh, else through the gate."""
+        if self.lease.fresh():
+            item.job.waiting = False
+            self.starts.note(item.job.token)
 
     def _worker_crashed(self, item: InFlight, exc: BaseException) -> None:
         """A job's outcome could not be recorded (not a transient database condition: those

@@ -1,19 +1,23 @@
 """Scenario 12: jobs claimed to wait for a free worker (``PREFETCH``) when their runner is lost.
 
 A runner claims more jobs than it has idle workers: the extras wait in it, recorded as waiting
-(their attempt not started). Those jobs never ran, so:
+(their attempt not started), and a worker records a waiting job's start before running it.
+Those jobs never ran, so:
 
 * The runner is SIGKILLed: its lease (an advisory lock held by its LISTEN session) goes with its
-  session, and a live runner hands the waiting jobs back uncharged within a couple of seconds,
-  long before the stale-lock timeout that still governs the job the dead runner had started
-  (that one is rescued and charged, as before). Each waiting job then runs exactly once.
-* The runner is alive but its LISTEN session is terminated: it has lost its lease, so it takes
-  its waiting jobs back and hands them back itself (none may start while another runner could
-  hand it back too), claims again once its lease is back, and every job still runs once.
+  session, and a live runner hands the waiting jobs back, neither charged nor counted, within a
+  couple of seconds, long before the stale-lock timeout that still governs the job the dead
+  runner had started (that one is rescued and charged, as before). Each waiting job then runs
+  exactly once.
+* The runner is frozen and its LISTEN session is terminated (as if it were cut off from the
+  server): its lease lapses and a live runner hands its waiting jobs back, which another runner
+  then runs. Thawed, the frozen runner goes on with the jobs it still holds in memory: each is
+  refused at its start (the hand-back got there first), so every job runs exactly once.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,7 +31,6 @@ from .harness import (
     Fleet,
     RunnerProcess,
     attempts_of,
-    backends,
     report,
     sql,
     status_counts,
@@ -116,25 +119,46 @@ def test_a_killed_runners_waiting_jobs_are_handed_back_uncharged_before_the_stal
            handed_back_after_s=round(handed_back_after, 2), stale_lock_timeout_s=STALE)
 
 
-def test_a_runner_that_loses_its_lease_hands_its_waiting_jobs_back_itself(
+def test_a_frozen_runner_whose_lease_lapsed_does_not_start_the_jobs_handed_back(
     fleet: Fleet, tmp_path: Path,
 ) -> None:
-    runner, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "leaseless")
+    fleet.spawn("watcher", settings=SETTINGS, args=["--queues", "default"])
+    watcher_ready = time.monotonic()
+    frozen, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "frozen")
     (started,) = _runs(runs)
     waiting = [job_id for job_id in ids if job_id != started]
-    mark = runner.mark()
-    (holder,) = sql("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                    "AND classid = %s AND objid = (hashtext(%s)::bigint & 4294967295)::text::oid",
-                    [store.LEASE_NAMESPACE, runner.runner_id])
-    assert [pid for pid, *_ in backends("leaseless")].count(holder[0]) == 1  # its LISTEN session
-    assert terminate(holder[0])
-    runner.wait_line(r"lost its lease; handing back 3 waiting job\(s\)", since=mark)
-    gate.touch()
-    wait_all_terminal(ids, timeout=30)
+    wait_for(lambda: time.monotonic() - watcher_ready > STALE + 0.5, STALE + 5,
+             "the watcher to be allowed to rescue")
+
+    # Frozen (SIGSTOP) with its lease gone: as a runner cut off from the server would be.
+    frozen.send(signal.SIGSTOP)
+    thawed = False
+    try:
+        (holder,) = sql("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                        "AND classid = %s AND objid = (hashtext(%s)::bigint & 4294967295)"
+                        "::text::oid", [store.LEASE_NAMESPACE, frozen.runner_id])
+        assert terminate(holder[0])
+        wait_for(lambda: status_counts(waiting) == {"pending": WAITING}, STALE / 2,
+                 "the watcher to hand the waiting jobs back", reconnect=True)
+        assert status_counts([started]) == {"running": 1}  # its heartbeat is not stale yet
+        gate.touch()
+        finisher = fleet.spawn("finisher", settings=SETTINGS, args=["--queues", "held"])
+        wait_all_terminal(waiting, timeout=20)
+        mark = frozen.mark()
+        frozen.send(signal.SIGCONT)
+        thawed = True
+    finally:
+        if not thawed:
+            frozen.send(signal.SIGCONT)
+    # Thawed, it goes on with its buffer: each waiting job is refused at its start.
+    frozen.wait_line(r"not started, it was handed back while it waited", since=mark,
+                     count=WAITING)
+    wait_all_terminal(ids, timeout=20)
     assert status_counts(ids) == {"completed": WAITING + 1}
-    for attempt in attempts_of(waiting):
-        assert (attempt.outcome, attempt.error_code) in {("interrupted", "LEASE_LOST"),
-                                                         ("completed", "")}, attempt
-    rows = sql("SELECT attempts, handbacks FROM persistent_jobs WHERE id = ANY(%s)", [waiting])
-    assert rows == [(1, 0)] * WAITING  # released: neither charged nor counted
     assert _runs(runs) == {job_id: 1 for job_id in ids}  # every job ran exactly once
+    for attempt in attempts_of(waiting):
+        assert (attempt.runner_id, attempt.outcome, attempt.error_code) in {
+            (frozen.runner_id, "interrupted", "RUNNER_LOST"),
+            (finisher.runner_id, "completed", "")}, attempt
+    rows = sql("SELECT attempts, handbacks FROM persistent_jobs WHERE id = ANY(%s)", [waiting])
+    assert rows == [(1, 1)] * WAITING  # charged once: the run that completed

@@ -1,14 +1,15 @@
 """Claims that take more jobs than there are idle workers (``PREFETCH``), against real
-PostgreSQL: the extra jobs are recorded as waiting, their starts are recorded later (with the
-next claim, or on their own), a lost runner's waiting jobs are handed back uncharged, and a
-runner's lease is visible to the others exactly while its session lives."""
+PostgreSQL: the extra jobs are recorded as waiting; their starts are recorded with the next
+claim (fast path) or, fenced, before they run (the gate); a lost runner's waiting job is handed
+back uncharged, and a gated start and a hand-back exclude each other; a runner's lease is
+visible to the others exactly while its session lives."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobAttempt, PersistentJob
@@ -21,56 +22,93 @@ def started_flags() -> dict[int, bool]:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_jobs_beyond_the_idle_workers_are_recorded_waiting_until_a_start_is_written() -> None:
-    ids = [enqueue("test.noop", {"i": i}, priority=10 - i).id for i in range(5)]
+def test_jobs_beyond_the_idle_workers_are_recorded_waiting_until_admitted() -> None:
+    ids = [enqueue("test.noop", {"i": i}, priority=10 - i).id for i in range(3)]
     with connection.cursor() as cursor:
         jobs = store.claim(cursor, "wait-a", 3, None, direct=1)
-    assert [j.id for j in jobs] == ids[:3]
+    assert [j.id for j in jobs] == ids
     assert [j.waiting for j in jobs] == [False, True, True]  # claim order decides who waits
     assert started_flags() == {jobs[0].token: True, jobs[1].token: False, jobs[2].token: False}
+    claimed_at = JobAttempt.objects.get(id=jobs[1].token).started_at
 
-    # The next claim carries the start of job 1, with the time it started.
-    began = datetime.now(UTC) - timedelta(seconds=7)
+    # The fast path: the next claim carries a noted start, with the time it started.
+    began = datetime.now(UTC)
+    enqueue("test.noop", {"i": 3}, priority=0)
     with connection.cursor() as cursor:
-        more = store.claim(cursor, "wait-a", 2, None, direct=0,
-                           started=[jobs[1].token], started_at=[began])
-    assert [j.waiting for j in more] == [True, True]
-    flags = started_flags()
-    assert flags[jobs[1].token] and not flags[jobs[2].token]
-    assert JobAttempt.objects.get(id=jobs[1].token).started_at == began
+        (more,) = store.claim(cursor, "wait-a", 1, None, direct=0,
+                              started=[jobs[2].token], started_at=[began])
+    assert more.waiting and started_flags()[jobs[2].token]
+    assert JobAttempt.objects.get(id=jobs[2].token).started_at == began
+    with connection.cursor() as cursor:
+        store.mark_started(cursor, [more.token], [began])  # on its own, when no claim comes
+    assert started_flags()[more.token]
 
-    # A completion records the start the worker noted (a waiting job's start may not have been
-    # written while it ran); a start written later leaves a finished attempt as it is.
-    ran_from = datetime.now(UTC) - timedelta(seconds=3)
-    more[0].started_at = ran_from
+    # The gate: fenced, once.
     with connection.cursor() as cursor:
-        assert store.complete(cursor, more[0])
-        store.mark_started(cursor, [jobs[2].token, more[0].token], [began, began])
-    flags = started_flags()
-    assert flags[jobs[2].token] and flags[more[0].token] and not flags[more[1].token]
-    done = JobAttempt.objects.get(id=more[0].token)
-    assert done.started_at == ran_from and done.duration is not None
-    assert done.duration.total_seconds() >= 3
+        # Only waiting attempts still running under their claim are admitted, once.
+        assert store.admit(cursor, [jobs[0].token, jobs[1].token]) == {jobs[1].token}
+        assert store.admit(cursor, [jobs[1].token]) == set()
+    assert started_flags()[jobs[1].token]
+    assert JobAttempt.objects.get(id=jobs[1].token).started_at > claimed_at  # the real start
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_lost_runners_waiting_job_is_found_as_not_started() -> None:
+def test_a_lost_runners_waiting_job_is_released_unless_a_worker_started_it() -> None:
     with connection.cursor() as cursor:
         store.register_runner(cursor, "wait-b", "host", 1, None, 4, "test")
-    first, second = (enqueue("test.noop", {"i": i}, priority=5 - i).id for i in range(2))
+    first, second, third = (enqueue("test.noop", {"i": i}, priority=5 - i).id for i in range(3))
     with connection.cursor() as cursor:
-        _running, waiting = store.claim(cursor, "wait-b", 2, None, direct=1)
-        assert store.waiting_jobs_of(cursor, ["wait-b"]) == [
-            (second, waiting.token, "test.noop", 1, "wait-b", False)]
+        _running, waiting, admitted = store.claim(cursor, "wait-b", 3, None, direct=1)
+        held = {h.id: h for h in store.waiting_jobs_of(cursor, ["wait-b"])}
+        assert set(held) == {second, third}
+        assert store.admit(cursor, [admitted.token]) == {admitted.token}  # a worker got there
         cursor.execute("DELETE FROM persistent_jobs_runners WHERE id = 'wait-b'")
-        orphans = {held.id: held.started for held in store.orphaned_jobs(cursor)}
-        assert orphans == {first: True, second: False}
-        # Handed back: the attempt is not charged, the hand-back is counted.
-        assert store.transition(cursor, second, waiting.token, kind="handback",
-                                code="RUNNER_LOST", message="never started") == "pending"
+        orphans = {h.id: h.started for h in store.orphaned_jobs(cursor)}
+        assert orphans == {first: True, second: False, third: True}
+    with transaction.atomic(), connection.cursor() as cursor:
+        assert store.release_waiting(cursor, held[second], "RUNNER_LOST", "never ran") == "pending"
+    with transaction.atomic(), connection.cursor() as cursor:
+        # Listed as waiting, but started since: not handed back.
+        assert store.release_waiting(cursor, held[third], "RUNNER_LOST", "never ran") is None
     job = PersistentJob.objects.get(id=second)
-    assert (job.attempts, job.handbacks, job.last_error_code) == (0, 1, "RUNNER_LOST")
+    assert (job.status, job.attempts, job.handbacks, job.last_error_code) == (
+        "pending", 0, 1, "RUNNER_LOST")  # not charged; counted against HANDBACK_LIMIT
     assert JobAttempt.objects.get(id=waiting.token).outcome == "interrupted"
+    assert PersistentJob.objects.get(id=third).status == "running"
+    with connection.cursor() as cursor:
+        assert store.admit(cursor, [waiting.token]) == set()  # too late to start it
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_and_a_hand_back_exclude_each_other() -> None:
+    """The hand-back holds the attempt row: a start that comes meanwhile waits for it, then
+    finds the attempt handed back and does not run the job."""
+    with connection.cursor() as cursor:
+        store.register_runner(cursor, "wait-c", "host", 1, None, 4, "test")
+    enqueue("test.noop", {})
+    with connection.cursor() as cursor:
+        (job,) = store.claim(cursor, "wait-c", 1, None, direct=0)
+        (held,) = store.waiting_jobs_of(cursor, ["wait-c"])
+    with raw_connection(autocommit=False) as rescuer, raw_connection() as worker:
+        with rescuer.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM persistent_jobs_attempts WHERE id = %s AND NOT started "
+                           "AND outcome = 'running' FOR UPDATE", [held.token])
+            assert cursor.fetchone() == (1,)
+            worker.execute("SET statement_timeout = '10s'")
+            import threading
+
+            answer: list[set[int]] = []
+            starter = threading.Thread(target=lambda: answer.append(
+                {row[0] for row in worker.execute(
+                    "UPDATE persistent_jobs_attempts SET started = true, started_at = now() "
+                    "WHERE id = ANY(%s) AND NOT started AND outcome = 'running' RETURNING id",
+                    [[job.token]]).fetchall()}))
+            starter.start()
+            cursor.execute("UPDATE persistent_jobs_attempts SET outcome = 'interrupted' "
+                           "WHERE id = %s", [held.token])
+        rescuer.commit()
+        starter.join(10)
+    assert answer == [set()]
 
 
 @pytest.mark.django_db(transaction=True)

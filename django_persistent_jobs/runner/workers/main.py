@@ -140,6 +140,9 @@ class Worker:
         from ..completer import Completer
 
         self.completer = Completer()  # batches the completions of handlers that ran no SQL
+        from ..starts import StartGate
+
+        self.gate = StartGate(self.alias, self.never)  # records waiting jobs' starts first
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.send_lock:
@@ -217,7 +220,8 @@ class Worker:
         if cancel:
             ctx._cancel_event.set()
         item = execute.InFlight(job=job, ctx=ctx, deadline=None,
-                                thread_ident=threading.get_ident(), completer=self.completer)
+                                thread_ident=threading.get_ident(), completer=self.completer,
+                                gate=self.gate)
         with self.lock:
             self.queued.discard(wire_id)
             if self.cancelled and wire_id in self.cancelled:

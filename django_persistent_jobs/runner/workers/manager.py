@@ -284,18 +284,6 @@ class ProcessExecutor:
         with self.lock:
             return list(self.pending)
 
-    def withdraw_unstarted(self) -> list[InFlight]:
-        """The jobs waiting here for a lane, taken back: none of them goes to a worker."""
-        with self.lock:
-            items = list(self.pending)
-            self.pending.clear()
-            for item in items:
-                item.taken_over.set()
-                self.in_flight.pop(item.job.id, None)
-            if items:
-                self.changed.notify_all()
-        return items
-
     def snapshot(self) -> list[InFlight]:
         with self.lock:
             return list(self.in_flight.values())
