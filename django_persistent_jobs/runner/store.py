@@ -202,9 +202,14 @@ RETURNING j.id, j.job_type, j.payload::text, j.attempts, j.max_retries, j.timeou
 """
 
 
+#: Skips a locked attempt row rather than wait for it: it is being completed or settled (which
+#: makes the record moot), and waiting would deadlock with a batched completion, which locks job
+#: rows and then attempt rows.
 _MARK_STARTED = """UPDATE persistent_jobs_attempts a SET started = true, started_at = s.at
     FROM unnest(%(started)s::bigint[], %(started_at)s::timestamptz[]) AS s(id, at)
-    WHERE a.id = s.id AND NOT a.started AND a.outcome = 'running'"""
+    WHERE a.id = s.id AND a.id IN (
+        SELECT w.id FROM persistent_jobs_attempts w WHERE w.id = ANY(%(started)s::bigint[])
+        AND NOT w.started AND w.outcome = 'running' FOR UPDATE SKIP LOCKED)"""
 
 
 def mark_started(cursor: Cursor, tokens: Sequence[int], times: Sequence[datetime]) -> None:

@@ -131,3 +131,26 @@ def test_a_lease_is_lapsed_exactly_while_no_session_holds_it() -> None:
             assert store.take_lease(cursor, "lease-b")
         with connection.cursor() as cursor:
             assert store.lapsed_leases(cursor, "lease-a") == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_recording_starts_skips_an_attempt_another_transaction_holds() -> None:
+    """A batched completion locks job rows, then attempt rows; the start records of the claim
+    lock attempt rows. Waiting for one another they would deadlock (one statement aborted after
+    ``deadlock_timeout``, a second lost per collision), so the record skips a locked attempt:
+    it is being completed or settled, which makes the record moot."""
+    for i in range(2):
+        enqueue("test.noop", {"i": i}, priority=5 - i)
+    with connection.cursor() as cursor:
+        first, second = store.claim(cursor, "wait-d", 2, None, direct=0)
+    with raw_connection(autocommit=False) as completing:
+        completing.execute("SELECT 1 FROM persistent_jobs_attempts WHERE id = %s FOR UPDATE",
+                           [first.token])
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '2s'")  # a wait would fail the test, not hang it
+            store.mark_started(cursor, [first.token, second.token],
+                               [datetime.now(UTC)] * 2)
+            cursor.execute("SET lock_timeout = 0")
+        completing.rollback()
+    flags = started_flags()
+    assert flags[second.token] and not flags[first.token]
