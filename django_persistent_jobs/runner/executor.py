@@ -75,7 +75,6 @@ class Executor(Protocol):
     def unstarted(self) -> list[InFlight]:
         """Jobs accepted but not started (after ``seal()`` none will start)."""
 
-
     def snapshot(self) -> list[InFlight]: ...
 
     def cancel(self, item: InFlight) -> None:

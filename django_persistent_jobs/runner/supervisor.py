@@ -180,9 +180,6 @@ class Runner:
         self.lease = Lease()
         self.starts = StartLog()
         self.pool.on_start = self._starting
-        if isinstance(self.pool, ThreadExecutor):
-            # Worker processes have a gate each; here the threads share the runner's.
-            self.pool.gate = StartGate(self.alias, self.forced)
         self.timeouts = TimeoutEnforcer(self.alias, self.runner_id, self.pool, self.forced)
         # Liveness as this runner itself knows it (maintained by the heartbeat loop).
         self.liveness = Liveness(self.alias, self.runner_id, self.settings, self.register)
@@ -304,8 +301,11 @@ class Runner:
         """
         settings = self.settings
         if not self.processes:
-                return ThreadExecutor(settings.concurrency, self._execute, self._worker_crashed,
-                                  prefetch=self._prefetch(settings.concurrency))
+            threads = ThreadExecutor(settings.concurrency, self._execute, self._worker_crashed,
+                                     prefetch=self._prefetch(settings.concurrency))
+            # Worker processes have a gate each; here the threads share the runner's.
+            threads.gate = StartGate(self.alias, self.forced)
+            return threads
         from .workers.manager import ProcessExecutor
 
         return ProcessExecutor(
@@ -610,13 +610,11 @@ class Runner:
         # waiting for a free slot is not running out of time).
         return InFlight(job=job, ctx=ctx, deadline=None)
 
-    def hand_back_unstarted(
-        self, jobs: list[store.ClaimedJob], code: str = "SHUTDOWN",
-        message: str = "runner stopping; claimed job handed back unstarted",
-    ) -> None:
+    def hand_back_unstarted(self, jobs: list[store.ClaimedJob]) -> None:
         for job in jobs:
-            record_outcome(self.alias, job, Outcome("release", code, message), self.runner_id,
-                           self.forced, attempt_outcome="interrupted")
+            record_outcome(self.alias, job, Outcome(
+                "release", "SHUTDOWN", "runner stopping; claimed job handed back unstarted",
+            ), self.runner_id, self.forced, attempt_outcome="interrupted")
 
     def _starting(self, item: InFlight) -> None:
         """A waiting job is about to start: on the fast path (its start noted, written with

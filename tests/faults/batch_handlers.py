@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,13 @@ GATE_LIMIT = 30.0
 def record_run(payload: dict[str, Any], ctx: JobContext) -> None:
     with open(payload["runs"], "a", encoding="utf-8") as out:
         out.write(f"{ctx.job_id} {ctx.attempt} {os.getpid()}\n")
+
+
+def runs_of(path: Path) -> Counter[str]:
+    """Runs per job id, from what ``record_run`` wrote (no database involved)."""
+    if not path.exists():
+        return Counter()
+    return Counter(line.split()[0] for line in path.read_text().splitlines() if line.strip())
 
 
 def wait_for_gate(payload: dict[str, Any]) -> None:

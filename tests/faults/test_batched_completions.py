@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import pytest
 
 from django_persistent_jobs import enqueue_many
 
+from .batch_handlers import runs_of
 from .harness import (
     Fleet,
     RunnerProcess,
@@ -53,12 +53,6 @@ JOBS = 4
 SOLO = "faults.solo"
 
 
-def _runs(path: Path) -> Counter[str]:
-    """Runs per job id, from the handlers' own record (no database involved)."""
-    if not path.exists():
-        return Counter()
-    return Counter(line.split()[0] for line in path.read_text().splitlines() if line.strip())
-
 
 def _hold_completions(
     fleet: Fleet, tmp_path: Path, name: str, settings: dict[str, Any] | None = None,
@@ -71,7 +65,7 @@ def _hold_completions(
     runner = fleet.spawn(name, concurrency=JOBS, settings=settings, args=args)
     ids = [str(job.id) for job in enqueue_many(
         [(job_type, {"runs": str(runs), "gate": str(gate), "n": i}) for i in range(JOBS)])]
-    wait_for(lambda: len(_runs(runs)) == JOBS, 20, "every handler to start", reconnect=True)
+    wait_for(lambda: len(runs_of(runs)) == JOBS, 20, "every handler to start", reconnect=True)
     blocker = psycopg.connect(database_url())
     blocker.execute("SELECT id FROM persistent_jobs WHERE id = ANY(%s::uuid[]) FOR UPDATE",
                     [ids])
@@ -105,7 +99,7 @@ def _kill_while_held(fleet: Fleet, tmp_path: Path, job_type: str) -> tuple[
     for job_id in ids:
         assert by_job[job_id] == [(1, victim.runner_id, "rescued", "RUNNER_LOST"),
                                   (2, rescuer.runner_id, "completed", "")], by_job[job_id]
-    assert _runs(runs) == {job_id: 2 for job_id in ids}  # run again: at least once
+    assert runs_of(runs) == {job_id: 2 for job_id in ids}  # run again: at least once
     return ids, runs, victim, rescuer
 
 
@@ -113,7 +107,7 @@ def test_sigkill_while_completions_are_written_leaves_the_jobs_to_be_run_again(
     fleet: Fleet, tmp_path: Path,
 ) -> None:
     _, runs, _, _ = _kill_while_held(fleet, tmp_path, SOLO)
-    report("batched_completion_killed", jobs=JOBS, runs=sum(_runs(runs).values()))
+    report("batched_completion_killed", jobs=JOBS, runs=sum(runs_of(runs).values()))
 
 
 def test_sigkill_after_atomic_false_handlers_wrote_keeps_their_writes_and_runs_them_again(
@@ -140,7 +134,7 @@ def test_sigterm_writes_the_completions_being_written_before_exiting(
     assert status_counts(ids) == {"completed": JOBS}
     assert sorted((str(a.job_id), a.attempt, a.outcome) for a in attempts_of(ids)) == sorted(
         (job_id, 1, "completed") for job_id in ids)
-    assert _runs(runs) == {job_id: 1 for job_id in ids}
+    assert runs_of(runs) == {job_id: 1 for job_id in ids}
     report("batched_completion_sigterm", jobs=JOBS)
 
 
@@ -155,13 +149,13 @@ def test_slots_are_free_while_completions_are_written(fleet: Fleet, tmp_path: Pa
     with blocker:
         more = [str(job.id) for job in enqueue_many(
             [(SOLO, {"runs": str(more_runs), "n": i}) for i in range(2 * JOBS)])]
-        wait_for(lambda: len(_runs(more_runs)) == JOBS, 20,
+        wait_for(lambda: len(runs_of(more_runs)) == JOBS, 20,
                  "the next jobs to run while the first completions wait", reconnect=True)
         assert status_counts(ids) == {"running": JOBS}
         # Bounded look for what must not happen: a third round of jobs starting.
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            assert len(_runs(more_runs)) == JOBS
+            assert len(runs_of(more_runs)) == JOBS
             assert status_counts(more)["pending"] == JOBS
             time.sleep(0.05)
         blocker.rollback()
@@ -200,6 +194,6 @@ def test_a_worker_that_dies_while_its_completions_are_written_has_them_run_again
             (attempt.attempt, attempt.outcome, attempt.error_code))
     for job_id in ids:
         assert by_job[job_id] == [(1, "failed", "WORKER_LOST"), (2, "completed", "")], by_job
-    assert _runs(runs) == {job_id: 2 for job_id in ids}  # run again: at least once
+    assert runs_of(runs) == {job_id: 2 for job_id in ids}  # run again: at least once
     assert runner.alive
     report("worker_lost_while_completing", jobs=JOBS)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ import pytest
 from django_persistent_jobs import enqueue_many
 from django_persistent_jobs.runner import store
 
+from .batch_handlers import runs_of
 from .harness import (
     Fleet,
     RunnerProcess,
@@ -47,11 +47,6 @@ SETTINGS = {"STALE_LOCK_TIMEOUT": STALE, "HEARTBEAT_INTERVAL": 1.0}
 WAITING = 3
 
 
-def _runs(path: Path) -> Counter[str]:
-    if not path.exists():
-        return Counter()
-    return Counter(line.split()[0] for line in path.read_text().splitlines() if line.strip())
-
 
 def _flags(ids: list[str]) -> dict[str, bool]:
     """Whether each job's current attempt is recorded as started."""
@@ -70,7 +65,7 @@ def _claim_with_waiting(fleet: Fleet, tmp_path: Path, name: str) -> tuple[
     ids = [str(job.id) for job in enqueue_many(
         [("faults.solo", {"runs": str(runs), "gate": str(gate), "n": i})
          for i in range(WAITING + 1)], queue="held")]
-    wait_for(lambda: status_counts(ids) == {"running": WAITING + 1} and len(_runs(runs)) == 1,
+    wait_for(lambda: status_counts(ids) == {"running": WAITING + 1} and len(runs_of(runs)) == 1,
              20, "one job started and the others waiting", reconnect=True)
     return runner, ids, runs, gate
 
@@ -81,7 +76,7 @@ def test_a_killed_runners_waiting_jobs_are_handed_back_uncharged_before_the_stal
     fleet.spawn("survivor", settings=SETTINGS, args=["--queues", "default"])
     survivor_ready = time.monotonic()  # it logged "started": it has registered and beaten
     victim, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "victim")
-    (started,) = _runs(runs)
+    (started,) = runs_of(runs)
     waiting = [job_id for job_id in ids if job_id != started]
     assert _flags(ids) == {started: True, **{job_id: False for job_id in waiting}}
     # A runner hands back others' jobs only once it has beaten without a gap for a whole
@@ -113,7 +108,7 @@ def test_a_killed_runners_waiting_jobs_are_handed_back_uncharged_before_the_stal
     for job_id in waiting:
         assert history[job_id] == [(1, victim.runner_id, "interrupted", "RUNNER_LOST"),
                                    (1, finisher.runner_id, "completed", "")]
-    runs_by_job = _runs(runs)
+    runs_by_job = runs_of(runs)
     assert runs_by_job == {started: 2, **{job_id: 1 for job_id in waiting}}
     report("waiting_jobs_of_killed_runner", waiting=WAITING,
            handed_back_after_s=round(handed_back_after, 2), stale_lock_timeout_s=STALE)
@@ -125,7 +120,7 @@ def test_a_frozen_runner_whose_lease_lapsed_does_not_start_the_jobs_handed_back(
     fleet.spawn("watcher", settings=SETTINGS, args=["--queues", "default"])
     watcher_ready = time.monotonic()
     frozen, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "frozen")
-    (started,) = _runs(runs)
+    (started,) = runs_of(runs)
     waiting = [job_id for job_id in ids if job_id != started]
     wait_for(lambda: time.monotonic() - watcher_ready > STALE + 0.5, STALE + 5,
              "the watcher to be allowed to rescue")
@@ -155,7 +150,7 @@ def test_a_frozen_runner_whose_lease_lapsed_does_not_start_the_jobs_handed_back(
                      count=WAITING)
     wait_all_terminal(ids, timeout=20)
     assert status_counts(ids) == {"completed": WAITING + 1}
-    assert _runs(runs) == {job_id: 1 for job_id in ids}  # every job ran exactly once
+    assert runs_of(runs) == {job_id: 1 for job_id in ids}  # every job ran exactly once
     for attempt in attempts_of(waiting):
         assert (attempt.runner_id, attempt.outcome, attempt.error_code) in {
             (frozen.runner_id, "interrupted", "RUNNER_LOST"),

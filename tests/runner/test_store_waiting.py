@@ -6,6 +6,7 @@ visible to the others exactly while its session lives."""
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime
 
 import pytest
@@ -14,7 +15,7 @@ from django.db import connection, transaction
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.core_support import raw_connection
+from tests.core_support import blocked_backends, raw_connection, wait_for
 
 
 def started_flags() -> dict[int, bool]:
@@ -91,23 +92,18 @@ def test_a_start_and_a_hand_back_exclude_each_other() -> None:
         (held,) = store.waiting_jobs_of(cursor, ["wait-c"])
     with raw_connection(autocommit=False) as rescuer, raw_connection() as worker:
         with rescuer.cursor() as cursor:
-            cursor.execute("SELECT 1 FROM persistent_jobs_attempts WHERE id = %s AND NOT started "
-                           "AND outcome = 'running' FOR UPDATE", [held.token])
-            assert cursor.fetchone() == (1,)
-            worker.execute("SET statement_timeout = '10s'")
-            import threading
-
-            answer: list[set[int]] = []
-            starter = threading.Thread(target=lambda: answer.append(
-                {row[0] for row in worker.execute(
-                    "UPDATE persistent_jobs_attempts SET started = true, started_at = now() "
-                    "WHERE id = ANY(%s) AND NOT started AND outcome = 'running' RETURNING id",
-                    [[job.token]]).fetchall()}))
+            assert store.release_waiting(cursor, held, "RUNNER_LOST", "never ran") == "pending"
+        worker.execute("SET statement_timeout = '10s'")
+        answer: list[set[int]] = []
+        with worker.cursor() as worker_cursor:
+            starter = threading.Thread(
+                target=lambda: answer.append(store.admit(worker_cursor, [job.token])))
             starter.start()
-            cursor.execute("UPDATE persistent_jobs_attempts SET outcome = 'interrupted' "
-                           "WHERE id = %s", [held.token])
-        rescuer.commit()
-        starter.join(10)
+            with raw_connection() as observer:
+                wait_for(lambda: blocked_backends(observer) == 1, 10,
+                         "the start to wait for the hand-back's row lock")
+            rescuer.commit()
+            starter.join(10)
     assert answer == [set()]
 
 
