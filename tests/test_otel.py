@@ -54,8 +54,10 @@ def test_attempts_become_spans_and_measurements(
     start_runner(concurrency=1)
     wait_status(ok.id, JobStatus.COMPLETED)
     wait_status(bad.id, JobStatus.DEAD_LETTERED)
-    spans = wait_for(lambda: (s := exporter.get_finished_spans()) and len(s) >= 5 and s,
-                     message="five spans")
+    # A job's status commits before its span ends (the span ends after the completion is
+    # written), so wait for all six spans rather than trusting the status alone.
+    spans = wait_for(lambda: (s := exporter.get_finished_spans()) and len(s) >= 6 and s,
+                     message="six spans (three attempts, three inside their handlers)")
     jobs = [s for s in spans if s.name == "otel.traced"]
     handler_spans = [s for s in spans if s.name == "inside the handler"]
     assert len(jobs) == 3 and len(handler_spans) == 3
