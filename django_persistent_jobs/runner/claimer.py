@@ -23,6 +23,7 @@ from .heartbeat import heartbeat_fresh
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
 
+    from .executor import Executor
     from .supervisor import Runner
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -38,7 +39,7 @@ def claim_loop(runner: Runner) -> None:
     while not runner.stopping.is_set():
         if room is not None:
             room.adjust()
-        free = pool.wait_for_free_slot(timeout=starts.due_in(poll))
+        free = pool.wait_for_free_slot(timeout=starts.due_in(poll), at_least=refill_at(pool))
         if runner.stopping.is_set():
             break
         if free <= 0:
@@ -64,7 +65,7 @@ def claim_loop(runner: Runner) -> None:
         def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(runner):
                 return []  # the database came back after a long while: beat first (see above)
-            store.claim_session(cursor)
+            store.index_only_session(cursor)
             # Only types this process has handlers for, read at each claim (a sorted list of a
             # few names): during a rolling deploy a type only the new release knows waits for a
             # new runner instead of being dead-lettered as unknown by an old one. Jobs beyond
@@ -124,8 +125,9 @@ def _write_starts(runner: Runner) -> None:
     run_with_retry(runner.alias, write, what="recording job starts", interrupt=runner.forced)
 
 
-#: With the adaptive ``PREFETCH`` (``None``), at most this many claimed jobs per worker slot wait.
-ADAPTIVE_PREFETCH_FACTOR = 4
+#: With the adaptive ``PREFETCH`` (``None``), at most this many claimed jobs per worker slot wait
+#: (the lookahead below is what bounds it for any job slower than a few milliseconds).
+ADAPTIVE_PREFETCH_FACTOR = 16
 #: ... and no more than the workers finished in this many seconds: at the recent pace, a job
 #: waits about this long for a worker.
 LOOKAHEAD_SECONDS = 0.1
@@ -160,6 +162,16 @@ class WaitingRoom:
 #: The claim sizes a runner uses: each size is a statement text of its own (its LIMIT is a
 #: literal, see ``store.claim_sql``), prepared once per connection, so a runner keeps to a few.
 CLAIM_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def refill_at(executor: Executor) -> int:
+    """How many free slots the claim loop waits for before it claims, while no worker is idle:
+    half the waiting room. Claiming the moment one slot frees would spend a claim statement
+    (and its round trip, which the waiting jobs hide anyway) on one or two jobs; refilling
+    the room when it is half empty claims in batches. An idle worker is fed at once
+    (``wait_for_free_slot`` returns as soon as one is), so a quiet runner's pickup latency is
+    unchanged."""
+    return max(1, executor.waiting_room // 2)
 
 
 def claim_limit(wanted: int) -> int:

@@ -207,8 +207,13 @@ class Completer:
     def _write(self, batch: list[_Waiting]) -> None:
         alias = batch[0].alias
         pairs = [(waiting.job, waiting.result) for waiting in batch]
+
+        def complete(cursor: Cursor) -> set[int]:
+            store.index_only_session(cursor)  # this thread's connection runs nothing else
+            return store.complete_many(cursor, pairs)
+
         try:
-            done = run_with_retry(alias, lambda cursor: store.complete_many(cursor, pairs),
+            done = run_with_retry(alias, complete,
                                   what=f"completing {len(batch)} job(s)",
                                   interrupt=self._give_up)
         except Exception as exc:

@@ -58,8 +58,9 @@ class Executor(Protocol):
     def idle(self) -> int:
         """Workers (threads, or lanes of worker processes) that would start a job at once."""
 
-    def wait_for_free_slot(self, timeout: float) -> int:
-        """Block until a slot is free or ``timeout``; return the number of free slots."""
+    def wait_for_free_slot(self, timeout: float, at_least: int = 1) -> int:
+        """Block until ``at_least`` slots are free, or one is and a worker is idle, or
+        ``timeout``; return the number of free slots."""
 
     def submit(self, item: InFlight) -> bool:
         """Accept a claimed job; False once sealed (the caller then hands the job back)."""

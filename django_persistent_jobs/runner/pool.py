@@ -164,10 +164,13 @@ class WorkerPool:
         with self.lock:
             return self._free_locked()
 
-    def wait_for_free_slot(self, timeout: float) -> int:
+    def wait_for_free_slot(self, timeout: float, at_least: int = 1) -> int:
         deadline = time.monotonic() + timeout
         with self.changed:
-            while self._free_locked() <= 0 and not self._closed:
+            while not self._closed:
+                free = self._free_locked()
+                if free >= at_least or (free > 0 and self.size > len(self.in_flight)):  # one idle
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

@@ -11,11 +11,14 @@ runner started on a fresh install (or after a benchmark's ``TRUNCATE``) makes it
 tables are empty, where a sequential scan costs nothing: every later claim or completion would
 then scan the whole table, history included, and the cost per job would grow with it until
 autovacuum happens to analyze the table. So only the claim is prepared, on a connection whose
-planner may not choose sequential scans (``claim_session``, which the runner applies to its
-claiming connection), and every row it touches is found through an index condition; every other
-statement is planned for each execution, from the table's current size (``prepare=False``, or
-Django's client-side binding), which costs little for statements that look rows up by primary
-key.
+planner may not choose sequential scans (``index_only_session``, which the runner applies to
+its claiming connection), and every row it touches is found through an index condition; every
+other statement is planned for each execution, from the table's current size (``prepare=False``,
+or Django's client-side binding), which costs little for statements that look rows up by primary
+key. The batched completion is planned per execution too, but on a connection of its own that
+gets the same setting: a batch of a few hundred ids against a table of a few thousand rows is
+cheaper to hash-join with a sequential scan, and one batch per claim would read the table whole
+each time.
 """
 
 from __future__ import annotations
@@ -233,12 +236,13 @@ def admit(cursor: Cursor, tokens: Sequence[int]) -> set[int]:
     return {int(row[0]) for row in cursor.fetchall()}
 
 
-#: Connections ``claim_session`` has set up (weakly held: a closed connection just goes away).
-_CLAIM_SESSIONS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Connections ``index_only_session`` has set up (weakly held: a closed connection just goes away).
+_INDEX_ONLY_SESSIONS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def claim_session(cursor: Cursor | psycopg.Cursor[Any]) -> None:
-    """Let the planner of the connection that claims choose no sequential scan.
+def index_only_session(cursor: Cursor | psycopg.Cursor[Any]) -> None:
+    """Let the planner of a connection that claims or writes batched completions choose no
+    sequential scan.
 
     The claim is prepared, so its generic plan outlives the table sizes it was made from; on a
     near-empty table a sequential scan and a sort cost nothing, and that plan would then scan
@@ -248,15 +252,16 @@ def claim_session(cursor: Cursor | psycopg.Cursor[Any]) -> None:
     check on the attempt insert, planned in the same session, too). Set once per connection,
     in autocommit only (a ``SET`` inside a transaction that rolls back would be undone): the
     runner claims on a connection of its own, in autocommit, that runs no handler code, and
-    calls this before each claim (a reconnected session starts with the server's defaults).
+    calls this before each claim (a reconnected session starts with the server's defaults);
+    the completer does the same before each batch, on its own thread's connection.
     """
     raw = getattr(cursor, "cursor", cursor).connection
-    if raw in _CLAIM_SESSIONS or not raw.autocommit:
+    if raw in _INDEX_ONLY_SESSIONS or not raw.autocommit:
         return
     if raw.info.transaction_status != TransactionStatus.IDLE:
         return
     cursor.execute("SET enable_seqscan = off")
-    _CLAIM_SESSIONS.add(raw)
+    _INDEX_ONLY_SESSIONS.add(raw)
 
 
 def _where(qs: QuerySet[Any], alias: str) -> str:
@@ -411,7 +416,7 @@ def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool
 
     ``result`` is the handler's return value as JSON text (django.tasks results), or None.
     Planned at each execution, not prepared: it runs on the handler's connection, where the
-    planner settings ``claim_session`` uses are not ours to change, and a generic plan made
+    planner settings ``index_only_session`` uses are not ours to change, and a generic plan made
     while the attempts table was nearly empty would scan that whole table for every job.
     """
     with prepared(cursor) as fast:

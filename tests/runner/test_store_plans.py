@@ -80,7 +80,7 @@ def test_per_job_statements_use_indexes_after_statistics_of_empty_tables() -> No
         # As the runner does: a claiming session of its own, statements run on empty tables
         # more than five times (after five custom plans PostgreSQL settles on a generic one).
         for _ in range(8):
-            store.claim_session(claims)
+            store.index_only_session(claims)
             assert store.claim(claims, "plans", 10, None, ["test.noop"]) == []
             assert not store.complete(handles, nobody)
             assert store.transition(handles, nobody.id, nobody.token, kind="retry", code="E",

@@ -787,3 +787,22 @@ def test_on_commit_callbacks_of_a_handler_run_after_its_completion_commits(
     assert done.wait(15)
     assert seen == [JobStatus.COMPLETED]
     assert wait_status(job.id, JobStatus.COMPLETED).status == JobStatus.COMPLETED
+
+
+def test_a_backlog_of_short_jobs_is_claimed_in_batches(
+        isolated_registry: Registry, start_runner: StartRunner,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A busy runner refills its waiting room when it is half empty instead of claiming for
+    # every slot that frees (each claim is logged at DEBUG with its size).
+    @job_handler("rt.tiny")
+    def tiny(payload: Any) -> None:
+        pass
+
+    caplog.set_level(logging.DEBUG, logger="django_persistent_jobs.runner")
+    enqueue_many([("rt.tiny", {"i": i}) for i in range(1500)])
+    start_runner(concurrency=2, poll_interval=0.05)
+    wait_for(lambda: PersistentJob.objects.filter(status=JobStatus.COMPLETED).count() == 1500,
+             timeout=60, message="the backlog drained")
+    claims = [r.count for r in caplog.records if getattr(r, "event", None) == "claim"]
+    assert sum(claims) == 1500
+    assert len(claims) <= 1500 / 8, f"{len(claims)} claim statements for 1500 jobs"

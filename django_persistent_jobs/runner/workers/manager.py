@@ -241,15 +241,21 @@ class ProcessExecutor:
         with self.lock:
             return self._free_locked()
 
+    def _idle_locked(self) -> int:
+        free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
+        return max(0, free - len(self.pending))
+
     def idle(self) -> int:
         with self.lock:
-            free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
-            return max(0, free - len(self.pending))
+            return self._idle_locked()
 
-    def wait_for_free_slot(self, timeout: float) -> int:
+    def wait_for_free_slot(self, timeout: float, at_least: int = 1) -> int:
         deadline = time.monotonic() + timeout
         with self.changed:
-            while self._free_locked() <= 0 and not self._closed:
+            while not self._closed:
+                free = self._free_locked()
+                if free >= at_least or (free > 0 and self._idle_locked() > 0):
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
