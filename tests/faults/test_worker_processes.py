@@ -293,6 +293,22 @@ def test_prefetched_jobs_wait_in_the_supervisor_and_outlive_a_worker(fleet: Flee
     assert worker not in worker_pids(runner) and runner.alive
 
 
+def test_a_job_that_waits_for_a_lane_starts_its_timeout_clock_when_it_starts(
+        fleet: Fleet) -> None:
+    """Claimed together with a job that runs for 3 s, a job with a 1 s timeout waits for the
+    only lane without running down its timeout: the clock starts when a lane starts it."""
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1, settings={"PREFETCH": 1})
+    wait_for(lambda: worker_pids(runner), 30, "a worker")
+    with transaction.atomic():  # one claim takes both
+        first = enqueue("procs.pid", {"sleep": 3, "every": True}, priority=1).id
+        second = enqueue("procs.pid", {}, timeout=1).id
+    wait_all_terminal([first, second], timeout=30)
+    verify([first, second])
+    for job_id in (first, second):
+        assert [(a.attempt, a.outcome) for a in attempts_of([job_id])] == [(1, "completed")]
+    assert runner.alive
+
+
 def test_prefetched_jobs_are_handed_back_unstarted_at_shutdown(fleet: Fleet) -> None:
     runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
                          settings={"PREFETCH": 2, "SHUTDOWN_GRACE": 2})
