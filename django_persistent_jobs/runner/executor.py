@@ -10,6 +10,7 @@ decided in one place, the runner's composition root.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -21,6 +22,33 @@ def held_back(completing: int, slots: int) -> int:
     completions stop landing (a row lock, a slow disk), the runner stops claiming instead of
     piling up jobs that ran but are not completed."""
     return max(0, completing - slots)
+
+
+class SlotWaits:
+    """``wait_for_free_slot`` for an executor that counts its slots under ``changed`` (both
+    executors do: ``_free_locked``, ``_idle_locked`` and ``_closed`` are theirs)."""
+
+    changed: threading.Condition
+    _closed: bool
+
+    def _free_locked(self) -> int:
+        raise NotImplementedError
+
+    def _idle_locked(self) -> int:
+        raise NotImplementedError
+
+    def wait_for_free_slot(self, timeout: float, at_least: int = 1) -> int:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not self._closed:
+                free = self._free_locked()
+                if free >= at_least or (free > 0 and self._idle_locked() > 0):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.changed.wait(remaining)
+            return self._free_locked()
 
 
 class Executor(Protocol):

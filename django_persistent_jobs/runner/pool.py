@@ -22,7 +22,7 @@ from django.db import connections
 
 from .completer import Completer
 from .execute import InFlight, JobInterrupted
-from .executor import held_back
+from .executor import SlotWaits, held_back
 from .starts import StartGate
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -101,7 +101,7 @@ class _Worker:
         return not self.abandoned
 
 
-class WorkerPool:
+class WorkerPool(SlotWaits):
     """``size`` worker threads, and room for ``prefetch`` claimed jobs waiting for one.
 
     Prefetching lets the claim loop take jobs in batches instead of one per freed slot, which
@@ -164,27 +164,17 @@ class WorkerPool:
         with self.lock:
             return self._free_locked()
 
-    def wait_for_free_slot(self, timeout: float, at_least: int = 1) -> int:
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while not self._closed:
-                free = self._free_locked()
-                if free >= at_least or (free > 0 and self.size > len(self.in_flight)):  # one idle
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self.changed.wait(remaining)
-            return self._free_locked()
-
     def unstarted(self) -> list[InFlight]:
         """Claimed jobs no worker has started (after ``seal()`` none will start)."""
         with self.lock:
             return [item for item in self.in_flight.values() if item.thread_ident is None]
 
+    def _idle_locked(self) -> int:
+        return max(0, self.size - len(self.in_flight))
+
     def idle(self) -> int:
         with self.lock:
-            return max(0, self.size - len(self.in_flight))
+            return self._idle_locked()
 
     @property
     def running(self) -> int:

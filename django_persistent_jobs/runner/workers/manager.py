@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..execute import InFlight
-from ..executor import held_back
+from ..executor import SlotWaits, held_back
 from . import protocol
 from .channel import Reader, Writer
 from .launch import WorkerProcess, settings_module
@@ -130,7 +130,7 @@ class WorkerHandle:
         return self.writer is not None and bool(self.writer.pending)
 
 
-class ProcessExecutor:
+class ProcessExecutor(SlotWaits):
     """``Executor`` over ``processes`` worker processes of ``concurrency`` threads each."""
 
     kind = "processes"
@@ -248,19 +248,6 @@ class ProcessExecutor:
     def idle(self) -> int:
         with self.lock:
             return self._idle_locked()
-
-    def wait_for_free_slot(self, timeout: float, at_least: int = 1) -> int:
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while not self._closed:
-                free = self._free_locked()
-                if free >= at_least or (free > 0 and self._idle_locked() > 0):
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self.changed.wait(remaining)
-            return self._free_locked()
 
     def submit(self, item: InFlight) -> bool:
         """Accept a claimed job: start it on a free lane, or keep it waiting here for one."""
