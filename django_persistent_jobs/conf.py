@@ -30,7 +30,7 @@ from django.utils.module_loading import import_string
 from . import bounds
 
 #: Worker processes ``runjobs`` starts when neither ``--processes`` nor ``PROCESSES`` says.
-RUNJOBS_DEFAULT_PROCESSES = 1
+RUNJOBS_DEFAULT_PROCESSES = 0
 
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
 #: Retention must fit PostgreSQL's interval arithmetic; timedelta's own maximum does.
