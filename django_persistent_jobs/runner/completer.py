@@ -91,6 +91,10 @@ class Completer:
         self._closing = False
         self._give_up = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Called on the completer's thread after each batch's callbacks (and after the last
+        #: answers when it stops): a worker process reports a batch's jobs in one message
+        #: instead of one per job.
+        self.after_batch: Callable[[], None] | None = None
         #: Statements that completed jobs, and the jobs they completed (for tests and benches).
         self.statements = 0
         self.completed = 0
@@ -175,12 +179,22 @@ class Completer:
                                      extra={"event": "completion_failed"})
                     for waiting in batch:
                         waiting.answer(None, exc)
+                self._batch_answered()
         finally:
             with self._cond:
                 left, self._queue = list(self._queue), deque()
             for waiting in left:
                 waiting.answer(None)
+            self._batch_answered()
             connections.close_all()
+
+    def _batch_answered(self) -> None:
+        if self.after_batch is not None:
+            try:
+                self.after_batch()
+            except Exception:
+                logger.exception("reporting a batch of completions failed",
+                                 extra={"event": "completion_callback_failed"})
 
     def _next_batch(self) -> list[_Waiting] | None:
         with self._cond:

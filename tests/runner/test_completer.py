@@ -70,6 +70,34 @@ def blocked_flushes() -> list[int]:
 
 # ------------------------------------------------------------------ the completer itself
 
+def test_after_batch_runs_once_a_batch_is_answered_so_a_worker_reports_it_in_one_message(
+) -> None:
+    """A worker process sends one ``DONE`` per batch (``after_batch``), not one per job: the
+    hook must run after every answer of its batch, once per batch, on the completer's thread."""
+    enqueue_many([("test.noop", {"i": i}) for i in range(5)])
+    jobs = claim(5)
+    assert len(jobs) == 5
+    completer = Completer(linger=5.0, max_batch=5)  # the five go in one batch
+    answered: list[Any] = []
+    seen_by_hook: list[list[Any]] = []
+    hooked = threading.Event()
+
+    def after_batch() -> None:
+        seen_by_hook.append(list(answered))
+        if len(answered) == 5:
+            hooked.set()
+
+    completer.after_batch = after_batch
+    for job in jobs:
+        assert completer.submit("default", job, None,
+                                lambda ok, error, job=job: answered.append((job.id, ok, error)))
+    assert hooked.wait(30), seen_by_hook
+    assert seen_by_hook == [answered]  # once, after all five answers
+    assert sorted(answered, key=str) == sorted(((j.id, True, None) for j in jobs), key=str)
+    assert completer.statements == 1
+    assert completer.close(10)
+
+
 def test_a_fenced_out_job_does_not_complete_and_the_rest_of_its_batch_does() -> None:
     enqueue_many([("test.noop", {"i": i}) for i in range(3)])
     jobs = claim(3)

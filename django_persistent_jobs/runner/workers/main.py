@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol
-from .channel import Reader
+from .channel import Reader, frame
 
 PR_SET_PDEATHSIG = 1
 
@@ -117,6 +117,7 @@ class Worker:
         self._context = JobContext
         self._execute = execute
         self.conn = conn
+        self.fd: int = conn.fileno()
         self.alias: str = options["alias"]
         self.runner_id: str = options["runner_id"]
         self.number: int = options["number"]
@@ -140,15 +141,22 @@ class Worker:
         from ..completer import Completer
 
         self.completer = Completer()  # batches the completions of handlers that ran no SQL
+        # The jobs of one batch are settled one after the other on the completer's thread:
+        # their ``DONE``s wait (``_settled``) and go in one message once the batch is through.
+        self.completer.after_batch = self._flush_reports
         from ..starts import StartGate
 
         self.gate = StartGate(self.alias, self.never)  # records waiting jobs' starts first
 
     def send(self, message: tuple[Any, ...]) -> None:
+        # ``Connection``'s framing (the supervisor reads it with ``channel.Reader``) without
+        # ``Connection.send``'s pickler object and second copy: this runs twice per job.
+        data = frame(message)
         with self.send_lock:
             try:
-                self.conn.send(message)
-            except (OSError, EOFError):
+                while data:
+                    data = data[os.write(self.fd, data):]
+            except OSError:
                 os._exit(0)  # the supervisor is gone
 
     def serve(self) -> None:
@@ -312,27 +320,42 @@ class Worker:
         """A job whose completion was batched is settled (``execute``'s ``on_settled``)."""
         if failure is not None:
             self.send((protocol.CRASHED, wire_id, f"{type(failure).__name__}: {failure}"))
-        self._done_once(item, wire_id)
+        # Written by ``_flush_reports`` once the completer has settled the whole batch.
+        self._done_once(item, wire_id, flush=False)
 
-    def _done_once(self, item: Any, wire_id: Any) -> None:
+    def _done_once(self, item: Any, wire_id: Any, flush: bool = True) -> None:
         """``DONE`` for this run of the job, at most once: a second one could arrive after the
         job was claimed again and handed to this worker, and end the new run's tracking."""
         with self.lock:
             if item.done_reported:
                 return
             item.done_reported = True
-        self._done(wire_id)
+        self._report(protocol.DONE, wire_id, flush)
 
-    def _report(self, tag: str, wire_id: Any) -> None:
+    def _report(self, tag: str, wire_id: Any, flush: bool = True) -> None:
         """Report a job that returned (``RETURNED``) or is settled (``DONE``). Reports
         coalesce: while one thread writes, jobs that finish meanwhile wait for its next
         write, instead of a message each. A job's ``RETURNED`` is written before its ``DONE``
-        when both wait together; a ``DONE`` that overtook it makes the supervisor ignore it."""
+        when both wait together; a ``DONE`` that overtook it makes the supervisor ignore it.
+        ``flush=False`` only queues the report, for a caller that calls ``_flush_reports``
+        soon (the completer's thread, after each batch)."""
         with self.lock:
             self.finished.append((tag, wire_id))
-            if self.reporting:
+            if self.reporting or not flush:
                 return
             self.reporting = True
+        self._write_reports()
+
+    def _flush_reports(self) -> None:
+        """Write the reports queued so far (unless another thread is writing: it takes them)."""
+        with self.lock:
+            if self.reporting or not self.finished:
+                return
+            self.reporting = True
+        self._write_reports()
+
+    def _write_reports(self) -> None:
+        """The writing thread's loop (``reporting`` is set): until nothing is queued."""
         while True:
             with self.lock:
                 batch, self.finished = self.finished, []
