@@ -16,7 +16,16 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 
 if [ -z "${DJANGO_SERIES:-}" ]; then
     failed=()
+    # The second leg's virtualenv is built while the first leg's tests run (a minute saved).
+    prepare_log="$(mktemp)"
+    (DJANGO_SERIES=5.2 PYTHON_SERIES="" bash -c "source '$HERE/_bootstrap.sh'" >"$prepare_log" 2>&1) &
+    prepare_pid=$!
     for leg in "6.1" "5.2"; do
+        if [ "$leg" = "5.2" ] && [ -n "$prepare_pid" ]; then
+            wait "$prepare_pid" || echo "==> preparing .venv-dj52 failed (the leg tries again)"
+            cat "$prepare_log"
+            prepare_pid=""
+        fi
         series="${leg%% *}"
         python=""
         [ "$leg" != "$series" ] && python="${leg#* }"
@@ -43,18 +52,33 @@ if not os.environ.get("DATABASE_URL") and not _docker_reachable():
     sys.exit("The tests need a real PostgreSQL. Set DATABASE_URL, for example\n"
              "  DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres scripts/test.sh\n"
              "or make a Docker engine reachable so testcontainers can start one.")'
+mypy_pid=""
 if [ "$DJANGO_SERIES" = "6.1" ] && [ -z "$PYTHON_SERIES" ]; then
     # Lint and types do not depend on the Django series: checked once, on the newest.
     echo "==> ruff"
     "$VENV/bin/ruff" check django_persistent_jobs example_project tests bench
-    echo "==> mypy"
-    "$VENV/bin/mypy" django_persistent_jobs
+    # mypy checks beside pytest (half a minute saved); its verdict is waited for at the end.
+    echo "==> mypy (beside pytest; its output follows the tests)"
+    mypy_log="$(mktemp)"
+    "$VENV/bin/mypy" django_persistent_jobs >"$mypy_log" 2>&1 &
+    mypy_pid=$!
 fi
+finish_mypy() {
+    [ -n "$mypy_pid" ] || return 0
+    local status=0
+    wait "$mypy_pid" || status=$?
+    echo "==> mypy"
+    cat "$mypy_log"
+    return "$status"
+}
 echo "==> makemigrations --check (Django $DJANGO_SERIES)"
 DJANGO_SETTINGS_MODULE=tests.settings "$PYBIN" manage.py makemigrations --check --dry-run
 echo "==> pytest (Django $DJANGO_SERIES, $("$PYBIN" -c 'import sys; print("Python %d.%d" % sys.version_info[:2])'))"
 if [ "$#" -gt 0 ]; then
-    exec "$PYBIN" -m pytest "$@"
+    status=0
+    "$PYBIN" -m pytest "$@" || status=$?
+    finish_mypy || status=1
+    exit "$status"
 fi
 # The default burst database wait is one constant wired through our own command: waiting the
 # 30 s out proves it once, on the first leg; every leg proves the bound with a 2 s wait.
@@ -63,6 +87,7 @@ DEFAULT_WAIT=tests/management/commands/test_runjobs_unreachable.py::test_burst_w
 for path in tests/faults tests/admin/test_browser.py tests/api/test_views_fuzz.py "${DEFAULT_WAIT%%::*}"; do
     [ -e "$path" ] || { echo "scripts/test.sh names $path, which does not exist" >&2; exit 2; }
 done
+status=0
 if [ -n "$PYTHON_SERIES" ]; then
     # An extra Python version of a series: every test of our own code paths on this
     # interpreter, minus the fault suite (timing-heavy; it runs on both other legs, once per
@@ -70,12 +95,14 @@ if [ -n "$PYTHON_SERIES" ]; then
     # views' HTTP handling do not depend on the Python version; the example-based API tests
     # run here).
     "$PYBIN" -m pytest --ignore=tests/faults --ignore=tests/admin/test_browser.py \
-        --ignore=tests/api/test_views_fuzz.py --deselect "$DEFAULT_WAIT"
+        --ignore=tests/api/test_views_fuzz.py --deselect "$DEFAULT_WAIT" || status=$?
 elif [ "$DJANGO_SERIES" = "6.1" ]; then
     # The fault suite runs once per executor model, not once per model and series: here its
-    # runners hand jobs to worker processes (runjobs' default), on the 5.2 leg they run them on
-    # threads (tests/faults/runners.py: PJ_TEST_PROCESSES).
-    PJ_TEST_PROCESSES=1 "$PYBIN" -m pytest
+    # runners hand jobs to worker processes (--processes 1), on the 5.2 leg they run them on
+    # threads (runjobs' default; tests/faults/runners.py: PJ_TEST_PROCESSES).
+    PJ_TEST_PROCESSES=1 "$PYBIN" -m pytest || status=$?
 else
-    PJ_TEST_PROCESSES=0 "$PYBIN" -m pytest --deselect "$DEFAULT_WAIT"
+    PJ_TEST_PROCESSES=0 "$PYBIN" -m pytest --deselect "$DEFAULT_WAIT" || status=$?
 fi
+finish_mypy || status=1
+exit "$status"
