@@ -580,10 +580,14 @@ class Runner:
                     return
                 delay = backoff.next()
                 last_error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                left = ""
                 if deadline is not None:
                     delay = max(0.0, min(delay, deadline - time.monotonic()))
-                logger.warning("database not reachable (%s); retrying in %.1fs", last_error,
-                               delay, extra={"event": "db_wait"})
+                    # Say when it gives up: an operator watching a burst should not have to
+                    # know the default --database-wait.
+                    left = f", giving up in {max(0.0, deadline - time.monotonic()):.0f}s"
+                logger.warning("database not reachable (%s); retrying in %.1fs%s", last_error,
+                               delay, left, extra={"event": "db_wait"})
                 self.stopping.wait(delay)
 
     def dispatch(self, job: store.ClaimedJob) -> bool:
