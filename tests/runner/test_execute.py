@@ -427,15 +427,18 @@ def test_unstarted_handbacks_are_not_counted(
     """A prefetched job that never started did nothing to get its runner stopped."""
     settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "PREFETCH": 1}
     gate = Gate()
+    started = threading.Event()
 
     @job_handler("hs.blocker", backoff=constant(0))
     def blocker(payload: dict[str, Any]) -> None:
+        started.set()
         gate.wait()
 
     first = enqueue("hs.blocker", {}, priority=5)
     waiting = enqueue("hs.blocker", {})
     runner = start_runner(concurrency=1, shutdown_grace=5)
-    wait_status(first.id, JobStatus.RUNNING)
+    # Both are claimed together (status running at once); the first must have started.
+    assert started.wait(30)
     wait_status(waiting.id, JobStatus.RUNNING)  # claimed, waiting for the busy worker
     runner.request_stop()
     gate.open()
