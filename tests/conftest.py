@@ -5,6 +5,7 @@ Helpers that are not fixtures live in ``core_support`` (every test) and ``runner
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,6 +15,18 @@ import pytest
 
 from django_persistent_jobs.runner import Runner
 from tests.core_support import ROOT, subprocess_env
+
+#: Loggers whose level ``call_command("runjobs")`` sets from its verbosity, in this process.
+_RUNJOBS_LOGGERS = ("django_persistent_jobs", "django_persistent_jobs.runner.completions")
+
+
+@pytest.fixture(autouse=True)
+def _restore_runjobs_log_levels() -> Iterator[None]:
+    """A test that calls ``runjobs`` in-process must not change what later tests log."""
+    levels = [logging.getLogger(name).level for name in _RUNJOBS_LOGGERS]
+    yield
+    for name, level in zip(_RUNJOBS_LOGGERS, levels, strict=True):
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.fixture

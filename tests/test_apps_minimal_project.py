@@ -87,7 +87,7 @@ def test_the_job_system_runs_in_a_project_without_auth_admin_or_contenttypes(
     assert "no issues" in manage(minimal_database, "check")
 
     job_id = run(minimal_database, "-c", ENQUEUE).strip().splitlines()[-1]
-    output = manage(minimal_database, "runjobs", "--burst", "--processes", "1")
+    output = manage(minimal_database, "runjobs", "--burst", "--processes", "1", "-v", "2")
     assert f"job {job_id} completed" in output, output
     assert "worker 1 started" in output  # the job ran in a worker process
 

@@ -43,7 +43,7 @@ from .db import (
     run_with_retry,
     sqlstate,
 )
-from .execute import InFlight, Outcome, execute, record_outcome
+from .execute import COMPLETIONS_LOGGER, InFlight, Outcome, execute, record_outcome
 from .executor import Executor
 from .heartbeat import Liveness, heartbeat_loop, rescue_loop
 from .lifecycle import Lifecycle
@@ -316,6 +316,7 @@ class Runner:
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
             prefetch=self._prefetch(settings.concurrency * self.processes),
             log_level=logging.getLogger("django_persistent_jobs").level or None,
+            completions_level=logging.getLogger(COMPLETIONS_LOGGER).level or None,
         )
 
     def _prefetch(self, slots: int) -> int:

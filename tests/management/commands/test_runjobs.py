@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,15 +21,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
 LOG_ENV = {"PJ_TEST_LOG": "INFO"}  # runner logs on stdout end up in assertion messages
-
-
-@pytest.fixture
-def keep_log_level() -> Iterator[None]:
-    """``runjobs`` sets the package logger's level from --verbosity; undo that in-process."""
-    package_logger = logging.getLogger("django_persistent_jobs")
-    level = package_logger.level
-    yield
-    package_logger.setLevel(level)
 
 
 def _finish(proc: subprocess.Popen[bytes], timeout: float = 30) -> tuple[int, str]:
@@ -62,7 +52,7 @@ def test_bad_arguments_are_command_errors(args: list[str], message: str) -> None
 
 
 @pytest.mark.django_db
-def test_invalid_handler_is_a_command_error(keep_log_level: None) -> None:
+def test_invalid_handler_is_a_command_error() -> None:
     with registry.isolated():
 
         @job_handler("rt.bad_options", timeout=-5)
@@ -89,6 +79,28 @@ def test_burst_processes_everything_due_and_exits_zero(spawn_runner: Spawn) -> N
     assert LedgerEntry.objects.count() == 20
     assert JobAttempt.objects.count() == 21
     assert not JobRunnerRecord.objects.exists()
+
+
+@pytest.mark.parametrize("processes", ["0", "1"])
+def test_a_line_per_completed_job_only_from_verbosity_2_failures_always(
+    spawn_runner: Spawn, processes: str,
+) -> None:
+    """At thousands of jobs a second a line per job costs a fifth of the rate; the attempts are
+    in the database anyway. Failures and dead letters are logged at every verbosity above 0."""
+    quiet = [enqueue("test.ledger", {"note": "writes"}), enqueue("test.noop", {})]
+    doomed = enqueue("test.ledger", {"permanent": True})
+    code, output = _finish(spawn_runner("--burst", "--processes", processes, env=LOG_ENV))
+    assert code == 0, output
+    assert get_job(quiet[0].id).status == get_job(quiet[1].id).status == JobStatus.COMPLETED
+    assert " completed" not in output, output
+    assert f"job {doomed.id} dead-lettered" in output, output
+
+    loud = [enqueue("test.ledger", {"note": "writes"}), enqueue("test.noop", {})]
+    code, output = _finish(spawn_runner("--burst", "--processes", processes, "-v", "2",
+                                        env=LOG_ENV))
+    assert code == 0, output
+    for job in loud:  # one written with the handler's transaction, one by the completer
+        assert f"job {job.id} completed" in output, output
 
 
 def test_burst_with_nothing_due_exits_zero(spawn_runner: Spawn) -> None:

@@ -58,7 +58,9 @@ class Command(BaseCommand):
         ids = [job.id for job in jobs] + [uuid.UUID(total.id)]
         self.stdout.write(f"Enqueued {len(ids)} jobs; starting `manage.py runjobs`...\n")
         runner = subprocess.Popen(
-            [sys.executable, str(MANAGE), "runjobs", "--concurrency", "4"], env=os.environ.copy()
+            # -v 2: a line per completed job too, which runjobs leaves out by default.
+            [sys.executable, str(MANAGE), "runjobs", "--concurrency", "4", "-v", "2"],
+            env=os.environ.copy()
         )
         try:
             # The runner syncs HealthCheckJob's cron schedule into the schedules table when it
