@@ -14,18 +14,16 @@ from typing import Any
 import pytest
 
 from django_persistent_jobs.runner import Runner
+from django_persistent_jobs.runner.execute import RUNJOBS_LOGGERS
 from tests.core_support import ROOT, subprocess_env
-
-#: Loggers whose level ``call_command("runjobs")`` sets from its verbosity, in this process.
-_RUNJOBS_LOGGERS = ("django_persistent_jobs", "django_persistent_jobs.runner.completions")
 
 
 @pytest.fixture(autouse=True)
 def _restore_runjobs_log_levels() -> Iterator[None]:
     """A test that calls ``runjobs`` in-process must not change what later tests log."""
-    levels = [logging.getLogger(name).level for name in _RUNJOBS_LOGGERS]
+    levels = [logging.getLogger(name).level for name in RUNJOBS_LOGGERS]
     yield
-    for name, level in zip(_RUNJOBS_LOGGERS, levels, strict=True):
+    for name, level in zip(RUNJOBS_LOGGERS, levels, strict=True):
         logging.getLogger(name).setLevel(level)
 
 

@@ -53,6 +53,9 @@ logger = logging.getLogger("django_persistent_jobs.runner")
 #: a no-op drain's rate) and still show failures, retries and dead letters.
 COMPLETIONS_LOGGER = "django_persistent_jobs.runner.completions"
 completions_logger = logging.getLogger(COMPLETIONS_LOGGER)
+#: The loggers whose levels ``runjobs`` sets from its verbosity; a supervisor hands their levels
+#: to its worker processes, which log what it would.
+RUNJOBS_LOGGERS = ("django_persistent_jobs", COMPLETIONS_LOGGER)
 
 
 class ClaimLost(Exception):

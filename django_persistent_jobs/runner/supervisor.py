@@ -43,7 +43,7 @@ from .db import (
     run_with_retry,
     sqlstate,
 )
-from .execute import COMPLETIONS_LOGGER, InFlight, Outcome, execute, record_outcome
+from .execute import RUNJOBS_LOGGERS, InFlight, Outcome, execute, record_outcome
 from .executor import Executor
 from .heartbeat import Liveness, heartbeat_loop, rescue_loop
 from .lifecycle import Lifecycle
@@ -315,8 +315,8 @@ class Runner:
             max_jobs=settings.max_jobs_per_worker,
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
             prefetch=self._prefetch(settings.concurrency * self.processes),
-            log_level=logging.getLogger("django_persistent_jobs").level or None,
-            completions_level=logging.getLogger(COMPLETIONS_LOGGER).level or None,
+            log_levels={name: level for name in RUNJOBS_LOGGERS
+                        if (level := logging.getLogger(name).level)},
         )
 
     def _prefetch(self, slots: int) -> int:
@@ -583,10 +583,11 @@ class Runner:
                 last_error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
                 left = ""
                 if deadline is not None:
-                    delay = max(0.0, min(delay, deadline - time.monotonic()))
+                    remaining = max(0.0, deadline - time.monotonic())
+                    delay = min(delay, remaining)
                     # Say when it gives up: an operator watching a burst should not have to
                     # know the default --database-wait.
-                    left = f", giving up in {max(0.0, deadline - time.monotonic()):.0f}s"
+                    left = f", giving up in {remaining:.0f}s"
                 logger.warning("database not reachable (%s); retrying in %.1fs%s", last_error,
                                delay, left, extra={"event": "db_wait"})
                 self.stopping.wait(delay)

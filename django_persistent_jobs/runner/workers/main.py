@@ -75,13 +75,9 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
     import django
 
     django.setup()
+    for name, level in options.get("log_levels", {}).items():  # the supervisor's levels
+        logging.getLogger(name).setLevel(level)
     package_logger = logging.getLogger("django_persistent_jobs")
-    if options.get("log_level") is not None:
-        package_logger.setLevel(options["log_level"])
-    if options.get("completions_level") is not None:
-        from ..execute import COMPLETIONS_LOGGER
-
-        logging.getLogger(COMPLETIONS_LOGGER).setLevel(options["completions_level"])
     if options.get("log_to_stderr") or not package_logger.hasHandlers():
         # As runjobs does in the supervisor: a silent worker is worse than a plain one.
         handler = logging.StreamHandler(sys.stderr)
@@ -165,7 +161,7 @@ class Worker:
 
     def serve(self) -> None:
         self.send((protocol.READY, os.getpid()))
-        reader = Reader(self.conn.fileno())
+        reader = Reader(self.fd)
         while True:
             try:
                 messages = reader.read()

@@ -141,8 +141,8 @@ class ProcessExecutor(SlotWaits):
         on_crash: Callable[[InFlight, BaseException], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
         max_jobs: int | None = None, max_memory_mib: float | None = None, grace: float = 5.0,
-        log_level: int | None = None, log_to_stderr: bool = False, prefetch: int = 0,
-        completions_level: int | None = None,
+        log_levels: dict[str, int] | None = None, log_to_stderr: bool = False,
+        prefetch: int = 0,
     ) -> None:
         self.processes = processes
         self.concurrency = concurrency
@@ -158,8 +158,7 @@ class ProcessExecutor(SlotWaits):
         #: ``finished`` counts jobs that left a lane.
         self.waiting_room = max(0, prefetch)
         self.finished = 0
-        self.log_level = log_level
-        self.completions_level = completions_level
+        self.log_levels = dict(log_levels or {})  # logger name -> level, set in each worker
         self.log_to_stderr = log_to_stderr
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
@@ -420,8 +419,7 @@ class ProcessExecutor(SlotWaits):
     def _spawn_locked(self) -> WorkerHandle:
         self._numbers += 1
         options = {"alias": self.alias, "runner_id": self.runner_id, "number": self._numbers,
-                   "log_level": self.log_level, "log_to_stderr": self.log_to_stderr,
-                   "completions_level": self.completions_level}
+                   "log_levels": self.log_levels, "log_to_stderr": self.log_to_stderr}
         process = WorkerProcess(options, label=f"pj-worker:{self.runner_id}:{self._numbers}")
         worker = WorkerHandle(number=self._numbers, process=process, conn=process.conn,
                               pid=process.pid)
