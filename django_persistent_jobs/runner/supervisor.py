@@ -263,6 +263,9 @@ class Runner:
             logger.info("runner %s stopping: no new claims; waiting up to %.0fs for %d job(s)",
                         self.runner_id, self.settings.shutdown_grace, self.pool.busy,
                         extra={"event": "stopping", "runner_id": self.runner_id})
+        # Seal here rather than when the supervisor thread wakes: a job waiting for a worker
+        # must not start in between (a worker freed a moment after the request would take it).
+        self.pool.seal()
         self.stopping.set()
         self.wake.set()
 
