@@ -75,7 +75,7 @@ def _echo_worker(conn: Any) -> None:
         for message in reader.read():
             if message[0] == protocol.STOP:
                 return
-            conn.send((protocol.DONE, [packed[0] for _, packed, _ in message[1]]))
+            conn.send((protocol.DONE, [packed[0] for packed, _ in message[1]]))
 
 
 def measure_handoff(rounds: int) -> tuple[float, float]:
@@ -102,7 +102,7 @@ def measure_handoff(rounds: int) -> tuple[float, float]:
                      cancel_requested=False, tenant=None)
 
     def round_trip() -> None:
-        writer.send((protocol.RUN, [(0, protocol.pack_job(job), False)]))
+        writer.send((protocol.RUN, [(protocol.pack_job(job), False)], 0.0))
         while True:
             selector.select()
             if reader.read():

@@ -66,6 +66,13 @@ class Lease:
         heard = self.heard_at
         return heard is not None and time.monotonic() - heard <= FRESH_SECONDS
 
+    def fresh_until(self) -> float:
+        """The monotonic time until which a start takes the fast path (0: none does). Worker
+        processes get it with their jobs and apply ``fresh``'s rule at the real start: the
+        clock is the system-wide ``CLOCK_MONOTONIC``, the same in every process."""
+        heard = self.heard_at
+        return 0.0 if heard is None else heard + FRESH_SECONDS
+
 
 class StartLog:
     """Attempt ids (fencing tokens) of waiting jobs started on the fast path, with when, not

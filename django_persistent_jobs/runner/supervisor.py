@@ -175,10 +175,10 @@ class Runner:
         self.finished = threading.Event()
         self.exit_code = EXIT_OK
         self.processes = processes
-        self.pool: Executor = self._make_executor()
         #: How the starts of waiting jobs are recorded (see ``starts``).
         self.lease = Lease()
         self.starts = StartLog()
+        self.pool: Executor = self._make_executor()
         self.pool.on_start = self._starting
         self.timeouts = TimeoutEnforcer(self.alias, self.runner_id, self.pool, self.forced)
         # Liveness as this runner itself knows it (maintained by the heartbeat loop).
@@ -318,6 +318,7 @@ class Runner:
             max_jobs=settings.max_jobs_per_worker,
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
             prefetch=self._prefetch(settings.concurrency * self.processes),
+            lease=self.lease, note_start=self.starts.note,
             log_levels={name: level for name in RUNJOBS_LOGGERS
                         if (level := logging.getLogger(name).level)},
         )
@@ -710,6 +711,16 @@ class Runner:
             self.stopping.wait(SUPERVISOR_TICK)
         self._shutdown()
 
+    def _hand_back_unstarted(self) -> None:
+        """Prefetched but never started: hand back at once, uncharged, rather than start new
+        work after the signal."""
+        for item in self.pool.unstarted():
+            self.timeouts.take_over(item, Outcome(
+                "release", "SHUTDOWN",
+                f"runner {self.runner_id} stopped before starting attempt {item.job.attempt}; "
+                "handed back unstarted",
+            ), "interrupted")
+
     def _tick(self) -> None:
         """One round of the supervisor's own duties: vouch to the sidecar, enforce timeouts."""
         now = time.monotonic()
@@ -725,20 +736,15 @@ class Runner:
         # was in flight when the signal came) it hands straight back, so the hand-back below
         # sees every job this runner will ever run.
         self.pool.seal()
-        for item in self.pool.unstarted():
-            # Prefetched but never started: hand back at once, uncharged, rather than start
-            # new work after the signal.
-            self.timeouts.take_over(item, Outcome(
-                "release", "SHUTDOWN",
-                f"runner {self.runner_id} stopped before starting attempt {item.job.attempt}; "
-                "handed back unstarted",
-            ), "interrupted")
+        self._hand_back_unstarted()
         # Completions still being written count too: their handlers returned, and the runner
         # must not unregister (or its workers exit) before they are recorded.
         while (self.pool.busy or self.pool.completing) and not self.forced.is_set():
             if time.monotonic() - started >= grace:
                 break
             self._tick()
+            # (A worker process that died meanwhile leaves the jobs still in its queue here.)
+            self._hand_back_unstarted()
             with self.pool.changed:
                 self.pool.changed.wait(SUPERVISOR_TICK)
         for item in self.pool.snapshot():

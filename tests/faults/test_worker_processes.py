@@ -272,9 +272,11 @@ def test_a_second_signal_stops_at_once(fleet: Fleet) -> None:
              reconnect=True)
 
 
-def test_prefetched_jobs_wait_in_the_supervisor_and_outlive_a_worker(fleet: Fleet) -> None:
-    """``PREFETCH`` with worker processes: jobs claimed ahead wait in the supervisor, not in a
-    worker, so a worker that dies takes only the job it was running."""
+def test_prefetched_jobs_outlive_a_worker(fleet: Fleet) -> None:
+    """``PREFETCH`` with worker processes: of the jobs claimed ahead, one waits in the worker's
+    own queue (``PREFETCH`` 2 lets a worker of one lane hold one job beyond it) and one in the
+    supervisor. A worker that dies takes only the job it was running: the one in its queue had
+    not started, and another worker runs it, uncharged."""
     runner = fleet.spawn(args=["--processes", "1"], concurrency=1, settings={"PREFETCH": 2})
     (worker,) = wait_for(lambda: worker_pids(runner), 30, "a worker")
     first = enqueue_typed("procs.pid", {"sleep": 60})
@@ -293,11 +295,14 @@ def test_prefetched_jobs_wait_in_the_supervisor_and_outlive_a_worker(fleet: Flee
     assert worker not in worker_pids(runner) and runner.alive
 
 
+@pytest.mark.parametrize("prefetch", [1, 2], ids=["waits-in-supervisor", "waits-in-worker"])
 def test_a_job_that_waits_for_a_lane_starts_its_timeout_clock_when_it_starts(
-        fleet: Fleet) -> None:
+        fleet: Fleet, prefetch: int) -> None:
     """Claimed together with a job that runs for 3 s, a job with a 1 s timeout waits for the
-    only lane without running down its timeout: the clock starts when a lane starts it."""
-    runner = fleet.spawn(args=["--processes", "1"], concurrency=1, settings={"PREFETCH": 1})
+    only lane without running down its timeout: the clock starts when a lane starts it (the
+    lane's ``STARTED``), whether the job waited in the supervisor or in the worker's queue."""
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"PREFETCH": prefetch})
     wait_for(lambda: worker_pids(runner), 30, "a worker")
     with transaction.atomic():  # one claim takes both
         first = enqueue("procs.pid", {"sleep": 3, "every": True}, priority=1).id

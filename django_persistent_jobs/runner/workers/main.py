@@ -25,7 +25,8 @@ import queue
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from . import protocol
@@ -90,17 +91,15 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
 
 @dataclass(eq=False)
 class Lane:
-    """One thread of the worker and the jobs the supervisor sent to it, in order.
-
-    The thread keeps its database connection from job to job; ``session`` is the one the
+    """One thread of the worker: it takes the next job from the worker's queue, whichever job
+    that is, and keeps its database connection from job to job. ``session`` is the one the
     supervisor was last told about (``SESSION``), ``raw`` the connection it belongs to.
-    """
+    ``retired``: the supervisor took its job over; the thread exits once that job returns."""
 
     number: int
-    jobs: queue.SimpleQueue[tuple[tuple[Any, ...], bool] | None] = field(
-        default_factory=queue.SimpleQueue)
     session: tuple[Any, Any] | None = None
     raw: Any = None
+    retired: bool = False
 
 
 class Worker:
@@ -124,8 +123,13 @@ class Worker:
         self.connections = connections
         self.send_lock = threading.Lock()
         self.lock = threading.Lock()
+        #: Jobs sent and not started yet, taken by whichever lane is free first.
+        self.queue: queue.SimpleQueue[tuple[tuple[Any, ...], bool, float]] = queue.SimpleQueue()
+        self.concurrency: int = options.get("concurrency", 1)
         self.lanes: dict[int, Lane] = {}
+        self.next_lane = 0
         self.running: dict[Any, Any] = {}  # wire id -> InFlight, while its handler runs
+        self.lane_of: dict[Any, Lane] = {}  # wire id -> the lane running it
         self.tokens: dict[Any, int] = {}  # job id -> fencing token, for progress reports
         #: Sent to a lane and not started yet; of those, the ones the supervisor took back,
         #: and the ones an operator asked to cancel.
@@ -149,9 +153,13 @@ class Worker:
         self.gate = StartGate(self.alias, self.never)  # records waiting jobs' starts first
 
     def send(self, message: tuple[Any, ...]) -> None:
-        # ``Connection``'s framing (the supervisor reads it with ``channel.Reader``) without
-        # ``Connection.send``'s pickler object and second copy: this runs twice per job.
-        data = frame(message)
+        self.send_many([message])
+
+    def send_many(self, messages: list[tuple[Any, ...]]) -> None:
+        """Write ``messages`` in one system call. ``Connection``'s framing (the supervisor
+        reads it with ``channel.Reader``) without ``Connection.send``'s pickler object and
+        second copy: this runs about once per job."""
+        data = b"".join(frame(message) for message in messages)
         with self.send_lock:
             try:
                 while data:
@@ -160,6 +168,8 @@ class Worker:
                 os._exit(0)  # the supervisor is gone
 
     def serve(self) -> None:
+        for _ in range(self.concurrency):
+            self._add_lane()
         self.send((protocol.READY, os.getpid()))
         reader = Reader(self.fd)
         while True:
@@ -171,11 +181,11 @@ class Worker:
             for message in messages:
                 tag = message[0]
                 if tag == protocol.RUN:
-                    self._start(message[1])
+                    self._start(message[1], message[2])
                 elif tag == protocol.CANCEL:
                     self._cancel(message[1])
                 elif tag == protocol.INTERRUPT:
-                    self._interrupt(message[1], message[2])
+                    self._interrupt(message[1])
                 elif tag == protocol.STOP:
                     self._exit()
                     return
@@ -191,22 +201,25 @@ class Worker:
         os._exit(0)
 
     # ------------------------------------------------------------------ lanes
-    def _start(self, batch: list[tuple[int, tuple[Any, ...], bool]]) -> None:
+    def _start(self, batch: list[tuple[tuple[Any, ...], bool]], fresh_until: float) -> None:
         with self.lock:
-            self.queued.update(packed[0] for _, packed, _ in batch)
-        for number, packed, cancel in batch:
-            lane = self.lanes.get(number)
-            if lane is None:
-                lane = self.lanes[number] = Lane(number)
-                threading.Thread(target=self._lane_main, args=(lane,),
-                                 name=f"pj-w{self.number}-lane{number}", daemon=True).start()
-            lane.jobs.put((packed, cancel))
+            self.queued.update(packed[0] for packed, _ in batch)
+        for packed, cancel in batch:
+            self.queue.put((packed, cancel, fresh_until))
+
+    def _add_lane(self) -> None:
+        with self.lock:
+            lane = Lane(self.next_lane)
+            self.next_lane += 1
+            self.lanes[lane.number] = lane
+        threading.Thread(target=self._lane_main, args=(lane,),
+                         name=f"pj-w{self.number}-lane{lane.number}", daemon=True).start()
 
     def _lane_main(self, lane: Lane) -> None:
         try:
             while True:
-                entry = lane.jobs.get()
-                if entry is None or not self._run(lane, *entry):
+                packed, cancel, fresh_until = self.queue.get()
+                if not self._run(lane, packed, cancel, fresh_until):
                     return  # retired; an interrupted thread may hold a pending async exception
         except self._execute.JobInterrupted:
             pass
@@ -214,11 +227,20 @@ class Worker:
             with contextlib.suppress(Exception):
                 self.connections.close_all()
 
-    def _run(self, lane: Lane, packed: tuple[Any, ...], cancel: bool) -> bool:
-        """Run one job; False if the supervisor took it over (the lane is then retired)."""
+    def _run(self, lane: Lane, packed: tuple[Any, ...], cancel: bool, fresh_until: float
+             ) -> bool:
+        """Run one job; False if the supervisor took it over (the lane is then retired).
+
+        A job that waited for a worker starts on the fast path if the runner's lease was
+        fresh until now (``fresh_until``, ``starts.Lease``): the supervisor notes its start
+        from the ``STARTED`` report. Otherwise it passes the gate, which records the start
+        before the handler runs."""
         execute = self._execute
         wire_id = packed[0]
         job = protocol.unpack_job(packed)
+        fast = job.waiting and time.monotonic() < fresh_until
+        if fast:
+            job.waiting = False
         ctx = self._context(
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
@@ -240,14 +262,16 @@ class Worker:
                 self.skip.discard(wire_id)
             else:
                 self.running[wire_id] = item
+                self.lane_of[wire_id] = lane
                 self.tokens[job.id] = job.token
         if skipped:  # taken back before it started: it never runs here
             self._done(wire_id)
-            return False
+            return True
         deferred = False
         item.on_settled = lambda failure: self._settled(item, wire_id, failure)
         try:
             self._report_session(lane, item)
+            self._report_started(lane, wire_id, fast)
             deferred = execute.execute(self.alias, item, self.runner_id, self.never)
         except execute.JobInterrupted:
             pass
@@ -267,8 +291,9 @@ class Worker:
             self._done_once(item, wire_id)
         elif not interrupted:
             # Its completion is being written (``on_settled`` reports it done): the lane is
-            # free for the next job meanwhile.
-            self._report(protocol.RETURNED, wire_id)
+            # free for the next job meanwhile. If one is waiting here, the ``STARTED`` this
+            # or another lane writes for it carries this report along.
+            self._report(protocol.RETURNED, wire_id, flush=self.queue.empty())
         return not interrupted
 
     def _leave(self, wire_id: Any, item: Any) -> bool:
@@ -282,6 +307,7 @@ class Worker:
             try:
                 with self.lock:
                     self.running.pop(wire_id, None)
+                    self.lane_of.pop(wire_id, None)
                     self.tokens.pop(item.job.id, None)
                     return bool(item.taken_over.is_set())
             except self._execute.JobInterrupted:
@@ -312,6 +338,17 @@ class Worker:
         if session != lane.session:
             lane.session = session
             self.send((protocol.SESSION, lane.number, *session))
+
+    def _report_started(self, lane: Lane, wire_id: Any, fast: bool) -> None:
+        """Tell the supervisor, before the handler starts, that this job started on ``lane``:
+        its timeout clock starts then, and if this process dies from here on the attempt is
+        charged (a job still waiting in the queue is handed on uncharged). Written here, not
+        queued: a handler that kills the process must find its start already reported. The
+        reports waiting to be written go in the same write."""
+        with self.lock:
+            batch, self.finished = self.finished, []
+        self.send_many([*self._report_messages(batch),
+                        (protocol.STARTED, lane.number, wire_id, fast)])
 
     def _done(self, wire_id: Any) -> None:
         self._report(protocol.DONE, wire_id)
@@ -362,12 +399,14 @@ class Worker:
                 if not batch:
                     self.reporting = False
                     return
-            returned = [w for t, w in batch if t == protocol.RETURNED]
-            done = [w for t, w in batch if t == protocol.DONE]
-            if returned:
-                self.send((protocol.RETURNED, returned))
-            if done:
-                self.send((protocol.DONE, done))
+            self.send_many(self._report_messages(batch))
+
+    @staticmethod
+    def _report_messages(batch: list[tuple[str, Any]]) -> list[tuple[Any, ...]]:
+        returned = [w for t, w in batch if t == protocol.RETURNED]
+        done = [w for t, w in batch if t == protocol.DONE]
+        return ([(protocol.RETURNED, returned)] if returned else []) + (
+            [(protocol.DONE, done)] if done else [])
 
     def _cancel(self, wire_id: Any) -> None:
         with self.lock:
@@ -377,24 +416,32 @@ class Worker:
         if item is not None:
             item.ctx._cancel_event.set()
 
-    def _interrupt(self, wire_id: Any, lane_number: int) -> None:
+    def _interrupt(self, wire_id: Any) -> None:
         """Stop a handler the supervisor has settled, and retire its lane: a pure-Python loop
         ends at its next bytecode; a thread blocked in C does not, and the supervisor recycles
-        this worker. A job that has not started yet never starts."""
+        this worker. A fresh lane takes the retired one's place. A job that has not started
+        yet never starts."""
         from ..execute import JobInterrupted
         from ..pool import inject_exception
 
         with self.lock:
-            lane = self.lanes.pop(lane_number, None)
             item = self.running.get(wire_id)
+            lane = self.lane_of.get(wire_id)
             if item is not None:
                 item.taken_over.set()
                 if item.thread_ident is not None:
                     inject_exception(item.thread_ident, JobInterrupted)
-            elif wire_id in self.queued:
-                self.skip.add(wire_id)
+                if lane is not None and not lane.retired:
+                    lane.retired = True
+                    self.lanes.pop(lane.number, None)
+                else:
+                    lane = None
+            else:
+                lane = None
+                if wire_id in self.queued:
+                    self.skip.add(wire_id)
         if lane is not None:
-            lane.jobs.put(None)  # it takes no more jobs: its thread exits once idle
+            self._add_lane()
 
     # ------------------------------------------------------------------ progress
     def _report_progress(self, ctx: Any, progress: Any) -> None:

@@ -8,10 +8,11 @@ killer, SIGKILL) is noticed the moment it exits. Its in-flight jobs are then set
 ``WORKER_LOST`` (charged: a poison pill still ends dead-lettered after its retries) through the
 ``on_lost`` callback (the supervisor settles them on its next tick), and a replacement starts.
 
-Slots are counted here, per worker, as *lanes* (see ``protocol``): the supervisor picks the
-thread, and so the database session, each job runs on. A job taken over by the supervisor
-(timeout, shutdown) frees its slot at once, whatever its thread does: its lane is retired and a
-fresh one takes its place. A thread that has not returned ``grace`` seconds
+Slots are counted here, per worker, as *lanes* (see ``protocol``): a worker's lanes take jobs
+from its queue, and each lane reports the job it starts, so the supervisor knows which database
+session each running job is on and when its timeout clock starts. A job taken over by the
+supervisor (timeout, shutdown) frees its slot at once, whatever its thread does: the worker
+retires its lane and starts a fresh one. A thread that has not returned ``grace`` seconds
 after being interrupted (blocked in C, where no exception reaches it) gets its worker recycled:
 no new jobs, the others get ``grace`` to finish, then the process is killed and replaced. The
 same graceful recycling (without the kill) serves ``MAX_JOBS_PER_WORKER`` and
@@ -22,8 +23,10 @@ write it would cost a thread switch per claim, more than the write. Jobs handed 
 (``submit_many``, or the waiting jobs several freed lanes take) go as one ``RUN`` message per
 worker, and a worker's reader takes every message waiting on its pipe in one read. Writes never
 block (``channel.Writer``): a worker whose handler holds its GIL reads nothing, and the
-supervisor must not wait for it. ``PREFETCH`` claimed jobs may wait here, in the supervisor, for
-a free lane: a worker that dies takes none of them with it.
+supervisor must not wait for it. ``PREFETCH`` claimed jobs wait for a lane: while jobs are fast,
+up to ``concurrency`` of them in each worker's queue (``_ahead_locked``), the rest here. A
+worker that dies takes none of them with it: the ones in its queue had not started, and go to
+another worker.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 
 from ..execute import InFlight
 from ..executor import SlotWaits, held_back
+from ..starts import Lease
 from . import protocol
 from .channel import Reader, Writer
 from .launch import WorkerProcess, settings_module
@@ -83,13 +87,14 @@ class WorkerHandle:
     stop_sent: bool = False
     gone: bool = False
     jobs_run: int = 0
-    #: Its jobs by wire id (``protocol.wire_id``), and the lane each one runs on.
+    #: Its running jobs by wire id (``protocol.wire_id``), and the lane each one runs on.
     in_flight: dict[Any, InFlight] = field(default_factory=dict)
     lane_of: dict[Any, int] = field(default_factory=dict)
-    #: Lanes with no job (set up when the worker is ready), the next new lane's number, and
-    #: the database session each lane last reported.
-    free_lanes: list[int] = field(default_factory=list)
-    next_lane: int = 0
+    #: Jobs sent to it that have not started (no ``STARTED`` yet): they wait in its queue for
+    #: a lane. And jobs taken back from that queue (shutdown): wire id -> job id.
+    queued: dict[Any, InFlight] = field(default_factory=dict)
+    recalled: dict[Any, Any] = field(default_factory=dict)
+    #: The database session each lane last reported.
     sessions: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     #: Jobs taken over from it whose thread has not returned yet:
     #: wire id -> (recycle deadline, job id).
@@ -142,7 +147,8 @@ class ProcessExecutor(SlotWaits):
         on_failure: Callable[[BaseException], None] | None = None,
         max_jobs: int | None = None, max_memory_mib: float | None = None, grace: float = 5.0,
         log_levels: dict[str, int] | None = None, log_to_stderr: bool = False,
-        prefetch: int = 0,
+        prefetch: int = 0, lease: Lease | None = None,
+        note_start: Callable[[int], None] | None = None,
     ) -> None:
         self.processes = processes
         self.concurrency = concurrency
@@ -166,9 +172,15 @@ class ProcessExecutor(SlotWaits):
         self.owner: dict[object, WorkerHandle] = {}  # by wire id, once given to a worker
         #: Accepted while no lane was free (``PREFETCH``, or no worker ready yet).
         self.pending: deque[InFlight] = deque()
+        #: Waiting jobs (``job.waiting``) start on the fast path when a lane starts them while
+        #: the runner's lease is fresh (``starts``): each ``RUN`` carries until when it is,
+        #: and a lane's ``STARTED`` says whether it took the fast path, to be noted here.
+        #: (``on_start`` is the thread executor's way; a worker decides where the job starts.)
+        self.lease = lease
+        self.note_start = note_start
         self.on_start: Callable[[InFlight], None] | None = None
         #: Assigned to a lane, not written yet (only while ``lock`` is held: ``_flush_locked``).
-        self._outbox: list[tuple[WorkerHandle, int, InFlight]] = []
+        self._outbox: list[tuple[WorkerHandle, InFlight]] = []
         self.workers: list[WorkerHandle] = []
         self._numbers = 0
         self._sealed = False
@@ -229,13 +241,17 @@ class ProcessExecutor(SlotWaits):
     @property
     def running(self) -> int:
         with self.lock:
-            return len(self.in_flight) - len(self.pending)
+            return sum(len(w.in_flight) for w in self.workers)
+
+    def _room(self, worker: WorkerHandle) -> int:
+        """Lanes of ``worker`` that no job sent to it will take (negative: jobs wait there)."""
+        return self.concurrency - len(worker.in_flight) - len(worker.queued)
 
     def _free_locked(self) -> int:
-        free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
+        room = sum(self._room(w) for w in self.workers if w.ready and not w.draining)
         completing = sum(len(w.completing) for w in self.workers)
         lanes = self.concurrency * sum(1 for w in self.workers if w.ready)
-        return max(0, free + self.waiting_room - len(self.pending)
+        return max(0, room + self.waiting_room - len(self.pending)
                    - held_back(completing, lanes))
 
     def free_slots(self) -> int:
@@ -243,8 +259,8 @@ class ProcessExecutor(SlotWaits):
             return self._free_locked()
 
     def _idle_locked(self) -> int:
-        free = sum(len(w.free_lanes) for w in self.workers if w.ready and not w.draining)
-        return max(0, free - len(self.pending))
+        idle = sum(max(0, self._room(w)) for w in self.workers if w.ready and not w.draining)
+        return max(0, idle - len(self.pending))
 
     def idle(self) -> int:
         with self.lock:
@@ -260,9 +276,10 @@ class ProcessExecutor(SlotWaits):
         with self.lock:
             if self._sealed:
                 return 0
+            ahead = self._ahead_locked()
             for item in items:
                 self.in_flight[item.job.id] = item
-                worker = None if self.pending else self._pick_locked()
+                worker = None if self.pending else self._pick_locked(ahead)
                 if worker is None:
                     self.pending.append(item)
                 else:
@@ -276,16 +293,17 @@ class ProcessExecutor(SlotWaits):
 
     def unstarted(self) -> list[InFlight]:
         with self.lock:
-            return list(self.pending)
+            return [*self.pending, *(item for w in self.workers for item in w.queued.values())]
 
     def snapshot(self) -> list[InFlight]:
         with self.lock:
             return list(self.in_flight.values())
 
     def take_over(self, item: InFlight) -> bool:
-        """Take a job back and free its slot. A job the worker was sent has its lane retired
-        (its thread may never return) and a fresh lane takes its place; one still waiting
-        here simply never goes."""
+        """Take a job back and free its slot. A running job has its lane retired (its thread
+        may never return) and the worker starts a fresh lane in its place; one waiting in a
+        worker's queue is told not to start (``INTERRUPT``); one still waiting here simply
+        never goes."""
         with self.lock:
             if self.in_flight.get(item.job.id) is not item:
                 return False
@@ -296,13 +314,17 @@ class ProcessExecutor(SlotWaits):
             if worker is None:
                 with contextlib.suppress(ValueError):
                     self.pending.remove(item)
+            elif worker.queued.pop(wire_id, None) is not None:
+                # Not started as far as we know: if its STARTED crosses the INTERRUPT, it is
+                # watched like any job taken over while it ran (``_started_locked``).
+                worker.recalled[wire_id] = item.job.id
+                item.owner = (worker, None)
             else:
                 worker.in_flight.pop(wire_id, None)
-                lane = worker.lane_of.pop(wire_id)
+                lane = worker.lane_of.pop(wire_id, None)
                 item.owner = (worker, lane)
-                worker.sessions.pop(lane, None)
-                worker.free_lanes.append(worker.next_lane)
-                worker.next_lane += 1
+                if lane is not None:
+                    worker.sessions.pop(lane, None)  # the worker retires that lane
                 if worker in self.workers:
                     worker.abandoned[wire_id] = (time.monotonic() + self.grace, item.job.id)
                 self._assign_pending_locked()
@@ -311,12 +333,12 @@ class ProcessExecutor(SlotWaits):
         return True
 
     def interrupt(self, item: InFlight, exc_type: type[BaseException]) -> bool:
-        """Tell the worker to stop the job's handler and retire its lane."""
+        """Tell the worker to stop the job's handler and retire its lane (or, if the job is
+        still in its queue, never to start it)."""
         owner = item.owner
         if not isinstance(owner, tuple):
             return False
-        worker, lane = owner
-        return self._send(worker, (protocol.INTERRUPT, protocol.wire_id(item.job.id), lane))
+        return self._send(owner[0], (protocol.INTERRUPT, protocol.wire_id(item.job.id)))
 
     def close(self) -> None:
         with self.lock:
@@ -340,45 +362,76 @@ class ProcessExecutor(SlotWaits):
             self._thread.join(5)
 
     # ------------------------------------------------------------------ placement
-    def _pick_locked(self) -> WorkerHandle | None:
-        """The worker with the most free lanes (None if no lane is free)."""
+    def _ahead_locked(self) -> int:
+        """How many jobs a worker may hold beyond its idle lanes: up to ``concurrency`` while
+        jobs are fast (the adaptive waiting room is large: many finished in its lookahead),
+        none while they are slow or ``PREFETCH`` is small. A job waiting in a worker's queue
+        starts the moment any of its lanes is free, without a round trip through this
+        process; but it cannot move to another worker that becomes idle first, so slow jobs
+        wait here instead."""
+        workers = sum(1 for w in self.workers if w.ready and not w.draining)
+        return min(self.concurrency, self.waiting_room // (2 * max(1, workers)))
+
+    def _pick_locked(self, ahead: int) -> WorkerHandle | None:
+        """The worker with the most room (None if none has any)."""
         best: WorkerHandle | None = None
+        best_room = 0
         for worker in self.workers:
-            if not worker.free_lanes or not worker.ready or worker.draining:
+            if not worker.ready or worker.draining:
                 continue
-            if best is None or len(worker.free_lanes) > len(best.free_lanes):
-                best = worker
+            room = self._room(worker) + ahead
+            if room > best_room:
+                best, best_room = worker, room
         return best
 
     def _assign_locked(self, item: InFlight, worker: WorkerHandle) -> None:
-        """Give ``item`` a free lane of ``worker``, to be written before the lock is released.
-        Its timeout clock starts now: a job that waited here for a lane lost no time."""
+        """Send ``item`` to ``worker``'s queue (written before the lock is released). Its
+        timeout clock starts when a lane reports it ``STARTED``: a job that waited here or
+        there for a lane lost no time."""
         wire_id = protocol.wire_id(item.job.id)
-        lane = worker.free_lanes.pop()
-        worker.in_flight[wire_id] = item
-        worker.lane_of[wire_id] = lane
+        worker.queued[wire_id] = item
         self.owner[wire_id] = worker
-        session = worker.sessions.get(lane)
-        if session is not None:
-            item.backend_pid, item.backend_start = session
-        if item.job.waiting and self.on_start is not None:
-            self.on_start(item)
-        now = time.monotonic()
-        item.ctx.started_monotonic = now
-        if item.job.timeout:
-            item.deadline = now + item.job.timeout
-        self._outbox.append((worker, lane, item))
+        self._outbox.append((worker, item))
         worker.jobs_run += 1
         if self.max_jobs is not None and worker.jobs_run >= self.max_jobs:
             self._recycle_locked(worker, f"it ran {worker.jobs_run} jobs (MAX_JOBS_PER_WORKER)")
 
+    def _started_locked(self, worker: WorkerHandle, lane: int, wire_id: Any, fast: bool
+                        ) -> None:
+        """A lane of ``worker`` started the job: its timeout clock starts now; a waiting job
+        started on the fast path has its start noted (the next claim writes it)."""
+        now = time.monotonic()
+        item = worker.queued.pop(wire_id, None)
+        if item is None:
+            job_id = worker.recalled.pop(wire_id, None)
+            if job_id is not None:
+                # Taken back as unstarted, but it started before our INTERRUPT arrived: the
+                # worker stops it and retires its lane; watch it as any job taken over.
+                worker.sessions.pop(lane, None)
+                worker.abandoned[wire_id] = (now + self.grace, job_id)
+            return
+        worker.in_flight[wire_id] = item
+        worker.lane_of[wire_id] = lane
+        if fast and item.job.waiting:
+            item.job.waiting = False
+            if self.note_start is not None:
+                self.note_start(item.job.token)
+        session = worker.sessions.get(lane)
+        if session is not None:
+            item.backend_pid, item.backend_start = session
+        item.ctx.started_monotonic = now
+        if item.job.timeout:
+            item.deadline = now + item.job.timeout
+
     def _assign_pending_locked(self) -> None:
-        """Start waiting jobs on free lanes (and write them)."""
-        while self.pending:
-            worker = self._pick_locked()
-            if worker is None:
-                break
-            self._assign_locked(self.pending.popleft(), worker)
+        """Send waiting jobs to workers with room (none once sealed: they are handed back)."""
+        if not self._sealed:
+            ahead = self._ahead_locked()
+            while self.pending:
+                worker = self._pick_locked(ahead)
+                if worker is None:
+                    break
+                self._assign_locked(self.pending.popleft(), worker)
         self._flush_locked()
 
     def _flush_locked(self) -> None:
@@ -389,13 +442,14 @@ class ProcessExecutor(SlotWaits):
         """
         if not self._outbox:
             return
-        batches: dict[WorkerHandle, list[tuple[int, tuple[Any, ...], bool]]] = {}
-        for worker, lane, item in self._outbox:
+        batches: dict[WorkerHandle, list[tuple[tuple[Any, ...], bool]]] = {}
+        for worker, item in self._outbox:
             batches.setdefault(worker, []).append(
-                (lane, protocol.pack_job(item.job), item.ctx.cancel_requested))
+                (protocol.pack_job(item.job), item.ctx.cancel_requested))
         self._outbox.clear()
+        fresh_until = self.lease.fresh_until() if self.lease is not None else 0.0
         for worker, batch in batches.items():
-            self._send(worker, (protocol.RUN, batch))
+            self._send(worker, (protocol.RUN, batch, fresh_until))
 
     def cancel(self, item: InFlight) -> None:
         """Set the job's cancel flag here (a job still waiting takes it along in its ``RUN``)
@@ -419,6 +473,7 @@ class ProcessExecutor(SlotWaits):
     def _spawn_locked(self) -> WorkerHandle:
         self._numbers += 1
         options = {"alias": self.alias, "runner_id": self.runner_id, "number": self._numbers,
+                   "concurrency": self.concurrency,
                    "log_levels": self.log_levels, "log_to_stderr": self.log_to_stderr}
         process = WorkerProcess(options, label=f"pj-worker:{self.runner_id}:{self._numbers}")
         worker = WorkerHandle(number=self._numbers, process=process, conn=process.conn,
@@ -561,9 +616,13 @@ class ProcessExecutor(SlotWaits):
                     if worker.completing.pop(wire_id, None) is not None:
                         continue
                     worker.abandoned.pop(wire_id, None)
+                    worker.recalled.pop(wire_id, None)
                     self._release_locked(worker, wire_id)  # (None: taken over, lane retired)
                 self._assign_pending_locked()
                 self.changed.notify_all()
+        elif tag == protocol.STARTED:
+            with self.lock:
+                self._started_locked(worker, message[1], message[2], message[3])
         elif tag == protocol.SESSION:
             _, lane, pid, started = message
             with self.lock:
@@ -575,8 +634,6 @@ class ProcessExecutor(SlotWaits):
         elif tag == protocol.READY:
             with self.lock:
                 worker.ready = True
-                worker.free_lanes = list(range(self.concurrency - 1, -1, -1))
-                worker.next_lane = self.concurrency
                 self._assign_pending_locked()
                 self.changed.notify_all()
             logger.debug("worker %d ready", worker.number, extra={"event": "worker_ready"})
@@ -591,7 +648,7 @@ class ProcessExecutor(SlotWaits):
         item = worker.in_flight.pop(wire_id, None)
         if item is None:
             return None
-        worker.free_lanes.append(worker.lane_of.pop(wire_id))
+        worker.lane_of.pop(wire_id, None)
         self.owner.pop(wire_id, None)
         self.finished += 1
         if self.in_flight.get(item.job.id) is item:
@@ -620,6 +677,14 @@ class ProcessExecutor(SlotWaits):
             self.workers.remove(worker)
             lost = [item for item in worker.in_flight.values()
                     if self.in_flight.get(item.job.id) is item]
+            # Jobs still in its queue never started: another worker runs them, uncharged.
+            requeued = [item for item in worker.queued.values()
+                        if self.in_flight.get(item.job.id) is item]
+            for wire_id in worker.queued:
+                self.owner.pop(wire_id, None)
+            worker.queued.clear()
+            worker.recalled.clear()
+            self.pending.extendleft(reversed(requeued))
             # Handlers that returned, completions not known to be written: whether they
             # committed is for the fenced settlement to find out (a written one is left alone).
             # Back in ``in_flight`` so that the settlement can take them over.
@@ -643,6 +708,7 @@ class ProcessExecutor(SlotWaits):
             if (not expected and not worker.draining and not self._closed
                     and failure is None):
                 self._to_spawn += 1
+            self._assign_pending_locked()
             self.changed.notify_all()
         worker.process.close()
         if failure is not None and not self._starting:
@@ -654,8 +720,9 @@ class ProcessExecutor(SlotWaits):
             logger.debug("worker %d exited", worker.number, extra={"event": "worker_exited"})
             return
         logger.warning(
-            "runner %s: worker %d (pid %s) died (%s) with %d job(s) in flight", self.runner_id,
+            "runner %s: worker %d (pid %s) died (%s) with %d job(s) in flight%s", self.runner_id,
             worker.number, worker.pid, how, len(lost),
+            f"; {len(requeued)} it had not started go to another worker" if requeued else "",
             extra={"event": "worker_lost", "worker_pid": worker.pid, "runner_id": self.runner_id,
                    "job_ids": [str(item.job.id) for item in lost]},
         )
@@ -688,7 +755,8 @@ class ProcessExecutor(SlotWaits):
                         self._recycle_locked(worker, f"its memory ({rss / 2**20:.0f} MiB RSS) "
                                              "exceeds MAX_MEMORY_PER_WORKER")
                 if worker.draining and not worker.stop_sent:
-                    if not worker.in_flight and not worker.abandoned and not worker.completing:
+                    if not (worker.in_flight or worker.queued or worker.abandoned
+                            or worker.completing):
                         worker.stop_sent = True
                         stops.append(worker)
                     elif worker.kill_at is not None and now >= worker.kill_at:

@@ -8,30 +8,41 @@ Messages carry batches: one ``RUN`` takes every job handed to a worker at once (
 jobs is one message, not ten), and one ``DONE`` reports every job that finished while the
 previous report was being written.
 
-Jobs run in *lanes*: a lane is one thread of the worker with its own database connection, and
-the supervisor decides which lane runs which job. A worker reports a lane's database session
+Jobs run in *lanes*: a lane is one thread of the worker with its own database connection. The
+worker's ``CONCURRENCY`` lanes take jobs from one queue, so the supervisor may send a worker a
+few jobs beyond its idle lanes (fast jobs only, see ``manager``): a lane that finishes one starts
+the next at once instead of waiting for a round trip through the supervisor. A lane reports each
+job it starts (``STARTED``) before the handler runs: the supervisor starts the job's timeout
+clock then, and knows, if the worker dies, which of its jobs ran (charged) and which were still
+waiting (handed to another worker, uncharged). A worker reports a lane's database session
 (``SESSION``) once per connection, before the first handler on it starts, so the supervisor
-knows every running job's session without a message per job, even for a handler that holds
-the worker's GIL from its first instruction. A lane whose job the supervisor took over (timeout,
-shutdown) is retired: its thread may never return, so later jobs go to a fresh lane.
+knows every running job's session without a message per job, even for a handler that holds the
+worker's GIL from its first instruction. A lane whose job the supervisor took over (timeout,
+shutdown) is retired: its thread may never return, so a fresh lane takes its place.
 
 Supervisor to worker:
-    ``(RUN, [(lane, job, cancel_requested), ...])``  start these claimed jobs (``job`` from
-                                                     ``pack_job``), each on its lane's thread
+    ``(RUN, [(job, cancel_requested), ...], fresh_until)``  queue these claimed jobs (``job``
+                                      from ``pack_job``) for the worker's lanes; a waiting job
+                                      a lane starts before ``fresh_until`` (monotonic) takes
+                                      the fast path (``starts``)
     ``(CANCEL, job_id)``              an operator asked to cancel it (``ctx.cancel_requested``)
-    ``(INTERRUPT, job_id)``           the supervisor settled it (timeout, shutdown): stop it
+    ``(INTERRUPT, job_id)``           the supervisor settled it (timeout, shutdown): stop it, or
+                                      never start it if it is still queued
     ``(STOP,)``                       exit now (nothing the supervisor cares about is running)
 
 Worker to supervisor:
     ``(READY, pid)``                          set up, accepting jobs
     ``(SESSION, lane, backend_pid, start)``   the database session the lane's jobs run on, from
                                               now on (the supervisor terminates it at a timeout)
+    ``(STARTED, lane, job_id, fast)``         the lane is starting this job's handler (``fast``:
+                                              a waiting job on the fast path, to be noted)
     ``(RETURNED, [job_id, ...])``             these jobs' handlers returned and their
                                               completions were handed to the worker's batch
                                               writer: their lanes are free, a ``DONE`` follows
                                               once the completions are written
     ``(DONE, [job_id, ...])``                 these jobs are settled (or their threads
-                                              returned after being interrupted)
+                                              returned after being interrupted, or they were
+                                              taken back before they started)
     ``(CRASHED, job_id, text)``               its outcome could not be recorded
 """
 
@@ -53,6 +64,7 @@ STOP = "s"
 
 READY = "R"
 SESSION = "S"
+STARTED = "T"
 DONE = "D"
 RETURNED = "F"
 CRASHED = "X"
