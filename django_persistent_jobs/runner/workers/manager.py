@@ -722,7 +722,8 @@ class ProcessExecutor(SlotWaits):
         logger.warning(
             "runner %s: worker %d (pid %s) died (%s) with %d job(s) in flight%s", self.runner_id,
             worker.number, worker.pid, how, len(lost),
-            f"; {len(requeued)} it had not started go to another worker" if requeued else "",
+            f"; the {len(requeued)} waiting in its queue, not started, go to another worker "
+            "uncharged" if requeued else "",
             extra={"event": "worker_lost", "worker_pid": worker.pid, "runner_id": self.runner_id,
                    "job_ids": [str(item.job.id) for item in lost]},
         )
