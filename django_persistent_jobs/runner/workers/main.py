@@ -100,6 +100,8 @@ class Lane:
     session: tuple[Any, Any] | None = None
     raw: Any = None
     retired: bool = False
+    #: The job it took from the queue to run next (see ``Worker._run``).
+    next: tuple[tuple[Any, ...], bool, float] | None = None
 
 
 class Worker:
@@ -218,7 +220,8 @@ class Worker:
     def _lane_main(self, lane: Lane) -> None:
         try:
             while True:
-                packed, cancel, fresh_until = self.queue.get()
+                entry, lane.next = lane.next, None
+                packed, cancel, fresh_until = entry if entry is not None else self.queue.get()
                 if not self._run(lane, packed, cancel, fresh_until):
                     return  # retired; an interrupted thread may hold a pending async exception
         except self._execute.JobInterrupted:
@@ -291,9 +294,13 @@ class Worker:
             self._done_once(item, wire_id)
         elif not interrupted:
             # Its completion is being written (``on_settled`` reports it done): the lane is
-            # free for the next job meanwhile. If one is waiting here, the ``STARTED`` this
-            # or another lane writes for it carries this report along.
-            self._report(protocol.RETURNED, wire_id, flush=self.queue.empty())
+            # free for the next job meanwhile. If one is waiting here, this lane takes it now
+            # and that job's ``STARTED`` carries this report along; else it is written now.
+            self._report(protocol.RETURNED, wire_id, flush=False)
+            try:
+                lane.next = self.queue.get_nowait()
+            except queue.Empty:
+                self._flush_reports()
         return not interrupted
 
     def _leave(self, wire_id: Any, item: Any) -> bool:
