@@ -747,6 +747,7 @@ class Runner:
             self._hand_back_unstarted()
             with self.pool.changed:
                 self.pool.changed.wait(SUPERVISOR_TICK)
+        self._hand_back_unstarted()  # (unstarted ones still uncharged, whatever is left)
         for item in self.pool.snapshot():
             self.timeouts.take_over(item, Outcome(
                 "handback", "SHUTDOWN",

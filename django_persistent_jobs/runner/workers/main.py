@@ -35,6 +35,9 @@ from .channel import Reader, frame
 PR_SET_PDEATHSIG = 1
 
 logger = logging.getLogger("django_persistent_jobs.runner")
+#: A job that returns this close to its timeout (seconds) may be being taken over for it right
+#: now: its lane gets a fresh database session before its next job (``Worker._run``).
+LATE_RETURN_MARGIN = 1.0
 #: At exit, how long completions still being written get (the supervisor kills a worker that
 #: has not exited 2 s after being told to stop).
 EXIT_COMPLETION_SECONDS = 1.5
@@ -293,6 +296,12 @@ class Worker:
             # was handed over: the completer's report then finds it reported.)
             self._done_once(item, wire_id)
         elif not interrupted:
+            if job.timeout and time.monotonic() - ctx.started_monotonic >= (
+                    job.timeout - LATE_RETURN_MARGIN):
+                # It returned about when the supervisor may be taking it over for its timeout,
+                # which terminates the session it ran on: the next job must not be on that
+                # session. A fresh connection (and ``SESSION``) for the next job.
+                self._drop_connection(lane)
             # Its completion is being written (``on_settled`` reports it done): the lane is
             # free for the next job meanwhile. If one is waiting here, this lane takes it now
             # and that job's ``STARTED`` carries this report along; else it is written now.
@@ -302,6 +311,11 @@ class Worker:
             except queue.Empty:
                 self._flush_reports()
         return not interrupted
+
+    def _drop_connection(self, lane: Lane) -> None:
+        with contextlib.suppress(Exception):
+            self.connections[self.alias].close()
+        lane.raw = None
 
     def _leave(self, wire_id: Any, item: Any) -> bool:
         """Forget a job whose handler returned; True if the supervisor had taken it over.
@@ -344,7 +358,12 @@ class Worker:
         session = (item.backend_pid, item.backend_start)
         if session != lane.session:
             lane.session = session
-            self.send((protocol.SESSION, lane.number, *session))
+            # Reports still waiting (this lane's last job's ``RETURNED``) go first: the
+            # supervisor gives a lane's new session to the jobs it believes run on the lane.
+            with self.lock:
+                batch, self.finished = self.finished, []
+            self.send_many([*self._report_messages(batch),
+                            (protocol.SESSION, lane.number, *session)])
 
     def _report_started(self, lane: Lane, wire_id: Any, fast: bool) -> None:
         """Tell the supervisor, before the handler starts, that this job started on ``lane``:
