@@ -711,7 +711,7 @@ class Runner:
             self.stopping.wait(SUPERVISOR_TICK)
         self._shutdown()
 
-    def _hand_back_unstarted(self) -> None:
+    def _release_unstarted(self) -> None:
         """Prefetched but never started: hand back at once, uncharged, rather than start new
         work after the signal."""
         for item in self.pool.unstarted():
@@ -736,7 +736,7 @@ class Runner:
         # was in flight when the signal came) it hands straight back, so the hand-back below
         # sees every job this runner will ever run.
         self.pool.seal()
-        self._hand_back_unstarted()
+        self._release_unstarted()
         # Completions still being written count too: their handlers returned, and the runner
         # must not unregister (or its workers exit) before they are recorded.
         while (self.pool.busy or self.pool.completing) and not self.forced.is_set():
@@ -744,10 +744,10 @@ class Runner:
                 break
             self._tick()
             # (A worker process that died meanwhile leaves the jobs still in its queue here.)
-            self._hand_back_unstarted()
+            self._release_unstarted()
             with self.pool.changed:
                 self.pool.changed.wait(SUPERVISOR_TICK)
-        self._hand_back_unstarted()  # (unstarted ones still uncharged, whatever is left)
+        self._release_unstarted()  # (unstarted ones still uncharged, whatever is left)
         for item in self.pool.snapshot():
             self.timeouts.take_over(item, Outcome(
                 "handback", "SHUTDOWN",

@@ -96,13 +96,13 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
 class Lane:
     """One thread of the worker: it takes the next job from the worker's queue, whichever job
     that is, and keeps its database connection from job to job. ``session`` is the one the
-    supervisor was last told about (``SESSION``), ``raw`` the connection it belongs to.
-    ``retired``: the supervisor took its job over; the thread exits once that job returns."""
+    supervisor was last told about (``SESSION``), ``raw`` the connection it belongs to. A
+    lane whose job the supervisor took over is retired: its thread exits once that job
+    returns (``Worker._run``), and a fresh lane takes its place (``Worker._interrupt``)."""
 
     number: int
     session: tuple[Any, Any] | None = None
     raw: Any = None
-    retired: bool = False
     #: The job it took from the queue to run next (see ``Worker._run``).
     next: tuple[tuple[Any, ...], bool, float] | None = None
 
@@ -131,10 +131,8 @@ class Worker:
         #: Jobs sent and not started yet, taken by whichever lane is free first.
         self.queue: queue.SimpleQueue[tuple[tuple[Any, ...], bool, float]] = queue.SimpleQueue()
         self.concurrency: int = options.get("concurrency", 1)
-        self.lanes: dict[int, Lane] = {}
         self.next_lane = 0
         self.running: dict[Any, Any] = {}  # wire id -> InFlight, while its handler runs
-        self.lane_of: dict[Any, Lane] = {}  # wire id -> the lane running it
         self.tokens: dict[Any, int] = {}  # job id -> fencing token, for progress reports
         #: Sent to a lane and not started yet; of those, the ones the supervisor took back,
         #: and the ones an operator asked to cancel.
@@ -216,7 +214,6 @@ class Worker:
         with self.lock:
             lane = Lane(self.next_lane)
             self.next_lane += 1
-            self.lanes[lane.number] = lane
         threading.Thread(target=self._lane_main, args=(lane,),
                          name=f"pj-w{self.number}-lane{lane.number}", daemon=True).start()
 
@@ -268,7 +265,6 @@ class Worker:
                 self.skip.discard(wire_id)
             else:
                 self.running[wire_id] = item
-                self.lane_of[wire_id] = lane
                 self.tokens[job.id] = job.token
         if skipped:  # taken back before it started: it never runs here
             self._done(wire_id)
@@ -328,7 +324,6 @@ class Worker:
             try:
                 with self.lock:
                     self.running.pop(wire_id, None)
-                    self.lane_of.pop(wire_id, None)
                     self.tokens.pop(item.job.id, None)
                     return bool(item.taken_over.is_set())
             except self._execute.JobInterrupted:
@@ -360,10 +355,7 @@ class Worker:
             lane.session = session
             # Reports still waiting (this lane's last job's ``RETURNED``) go first: the
             # supervisor gives a lane's new session to the jobs it believes run on the lane.
-            with self.lock:
-                batch, self.finished = self.finished, []
-            self.send_many([*self._report_messages(batch),
-                            (protocol.SESSION, lane.number, *session)])
+            self._send_after_reports((protocol.SESSION, lane.number, *session))
 
     def _report_started(self, lane: Lane, wire_id: Any, fast: bool) -> None:
         """Tell the supervisor, before the handler starts, that this job started on ``lane``:
@@ -371,10 +363,13 @@ class Worker:
         charged (a job still waiting in the queue is handed on uncharged). Written here, not
         queued: a handler that kills the process must find its start already reported. The
         reports waiting to be written go in the same write."""
+        self._send_after_reports((protocol.STARTED, lane.number, wire_id, fast))
+
+    def _send_after_reports(self, message: tuple[Any, ...]) -> None:
+        """Write the reports waiting to be written, then ``message``, in one write."""
         with self.lock:
             batch, self.finished = self.finished, []
-        self.send_many([*self._report_messages(batch),
-                        (protocol.STARTED, lane.number, wire_id, fast)])
+        self.send_many([*self._report_messages(batch), message])
 
     def _done(self, wire_id: Any) -> None:
         self._report(protocol.DONE, wire_id)
@@ -452,21 +447,15 @@ class Worker:
 
         with self.lock:
             item = self.running.get(wire_id)
-            lane = self.lane_of.get(wire_id)
-            if item is not None:
-                item.taken_over.set()
-                if item.thread_ident is not None:
-                    inject_exception(item.thread_ident, JobInterrupted)
-                if lane is not None and not lane.retired:
-                    lane.retired = True
-                    self.lanes.pop(lane.number, None)
-                else:
-                    lane = None
-            else:
-                lane = None
+            if item is None:
                 if wire_id in self.queued:
                     self.skip.add(wire_id)
-        if lane is not None:
+                return
+            first = not item.taken_over.is_set()  # (its lane is retired once)
+            item.taken_over.set()
+            if item.thread_ident is not None:
+                inject_exception(item.thread_ident, JobInterrupted)
+        if first:
             self._add_lane()
 
     # ------------------------------------------------------------------ progress
