@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._flag import Flag
 from .errors import JobCancelledError
 
 logger = logging.getLogger("django_persistent_jobs.handler")
@@ -35,7 +35,7 @@ class JobContext:
     timeout: float | None = None
     tenant: str | None = None
     started_monotonic: float = field(default_factory=time.monotonic)
-    _cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancel_event: Flag = field(default_factory=Flag, repr=False)
     _progress_sink: Callable[[JobContext, Any], None] | None = field(default=None, repr=False)
 
     @property

@@ -190,6 +190,10 @@ class PersistentJobsBackend(BaseTaskBackend):
         except DuplicateHandlerError as exc:
             raise InvalidTask(str(exc)) from exc
         _tasks[spec.job_type] = task
+        # Connected with the first task, not at import: the module is imported whenever
+        # settings.TASKS is looked at, and a connected receiver makes every job of every
+        # runner pay for ``job_started``/``job_finished`` (timing, dispatch).
+        job_finished.connect(_relay_final_ending, weak=False, dispatch_uid=_RELAY_UID)
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
         from django.apps import apps
@@ -385,7 +389,7 @@ def _relay_final_ending(sender: Any, *, job_id: uuid.UUID, job_type: str, status
     threading.Thread(target=send, name=f"task-finished-{job_id}", daemon=True).start()
 
 
-job_finished.connect(_relay_final_ending, weak=False, dispatch_uid="pj-task-final-ending")
+_RELAY_UID = "pj-task-final-ending"
 
 
 def _format(exc: BaseException) -> str:

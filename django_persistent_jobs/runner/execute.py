@@ -27,6 +27,7 @@ from django.db import connections, transaction
 from psycopg.pq import TransactionStatus
 
 from .. import signals
+from .._flag import Flag
 from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
 from ..handlers import HandlerSpec, global_backoff, registry
@@ -81,7 +82,7 @@ class InFlight:
     #: When that backend started: with the pid, it names the session unambiguously (pids are
     #: recycled), so a timeout never terminates somebody else's connection.
     backend_start: Any = None
-    taken_over: threading.Event = field(default_factory=threading.Event)
+    taken_over: Flag = field(default_factory=Flag)
     owner: Any = None  # the pool's worker, once the job is taken over from it
     #: Where the completion of a handler that ran no SQL goes (None: written by its thread).
     completer: Completer | None = None

@@ -743,7 +743,7 @@ class Runner:
             if time.monotonic() - started >= grace:
                 break
             self._tick()
-            # (A worker process that died meanwhile leaves the jobs still in its queue here.)
+            # (Jobs a worker process gave back unstarted, or left in its queue as it died.)
             self._release_unstarted()
             with self.pool.changed:
                 self.pool.changed.wait(SUPERVISOR_TICK)

@@ -144,6 +144,36 @@ def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_repl
     assert runner.alive
 
 
+def test_a_worker_recycled_for_a_stuck_handler_gives_back_the_jobs_in_its_queue(
+    fleet: Fleet,
+) -> None:
+    """A worker whose timed-out handler is stuck in C is killed after the grace. A job waiting
+    in its queue when it is recycled must not start there (it would be charged for the
+    kill): the worker gives it back unstarted and the replacement runs it, first attempt.
+
+    Timeline (grace 1.5 s): the blocked job times out at 1 s; a fresh lane starts ``first``
+    (2 s), ``second`` waits in the worker's queue behind it; the recycle at 2.5 s recalls
+    ``second``; ``first`` ends at 3 s, before the kill at 4 s. Without the recall ``second``
+    would start at 3 s in the doomed worker and be killed mid-run."""
+    grace = 1.5
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"TIMEOUT_GRACE": grace, "PREFETCH": 2})
+    (stuck_worker,) = wait_for(lambda: worker_pids(runner), 30, "a worker", reconnect=True)
+    blocked = enqueue_typed("procs.c_sleep", {"report": True})
+    wait_for(lambda: job_row(blocked)["progress"], 20, "the handler to start", reconnect=True)
+    with transaction.atomic():
+        first = enqueue("procs.pid", {"sleep": 2}, priority=1).id
+        second = enqueue("procs.pid", {"sleep": 2}).id
+    runner.wait_line(r"recycling worker 1 .*did not return", timeout=20)
+    wait_all_terminal([first, second], timeout=30)
+    verify([first, second])
+    for job_id in (first, second):
+        assert [(a.attempt, a.outcome) for a in attempts_of([job_id])] == [(1, "completed")]
+    assert [row[0] for row in _ledger_pids([first])] == [stuck_worker]
+    assert stuck_worker not in [row[0] for row in _ledger_pids([second])]
+    assert runner.alive
+
+
 def test_a_handler_holding_the_gil_from_its_start_has_its_session_ended_at_its_timeout(
     fleet: Fleet,
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -24,15 +25,19 @@ from django_persistent_jobs.runner import store
 from tests.core_support import raw_connection, wait_for
 
 TABLES = ("persistent_jobs", "persistent_jobs_attempts")
+#: A claim key before every job (``store.ClaimKey``): a resumed claim that sees them all.
+EARLIEST = (0, datetime(2000, 1, 1, tzinfo=UTC), uuid.UUID(int=0))
 
 
-def empty_tables_analyzed() -> None:
-    """The statistics of a fresh install: both tables analyzed while empty."""
+def empty_tables_analyzed(analyze: bool = True) -> None:
+    """The statistics of a fresh install: both tables analyzed while empty, or (``analyze``
+    false) never analyzed at all (a TRUNCATE forgets what an earlier ANALYZE found)."""
     with connection.cursor() as cursor:
         cursor.execute("TRUNCATE persistent_jobs, persistent_jobs_attempts, "
                        "persistent_jobs_runners CASCADE")
-        for table in TABLES:
-            cursor.execute(f"ANALYZE {table}")
+        if analyze:
+            for table in TABLES:
+                cursor.execute(f"ANALYZE {table}")
 
 
 def add_history(finished: int) -> None:
@@ -63,15 +68,17 @@ def table_counts() -> dict[str, dict[str, int]]:
     """The server's flushed counters per job table (a fresh connection: a fresh snapshot)."""
     with raw_connection() as conn:
         rows = conn.execute(
-            "SELECT relname, seq_scan, seq_tup_read, n_tup_ins, n_tup_upd "
+            "SELECT relname, seq_scan, seq_tup_read, n_tup_ins, n_tup_upd, idx_tup_fetch "
             "FROM pg_stat_user_tables WHERE relname = ANY(%s)", [list(TABLES)]).fetchall()
-    return {name: {"seq_scan": seq, "seq_tup_read": read, "ins": ins, "upd": upd}
-            for name, seq, read, ins, upd in rows}
+    return {name: {"seq_scan": seq, "seq_tup_read": read, "ins": ins, "upd": upd,
+                   "idx_tup_fetch": fetched}
+            for name, seq, read, ins, upd, fetched in rows}
 
 
 @pytest.mark.django_db(transaction=True)
-def test_per_job_statements_use_indexes_after_statistics_of_empty_tables() -> None:
-    empty_tables_analyzed()
+@pytest.mark.parametrize("analyzed", [True, False], ids=["analyzed-empty", "never-analyzed"])
+def test_per_job_statements_use_indexes_after_statistics_of_empty_tables(analyzed: bool) -> None:
+    empty_tables_analyzed(analyzed)
     nobody = store.ClaimedJob(
         id=uuid.uuid4(), job_type="test.noop", payload={}, attempt=1, max_retries=0,
         timeout=None, token=1, queue="default", priority=0, cancel_requested=False)
@@ -82,6 +89,8 @@ def test_per_job_statements_use_indexes_after_statistics_of_empty_tables() -> No
         for _ in range(8):
             store.index_only_session(claims)
             assert store.claim(claims, "plans", 10, None, ["test.noop"]) == []
+            assert store.claim(claims, "plans", 150, None, ["test.noop"]) == []
+            assert store.claim(claims, "plans", 150, None, ["test.noop"], after=EARLIEST) == []
             assert not store.complete(handles, nobody)
             assert store.transition(handles, nobody.id, nobody.token, kind="retry", code="E",
                                     message="m") is None
@@ -103,10 +112,23 @@ def test_per_job_statements_use_indexes_after_statistics_of_empty_tables() -> No
                                         message="m") == "failed"
             handled_after = xact_counts(handler)
 
+        # A large claim costs a few lookups per job: a plan made on empty tables expects one
+        # row from each CTE, and must not probe every claimed id once per claimed job.
+        # (Both forms: from the head of the claim order, and resumed after a key.)
+        for key in (None, EARLIEST):
+            with claimer.transaction():
+                big_before = xact_counts(claimer)
+                big = store.claim(claims, "plans", 150, None, ["test.noop"], after=key)
+                big_after = xact_counts(claimer)
+            assert len(big) == 150
+            fetched = {t: big_after[t][1] - big_before[t][1] for t in TABLES}
+            assert all(n < 5 * len(big) for n in fetched.values()), (key, fetched)
+
         # The claim's generic plan, as PostgreSQL kept it for this session.
         name, types = claimer.execute(
             "SELECT name, parameter_types::text[] FROM pg_prepared_statements "
-            "WHERE statement LIKE '%%FOR UPDATE SKIP LOCKED%%' AND generic_plans > 0"
+            "WHERE statement LIKE '%%FOR UPDATE SKIP LOCKED%%' AND statement LIKE '%%LIMIT 10%%' "
+            "AND generic_plans > 0"
         ).fetchone() or (None, None)
         assert name is not None, "the claim never reached its generic plan"
         examples = {"text[]": "'{test.noop}'", "bigint[]": "'{}'",
@@ -121,6 +143,27 @@ def test_per_job_statements_use_indexes_after_statistics_of_empty_tables() -> No
         for first, last in ((before, after), (handled_before, handled_after)):
             assert last[table][0] == first[table][0], (table, first, last, plan)
             assert last[table][1] - first[table][1] < 200, (table, first, last, plan)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_costs_a_few_lookups_per_job_whatever_plan_it_settled_on() -> None:
+    """A runner that starts on a backlog nobody analyzed makes its claim plans there (five
+    custom plans, then the generic one). Claims of 150 jobs each must fetch a few rows per job,
+    not probe every claimed id once per claimed job (150 x 150)."""
+    empty_tables_analyzed(analyze=False)
+    enqueue_many([("test.noop", {"i": i}) for i in range(3_000)])
+    with raw_connection() as claimer:
+        claims = claimer.cursor()
+        store.index_only_session(claims)
+        for key in (None, EARLIEST):
+            for _ in range(8):
+                with claimer.transaction():
+                    before = xact_counts(claimer)
+                    jobs = store.claim(claims, "plans", 150, None, ["test.noop"], after=key)
+                    after = xact_counts(claimer)
+                assert len(jobs) == 150
+                fetched = {t: after[t][1] - before[t][1] for t in TABLES}
+                assert all(n < 5 * len(jobs) for n in fetched.values()), (key, fetched)
 
 
 @pytest.fixture
@@ -151,7 +194,7 @@ def test_a_drain_after_a_start_on_empty_tables_reads_no_table_whole(
     reads on the order of N * N / 2 rows."""
     empty_tables_analyzed()
     base = table_counts()
-    runner = start_runner(concurrency=2, poll_interval=0.05)
+    runner = start_runner(concurrency=10, poll_interval=0.05)
     for i in range(8):
         enqueue("test.noop", {"warm": i})
         wait_for(lambda i=i: finished_count[0] >= i + 1, message=f"warm-up job {i}")
@@ -174,6 +217,11 @@ def test_a_drain_after_a_start_on_empty_tables_reads_no_table_whole(
     final = wait_for(flushed, timeout=30, message="the runner's statistics")
     read = {t: final[t]["seq_tup_read"] - base[t]["seq_tup_read"] for t in TABLES}
     scans = {t: final[t]["seq_scan"] - base[t]["seq_scan"] for t in TABLES}
-    print(f"drain of {drain}: seq scans {scans}, rows read by them {read}")
+    fetched = {t: final[t]["idx_tup_fetch"] - base[t]["idx_tup_fetch"] for t in TABLES}
+    print(f"drain of {drain}: seq scans {scans}, rows read by them {read}, "
+          f"rows fetched through indexes {fetched}")
     for table in TABLES:
         assert read[table] < 100 * drain, (table, scans, read)
+        # A few per job (claim, completion, foreign-key check), not one per job per job of its
+        # claim (a nested loop probing the whole claimed id array for each claimed job).
+        assert fetched[table] < 12 * drain, (table, fetched)

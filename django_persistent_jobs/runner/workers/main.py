@@ -189,6 +189,8 @@ class Worker:
                     self._cancel(message[1])
                 elif tag == protocol.INTERRUPT:
                     self._interrupt(message[1])
+                elif tag == protocol.RECALL:
+                    self._recall(message[1])
                 elif tag == protocol.STOP:
                     self._exit()
                     return
@@ -252,8 +254,10 @@ class Worker:
         )
         if cancel:
             ctx._cancel_event.set()
-        item = execute.InFlight(job=job, ctx=ctx, deadline=None,
-                                thread_ident=threading.get_ident(), completer=self.completer,
+        # No ``thread_ident`` yet: ``_interrupt`` injects nothing into this thread until the
+        # reports below are written (an exception landing inside a write would drop other
+        # jobs' reports, or cut a message in half).
+        item = execute.InFlight(job=job, ctx=ctx, deadline=None, completer=self.completer,
                                 gate=self.gate)
         with self.lock:
             self.queued.discard(wire_id)
@@ -266,15 +270,21 @@ class Worker:
             else:
                 self.running[wire_id] = item
                 self.tokens[job.id] = job.token
-        if skipped:  # taken back before it started: it never runs here
-            self._done(wire_id)
+        if skipped:  # taken back before it started (answered ``UNSTARTED``): never runs here
             return True
         deferred = False
         item.on_settled = lambda failure: self._settled(item, wire_id, failure)
         try:
             self._report_session(lane, item)
             self._report_started(lane, wire_id, fast)
-            deferred = execute.execute(self.alias, item, self.runner_id, self.never)
+            with self.lock:
+                # Taken over while its start was being reported (an ``INTERRUPT`` that crossed
+                # the ``STARTED``): it does not start; else it may be interrupted from now on.
+                armed = not item.taken_over.is_set()
+                if armed:
+                    item.thread_ident = threading.get_ident()
+            if armed:
+                deferred = execute.execute(self.alias, item, self.runner_id, self.never)
         except execute.JobInterrupted:
             pass
         except BaseException as exc:
@@ -282,7 +292,7 @@ class Worker:
                 self.send((protocol.CRASHED, wire_id, f"{type(exc).__name__}: {exc}"))
         finally:
             interrupted = self._leave(wire_id, item)
-        if interrupted:
+        if interrupted and item.thread_ident is not None:
             # Operators want to know whether timed-out code ever returns (one blocked in C
             # does not: its worker is recycled instead).
             logger.info("abandoned worker for job %s exited", job.id,
@@ -371,9 +381,6 @@ class Worker:
             batch, self.finished = self.finished, []
         self.send_many([*self._report_messages(batch), message])
 
-    def _done(self, wire_id: Any) -> None:
-        self._report(protocol.DONE, wire_id)
-
     def _settled(self, item: Any, wire_id: Any, failure: BaseException | None) -> None:
         """A job whose completion was batched is settled (``execute``'s ``on_settled``)."""
         if failure is not None:
@@ -448,8 +455,9 @@ class Worker:
         with self.lock:
             item = self.running.get(wire_id)
             if item is None:
-                if wire_id in self.queued:
+                if wire_id in self.queued and wire_id not in self.skip:
                     self.skip.add(wire_id)
+                    self.send((protocol.UNSTARTED, [wire_id]))
                 return
             first = not item.taken_over.is_set()  # (its lane is retired once)
             item.taken_over.set()
@@ -457,6 +465,16 @@ class Worker:
                 inject_exception(item.thread_ident, JobInterrupted)
         if first:
             self._add_lane()
+
+    def _recall(self, wire_ids: list[Any]) -> None:
+        """Give back the jobs of ``wire_ids`` that no lane has taken yet (answered
+        ``UNSTARTED``, under the lock a lane takes them with, so each job either starts here
+        or is answered, never both). The rest started: they run on as usual."""
+        with self.lock:
+            given = [w for w in wire_ids if w in self.queued and w not in self.skip]
+            self.skip.update(given)
+            if given:
+                self.send((protocol.UNSTARTED, given))
 
     # ------------------------------------------------------------------ progress
     def _report_progress(self, ctx: Any, progress: Any) -> None:

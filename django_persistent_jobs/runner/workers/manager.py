@@ -288,12 +288,25 @@ class ProcessExecutor(SlotWaits):
         return len(items)
 
     def seal(self) -> None:
+        """Accept no more jobs, and ask every worker for the jobs still in its queue.
+
+        A job in a worker's queue is not released here: a lane may be starting it this very
+        moment. Each one comes back ``UNSTARTED`` (to ``pending``, which ``unstarted()``
+        lists, so the supervisor hands it back uncharged) or reports ``STARTED`` and runs on
+        within the grace period like any running job. Until one of the two arrives it counts
+        as running: at the end of the grace it is handed back as an interrupted attempt, never
+        released as one that did not start.
+        """
         with self.lock:
             self._sealed = True
+            for worker in self.workers:
+                self._recall_locked(worker)
 
     def unstarted(self) -> list[InFlight]:
+        """Jobs no worker has (after ``seal()``: the ones whose worker gave them back, or
+        never got them): none of them ever started."""
         with self.lock:
-            return [*self.pending, *(item for w in self.workers for item in w.queued.values())]
+            return list(self.pending)
 
     def snapshot(self) -> list[InFlight]:
         with self.lock:
@@ -423,6 +436,32 @@ class ProcessExecutor(SlotWaits):
         if item.job.timeout:
             item.deadline = now + item.job.timeout
 
+    def _recall_locked(self, worker: WorkerHandle) -> None:
+        """Ask ``worker`` for the jobs in its queue (``RECALL``): the ones no lane has taken
+        come back ``UNSTARTED`` (``_unstarted_locked``), the rest run there. Written under the
+        lock, after any ``RUN`` still being assembled, so the worker knows every job named."""
+        self._flush_locked()
+        if worker.queued and not worker.gone:
+            self._send(worker, (protocol.RECALL, list(worker.queued)))
+
+    def _unstarted_locked(self, worker: WorkerHandle, wire_ids: list[Any]) -> None:
+        """``worker`` will never start these: a job it was asked for goes back to ``pending``
+        (to another worker, or handed back if the runner is stopping), uncharged; one that
+        was taken over while queued (``recalled``) was settled already."""
+        returned: list[InFlight] = []
+        for wire_id in wire_ids:
+            if worker.recalled.pop(wire_id, None) is not None:
+                continue
+            item = worker.queued.pop(wire_id, None)
+            if item is None:
+                continue
+            self.owner.pop(wire_id, None)
+            if self.in_flight.get(item.job.id) is item:
+                returned.append(item)
+        self.pending.extendleft(reversed(returned))
+        self._assign_pending_locked()
+        self.changed.notify_all()
+
     def _assign_pending_locked(self) -> None:
         """Send waiting jobs to workers with room (none once sealed: they are handed back)."""
         if not self._sealed:
@@ -491,6 +530,9 @@ class ProcessExecutor(SlotWaits):
         if kill_after is not None:
             kill_at = time.monotonic() + kill_after
             worker.kill_at = kill_at if worker.kill_at is None else min(worker.kill_at, kill_at)
+            # It will be killed: jobs still in its queue go to other workers (uncharged)
+            # instead of starting there and being charged for the kill.
+            self._recall_locked(worker)
         if worker.draining:
             return
         worker.draining = True
@@ -620,6 +662,9 @@ class ProcessExecutor(SlotWaits):
                     self._release_locked(worker, wire_id)  # (None: taken over, lane retired)
                 self._assign_pending_locked()
                 self.changed.notify_all()
+        elif tag == protocol.UNSTARTED:
+            with self.lock:
+                self._unstarted_locked(worker, message[1])
         elif tag == protocol.STARTED:
             with self.lock:
                 self._started_locked(worker, message[1], message[2], message[3])
@@ -743,12 +788,10 @@ class ProcessExecutor(SlotWaits):
                 self._last_housekeeping = now
             for worker in list(self.workers):
                 overdue = [job_id for at, job_id in worker.abandoned.values() if now >= at]
-                if overdue and not worker.draining:
+                if overdue:
                     self._recycle_locked(
                         worker, f"the handler of job {overdue[0]} did not return within "
                         f"{self.grace:g}s of being stopped", kill_after=self.grace)
-                elif overdue:
-                    worker.kill_at = min(worker.kill_at or now + self.grace, now + self.grace)
                 if (check_memory and worker.ready and not worker.draining
                         and worker.pid is not None):
                     rss = rss_bytes(worker.pid)

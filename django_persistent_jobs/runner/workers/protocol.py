@@ -27,7 +27,12 @@ Supervisor to worker:
                                       the fast path (``starts``)
     ``(CANCEL, job_id)``              an operator asked to cancel it (``ctx.cancel_requested``)
     ``(INTERRUPT, job_id)``           the supervisor settled it (timeout, shutdown): stop it, or
-                                      never start it if it is still queued
+                                      never start it if it is still queued (``UNSTARTED``
+                                      then says so)
+    ``(RECALL, [job_id, ...])``       give these back if they have not started (shutdown, a
+                                      worker being recycled): each one still queued is
+                                      answered ``UNSTARTED``; one a lane started already runs
+                                      on (its ``STARTED`` is on its way or was sent)
     ``(STOP,)``                       exit now (nothing the supervisor cares about is running)
 
 Worker to supervisor:
@@ -41,8 +46,12 @@ Worker to supervisor:
                                               writer: their lanes are free, a ``DONE`` follows
                                               once the completions are written
     ``(DONE, [job_id, ...])``                 these jobs are settled (or their threads
-                                              returned after being interrupted, or they were
-                                              taken back before they started)
+                                              returned after being interrupted)
+    ``(UNSTARTED, [job_id, ...])``            these were still queued when an ``INTERRUPT``
+                                              or ``RECALL`` came: they never start here (the
+                                              supervisor settles them only on this answer, so a
+                                              job that started meanwhile is never released as
+                                              unstarted)
     ``(CRASHED, job_id, text)``               its outcome could not be recorded
 """
 
@@ -60,6 +69,7 @@ if TYPE_CHECKING:
 RUN = "r"
 CANCEL = "c"
 INTERRUPT = "i"
+RECALL = "b"
 STOP = "s"
 
 READY = "R"
@@ -67,6 +77,7 @@ SESSION = "S"
 STARTED = "T"
 DONE = "D"
 RETURNED = "F"
+UNSTARTED = "U"
 CRASHED = "X"
 
 _job_values: Callable[[ClaimedJob], tuple[Any, ...]] | None = None
