@@ -181,7 +181,8 @@ def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False,
     Its generic plan must not depend on the table sizes of the moment it is made (see the
     module docstring), so no join in it involves a table: the jobs are updated through
     ``id = ANY(...)`` of the picked ids (one primary-key lookup each), each taking its fencing
-    token from the attempt sequence as it is updated, and the attempt rows are inserted from
+    token from the attempt sequence as it is updated (the sequence is looked up once per
+    statement, in a sub-select, not once per row), and the attempt rows are inserted from
     the updated rows with those tokens as their ids. The only join, for each row's ``started``,
     is between two CTEs. (Joining the attempt CTE to the job table instead let a generic plan
     made on empty tables, which expects one row from every CTE, pick a nested loop that probed
@@ -195,7 +196,8 @@ WITH picked AS (
 ), claimed AS (
     UPDATE persistent_jobs j SET status = 'running', attempts = j.attempts + 1,
         locked_by = %(runner)s, locked_at = now(),
-        lock_token = nextval(pg_get_serial_sequence('persistent_jobs_attempts', 'id')),
+        lock_token = nextval((SELECT pg_get_serial_sequence('persistent_jobs_attempts', 'id')
+                              ::regclass)),
         updated_at = now()
     WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING j.id, j.job_type, j.payload::text AS payload, j.attempts, j.max_retries,
