@@ -19,7 +19,8 @@ class Flag:
     """The part of ``threading.Event``'s interface jobs use: ``set``, ``is_set``, ``wait``.
 
     ``set`` then ``wait`` and ``wait`` then ``set`` both wake: ``wait`` creates the event and
-    only then looks at the boolean; ``set`` sets the boolean and only then looks for an event.
+    looks at the boolean under a lock; ``set`` sets the boolean, then looks for an event under
+    the same lock, so one of the two always sees the other.
     """
 
     __slots__ = ("_event", "_set")
@@ -33,7 +34,10 @@ class Flag:
 
     def set(self) -> None:
         self._set = True
-        event = self._event
+        # Read under the lock ``wait`` creates the event with, so the two cannot miss each
+        # other without relying on the GIL's ordering (``set`` is rare: a take-over, a cancel).
+        with _CREATE:
+            event = self._event
         if event is not None:
             event.set()
 
@@ -46,6 +50,6 @@ class Flag:
                 event = self._event
                 if event is None:
                     event = self._event = threading.Event()
-        if self._set:  # set before the event existed
-            event.set()
+                if self._set:  # set before the event existed
+                    event.set()
         return event.wait(timeout)

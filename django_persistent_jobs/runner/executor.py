@@ -104,6 +104,11 @@ class Executor(Protocol):
     def unstarted(self) -> list[InFlight]:
         """Jobs accepted but not started (after ``seal()`` none will start)."""
 
+    def await_recalls(self, timeout: float) -> None:
+        """After ``seal()``: wait, at most ``timeout``, until no job is both unstarted and
+        unaccounted for (a worker process asked to give back its queue has not answered yet),
+        so that the final hand-back does not charge a job that never started."""
+
     def snapshot(self) -> list[InFlight]: ...
 
     def cancel(self, item: InFlight) -> None:

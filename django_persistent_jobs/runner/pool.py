@@ -169,6 +169,9 @@ class WorkerPool(SlotWaits):
         with self.lock:
             return [item for item in self.in_flight.values() if item.thread_ident is None]
 
+    def await_recalls(self, timeout: float) -> None:
+        """Nothing to wait for: a thread decides under ``lock`` whether a job starts."""
+
     def _idle_locked(self) -> int:
         return max(0, self.size - len(self.in_flight))
 

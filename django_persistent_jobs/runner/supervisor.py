@@ -72,6 +72,9 @@ EXIT_LOOP_DIED = 2
 #: Stopped (a signal, ``stop()``) before the database was ever reached: nothing was run.
 EXIT_NEVER_CONNECTED = 3
 
+#: At shutdown, how long to wait for worker processes to answer the recall of their queued jobs
+#: (normally a round trip; longer only while a handler holds a worker's GIL).
+RECALL_ANSWER_SECONDS = 1.0
 #: How long a ``--burst`` run waits for an unreachable database before it gives up.
 BURST_DATABASE_WAIT = 30.0
 #: A job without a timeout lets the liveness sidecar vouch for an unresponsive runner for this
@@ -747,6 +750,10 @@ class Runner:
             self._release_unstarted()
             with self.pool.changed:
                 self.pool.changed.wait(SUPERVISOR_TICK)
+        # Jobs a worker process was asked to give back are unaccounted for until it answers
+        # (a round trip): wait for that briefly even when forced or with no grace, so that the
+        # hand-back below does not charge a job that never started.
+        self.pool.await_recalls(RECALL_ANSWER_SECONDS)
         self._release_unstarted()  # (unstarted ones still uncharged, whatever is left)
         for item in self.pool.snapshot():
             self.timeouts.take_over(item, Outcome(

@@ -364,6 +364,33 @@ def test_prefetched_jobs_are_handed_back_unstarted_at_shutdown(fleet: Fleet) -> 
     wait_for(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
 
 
+def test_a_stop_without_grace_still_releases_worker_queued_jobs_as_unstarted(
+    fleet: Fleet,
+) -> None:
+    """``SHUTDOWN_GRACE`` 0: the running job is handed back at once (a hand-back counted), the
+    jobs waiting in the worker's queue and in the supervisor are released as never started (no
+    hand-back counted, no attempt), and none of them starts during the stop."""
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"PREFETCH": 2, "SHUTDOWN_GRACE": 0})
+    workers = wait_for(lambda: worker_pids(runner), 30, "a worker")
+    running = enqueue_typed("procs.pid", {"sleep": 60})
+    wait_for(lambda: job_row(running)["progress"], 20, "the first job to start")
+    waiting = [enqueue_typed("procs.pid") for _ in range(2)]
+    wait_for(lambda: all(job_row(j)["status"] == "running" for j in waiting), 20,
+             "two more jobs claimed ahead")
+    runner.send(signal.SIGTERM)
+    assert runner.wait_exit(20) == 0
+    def handbacks(job_id: Any) -> int:
+        return int(sql_value("SELECT handbacks FROM persistent_jobs WHERE id = %s", [job_id]))
+
+    assert (job_row(running)["status"], handbacks(running)) == ("pending", 1)
+    for job_id in waiting:
+        row = job_row(job_id)
+        assert (row["status"], row["attempts"], handbacks(job_id)) == ("pending", 0, 0), row
+        assert row["progress"] is None  # never started
+    wait_for(lambda: not any(_alive(pid) for pid in workers), 5, "the workers to exit")
+
+
 def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> None:
     runner = fleet.spawn(args=["--processes", "1"], concurrency=2,
                          settings={"MAX_JOBS_PER_WORKER": 5})

@@ -308,6 +308,17 @@ class ProcessExecutor(SlotWaits):
         with self.lock:
             return list(self.pending)
 
+    def await_recalls(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) for the workers' answers to ``seal()``'s recall: until no
+        live worker holds a job that has neither started nor been given back."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while any(w.queued for w in self.workers if not w.gone):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self.changed.wait(remaining)
+
     def snapshot(self) -> list[InFlight]:
         with self.lock:
             return list(self.in_flight.values())
@@ -529,10 +540,12 @@ class ProcessExecutor(SlotWaits):
         killed at ``kill_after`` seconds from now)."""
         if kill_after is not None:
             kill_at = time.monotonic() + kill_after
+            if worker.kill_at is None:
+                # It will be killed: jobs still in its queue go to other workers (uncharged)
+                # instead of starting there and being charged for the kill. Asked once: a
+                # draining worker is sent no new jobs.
+                self._recall_locked(worker)
             worker.kill_at = kill_at if worker.kill_at is None else min(worker.kill_at, kill_at)
-            # It will be killed: jobs still in its queue go to other workers (uncharged)
-            # instead of starting there and being charged for the kill.
-            self._recall_locked(worker)
         if worker.draining:
             return
         worker.draining = True
@@ -668,6 +681,8 @@ class ProcessExecutor(SlotWaits):
         elif tag == protocol.STARTED:
             with self.lock:
                 self._started_locked(worker, message[1], message[2], message[3])
+                if self._sealed:  # (``await_recalls`` waits for this job to leave the queue)
+                    self.changed.notify_all()
         elif tag == protocol.SESSION:
             _, lane, pid, started = message
             with self.lock:
