@@ -102,7 +102,9 @@ def test_a_lost_claim_is_not_completed_and_its_writes_stay(
         assert store.transition(cursor, job.id, token, kind="dead", code="RUNNER_LOST",
                                 message="rescued") == "dead_lettered"
     go.open()
-    wait_for(lambda: runner.pool.busy == 0, message="the runner to give the job up")
+    # The slot is free once the handler returns; its completion is written after that.
+    wait_for(lambda: runner.pool.busy == 0 and runner.pool.completing == 0,
+             message="the runner to give the job up")
     assert runner.pool.completer.statements == 1 and runner.pool.completer.completed == 0
     assert finished == []  # the attempt was settled by its rescuer, which signals it
     row = PersistentJob.objects.get(id=job.id)
