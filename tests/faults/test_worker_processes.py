@@ -344,17 +344,25 @@ def test_a_job_that_waits_for_a_lane_starts_its_timeout_clock_when_it_starts(
     assert runner.alive
 
 
-def test_prefetched_jobs_are_handed_back_unstarted_at_shutdown(fleet: Fleet) -> None:
+def _stop_with_jobs_waiting(fleet: Fleet, grace: float) -> tuple[Any, list[Any], list[int]]:
+    """A runner of one single-lane worker running a long job, two more claimed ahead (one in
+    the worker's queue, one in the supervisor), stopped by SIGTERM with ``grace``: the running
+    job, the waiting ones, the worker pids."""
     runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
-                         settings={"PREFETCH": 2, "SHUTDOWN_GRACE": 2})
+                         settings={"PREFETCH": 2, "SHUTDOWN_GRACE": grace})
     workers = wait_for(lambda: worker_pids(runner), 30, "a worker")
     running = enqueue_typed("procs.pid", {"sleep": 60})
     wait_for(lambda: job_row(running)["progress"], 20, "the first job to start")
     waiting = [enqueue_typed("procs.pid") for _ in range(2)]
     wait_for(lambda: all(job_row(j)["status"] == "running" for j in waiting), 20,
-               "two more jobs claimed ahead")
+             "two more jobs claimed ahead")
     runner.send(signal.SIGTERM)
     assert runner.wait_exit(20) == 0
+    return running, waiting, workers
+
+
+def test_prefetched_jobs_are_handed_back_unstarted_at_shutdown(fleet: Fleet) -> None:
+    running, waiting, workers = _stop_with_jobs_waiting(fleet, grace=2)
     for job_id in (running, *waiting):
         row = job_row(job_id)
         assert (row["status"], row["attempts"]) == ("pending", 0), row
@@ -370,16 +378,8 @@ def test_a_stop_without_grace_still_releases_worker_queued_jobs_as_unstarted(
     """``SHUTDOWN_GRACE`` 0: the running job is handed back at once (a hand-back counted), the
     jobs waiting in the worker's queue and in the supervisor are released as never started (no
     hand-back counted, no attempt), and none of them starts during the stop."""
-    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
-                         settings={"PREFETCH": 2, "SHUTDOWN_GRACE": 0})
-    workers = wait_for(lambda: worker_pids(runner), 30, "a worker")
-    running = enqueue_typed("procs.pid", {"sleep": 60})
-    wait_for(lambda: job_row(running)["progress"], 20, "the first job to start")
-    waiting = [enqueue_typed("procs.pid") for _ in range(2)]
-    wait_for(lambda: all(job_row(j)["status"] == "running" for j in waiting), 20,
-             "two more jobs claimed ahead")
-    runner.send(signal.SIGTERM)
-    assert runner.wait_exit(20) == 0
+    running, waiting, workers = _stop_with_jobs_waiting(fleet, grace=0)
+
     def handbacks(job_id: Any) -> int:
         return int(sql_value("SELECT handbacks FROM persistent_jobs WHERE id = %s", [job_id]))
 
