@@ -63,19 +63,28 @@ class WorkerProcess:
 
     def __init__(self, options: dict[str, Any], *, label: str) -> None:
         ours, theirs = socket.socketpair()
+        # The start log: a pipe of its own for the lanes' ``STARTED`` reports, which the
+        # supervisor reads whenever it reads the message pipe, at housekeeping, and to the end
+        # when the worker dies, but is not woken by (``protocol``).
+        log_read, log_write = os.pipe()
         try:
             self.popen = subprocess.Popen(
                 [multiprocessing.spawn.get_executable(), *_interpreter_flags(), "-c", _BOOT,
                  str(theirs.fileno()), label],
-                pass_fds=(theirs.fileno(),), close_fds=True, stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(), log_write), close_fds=True,
+                stdin=subprocess.DEVNULL,
             )
         except BaseException:
             ours.close()
+            os.close(log_read)
             raise
         finally:
             theirs.close()
+            os.close(log_write)
         self.pid: int = self.popen.pid
         self.conn = Connection(ours.detach())
+        os.set_blocking(log_read, False)
+        self.start_log: int | None = log_read
         self._lock = threading.Lock()
         self._pidfd: int | None = None
         if hasattr(os, "pidfd_open"):
@@ -84,6 +93,7 @@ class WorkerProcess:
         start = {
             "sys_path": list(sys.path), "sys_argv": list(sys.argv), "module": ENTRY_MODULE,
             "parent_pid": os.getpid(), "settings_module": settings_module(), "options": options,
+            "start_log_fd": log_write,  # (``pass_fds`` keeps the number)
         }
         self.conn.send(start)  # buffered by the socket until the child reads it
 
@@ -124,6 +134,10 @@ class WorkerProcess:
                 with contextlib.suppress(OSError):
                     os.close(self._pidfd)
                 self._pidfd = None
+            if self.start_log is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self.start_log)
+                self.start_log = None
         with contextlib.suppress(OSError):
             self.conn.close()
 

@@ -64,9 +64,16 @@ def boot(conn: Any, start: dict[str, Any]) -> None:
     # Its end of the pipe was inherited; a process a handler starts must not inherit it too.
     with contextlib.suppress(OSError):
         os.set_inheritable(conn.fileno(), False)
+    options = dict(start["options"])
+    start_log = start.get("start_log_fd")
+    if start_log is not None:
+        with contextlib.suppress(OSError):
+            os.set_inheritable(start_log, False)
+            os.set_blocking(start_log, False)  # full: the message pipe takes the report
+        options["start_log_fd"] = start_log
     if start.get("settings_module"):
         os.environ["DJANGO_SETTINGS_MODULE"] = start["settings_module"]
-    worker_main(conn, start["parent_pid"], start["options"])
+    worker_main(conn, start["parent_pid"], options)
 
 
 def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
@@ -122,6 +129,7 @@ class Worker:
         self._execute = execute
         self.conn = conn
         self.fd: int = conn.fileno()
+        self.start_log: int | None = options.get("start_log_fd")
         self.alias: str = options["alias"]
         self.runner_id: str = options["runner_id"]
         self.number: int = options["number"]
@@ -309,9 +317,13 @@ class Worker:
                 # session. A fresh connection (and ``SESSION``) for the next job.
                 self._drop_connection(lane)
             # Its completion is being written (``on_settled`` reports it done): the lane is
-            # free for the next job meanwhile. If one is waiting here, this lane takes it now
-            # and that job's ``STARTED`` carries this report along; else it is written now.
-            self._report(protocol.RETURNED, wire_id, flush=False)
+            # free for the next job meanwhile. If one is waiting here, this lane takes it now:
+            # its ``RETURNED`` goes with the batch's ``DONE`` (and the supervisor, reading the
+            # next job's ``STARTED`` on this lane, knows that this one returned); if none is,
+            # the lane is idle and the supervisor must know now, to send more.
+            with self.lock:
+                if not item.done_reported:  # (its batch may be settled and reported already)
+                    self.finished.append((protocol.RETURNED, wire_id))
             try:
                 lane.next = self.queue.get_nowait()
             except queue.Empty:
@@ -368,12 +380,27 @@ class Worker:
             self._send_after_reports((protocol.SESSION, lane.number, *session))
 
     def _report_started(self, lane: Lane, wire_id: Any, fast: bool) -> None:
-        """Tell the supervisor, before the handler starts, that this job started on ``lane``:
-        its timeout clock starts then, and if this process dies from here on the attempt is
-        charged (a job still waiting in the queue is handed on uncharged). Written here, not
-        queued: a handler that kills the process must find its start already reported. The
-        reports waiting to be written go in the same write."""
-        self._send_after_reports((protocol.STARTED, lane.number, wire_id, fast))
+        """Tell the supervisor, before the handler starts, that this job started on ``lane``
+        (and when: its timeout clock starts then), so that if this process dies from here on
+        the attempt is charged (a job still waiting in the queue is handed on uncharged).
+        Written here, not queued: a handler that kills the process must find its start
+        already reported.
+
+        Written to the start log, which the supervisor reads without being woken for it: a
+        message per job start on the message pipe would wake its manager thread once per
+        job. One frame is far below ``PIPE_BUF``, so the write is all or nothing; a full log
+        (the supervisor has not read it lately) sends the report, with the reports waiting,
+        on the message pipe instead, which the supervisor reads after the log."""
+        message = (protocol.STARTED, lane.number, wire_id, fast, time.monotonic())
+        if self.start_log is not None:
+            try:
+                os.write(self.start_log, frame(message))
+                return
+            except BlockingIOError:
+                pass
+            except OSError:
+                os._exit(0)  # the supervisor is gone
+        self._send_after_reports(message)
 
     def _send_after_reports(self, message: tuple[Any, ...]) -> None:
         """Write the reports waiting to be written, then ``message``, in one write."""

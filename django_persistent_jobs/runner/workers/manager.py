@@ -53,6 +53,11 @@ logger = logging.getLogger("django_persistent_jobs.runner")
 
 #: How often the manager looks at worker memory and overdue threads when nothing happens.
 HOUSEKEEPING_SECONDS = 0.25
+#: Fast jobs a worker's queue may hold per lane beyond its idle lanes (``_ahead_locked``). A
+#: worker reports the jobs it finished with its batch writer's ``DONE``, every few jobs, not one
+#: by one: the queue must hold enough to keep its lanes busy until this process, woken by that
+#: report, sends more. Measured: 4 per lane against 1, about 10% more no-op jobs/s per worker.
+AHEAD_PER_LANE = 4
 #: How long ``start()`` waits for the first workers (a worker imports Django and the handlers).
 START_TIMEOUT = 120.0
 #: Replacement workers in a row that die before they are ready (a deploy that broke an import,
@@ -90,6 +95,9 @@ class WorkerHandle:
     #: Its running jobs by wire id (``protocol.wire_id``), and the lane each one runs on.
     in_flight: dict[Any, InFlight] = field(default_factory=dict)
     lane_of: dict[Any, int] = field(default_factory=dict)
+    #: The job each lane started last, while it is in ``in_flight``: a lane runs one job at a
+    #: time, so the next ``STARTED`` on a lane says that its previous job returned.
+    on_lane: dict[int, Any] = field(default_factory=dict)
     #: Jobs sent to it that have not started (no ``STARTED`` yet): they wait in its queue for
     #: a lane. And jobs taken back from that queue (shutdown): wire id -> job id.
     queued: dict[Any, InFlight] = field(default_factory=dict)
@@ -104,6 +112,8 @@ class WorkerHandle:
     completing: dict[Any, InFlight] = field(default_factory=dict)
     reader: Reader | None = None
     writer: Writer | None = None
+    #: Reads the worker's start log (``protocol``), from the manager thread only.
+    starts: Reader | None = None
 
     def channel(self) -> Writer:
         """The non-blocking end of its pipe (set up on first use), on a descriptor of its own:
@@ -349,6 +359,7 @@ class ProcessExecutor(SlotWaits):
                 item.owner = (worker, lane)
                 if lane is not None:
                     worker.sessions.pop(lane, None)  # the worker retires that lane
+                    worker.on_lane.pop(lane, None)
                 if worker in self.workers:
                     worker.abandoned[wire_id] = (time.monotonic() + self.grace, item.job.id)
                 self._assign_pending_locked()
@@ -387,14 +398,15 @@ class ProcessExecutor(SlotWaits):
 
     # ------------------------------------------------------------------ placement
     def _ahead_locked(self) -> int:
-        """How many jobs a worker may hold beyond its idle lanes: up to ``concurrency`` while
-        jobs are fast (the adaptive waiting room is large: many finished in its lookahead),
-        none while they are slow or ``PREFETCH`` is small. A job waiting in a worker's queue
-        starts the moment any of its lanes is free, without a round trip through this
-        process; but it cannot move to another worker that becomes idle first, so slow jobs
-        wait here instead."""
+        """How many jobs a worker may hold beyond its idle lanes: up to ``AHEAD_PER_LANE``
+        per lane while jobs are fast (the adaptive waiting room is large: many finished in
+        its lookahead), none while they are slow or ``PREFETCH`` is small. A job waiting in a
+        worker's queue starts the moment any of its lanes is free, without a round trip
+        through this process; but it cannot move to another worker that becomes idle first,
+        so slow jobs wait here instead."""
         workers = sum(1 for w in self.workers if w.ready and not w.draining)
-        return min(self.concurrency, self.waiting_room // (2 * max(1, workers)))
+        return min(AHEAD_PER_LANE * self.concurrency,
+                   self.waiting_room // (2 * max(1, workers)))
 
     def _pick_locked(self, ahead: int) -> WorkerHandle | None:
         """The worker with the most room (None if none has any)."""
@@ -420,11 +432,22 @@ class ProcessExecutor(SlotWaits):
         if self.max_jobs is not None and worker.jobs_run >= self.max_jobs:
             self._recycle_locked(worker, f"it ran {worker.jobs_run} jobs (MAX_JOBS_PER_WORKER)")
 
-    def _started_locked(self, worker: WorkerHandle, lane: int, wire_id: Any, fast: bool
-                        ) -> None:
-        """A lane of ``worker`` started the job: its timeout clock starts now; a waiting job
-        started on the fast path has its start noted (the next claim writes it)."""
+    def _started_locked(self, worker: WorkerHandle, lane: int, wire_id: Any, fast: bool,
+                        started_at: float | None = None) -> bool:
+        """A lane of ``worker`` started the job at ``started_at`` (the worker's monotonic
+        clock, the same clock as ours): its timeout clock starts then; a waiting job started
+        on the fast path has its start noted (the next claim writes it). The job the lane ran
+        before, if its ``RETURNED`` or ``DONE`` is still on its way, returned: it is
+        completing from now on. True if that freed a lane (more jobs may be sent)."""
         now = time.monotonic()
+        started = now if started_at is None else min(started_at, now)
+        freed = False
+        previous = worker.on_lane.get(lane)
+        if previous is not None and previous != wire_id:
+            before = self._release_locked(worker, previous)
+            if before is not None:
+                worker.completing[previous] = before
+                freed = True
         item = worker.queued.pop(wire_id, None)
         if item is None:
             job_id = worker.recalled.pop(wire_id, None)
@@ -433,9 +456,10 @@ class ProcessExecutor(SlotWaits):
                 # worker stops it and retires its lane; watch it as any job taken over.
                 worker.sessions.pop(lane, None)
                 worker.abandoned[wire_id] = (now + self.grace, job_id)
-            return
+            return freed
         worker.in_flight[wire_id] = item
         worker.lane_of[wire_id] = lane
+        worker.on_lane[lane] = wire_id
         if fast and item.job.waiting:
             item.job.waiting = False
             if self.note_start is not None:
@@ -443,9 +467,33 @@ class ProcessExecutor(SlotWaits):
         session = worker.sessions.get(lane)
         if session is not None:
             item.backend_pid, item.backend_start = session
-        item.ctx.started_monotonic = now
+        item.ctx.started_monotonic = started
         if item.job.timeout:
-            item.deadline = now + item.job.timeout
+            item.deadline = started + item.job.timeout
+        return freed
+
+    def _read_starts(self, worker: WorkerHandle) -> None:
+        """Take in everything ``worker``'s start log holds (manager thread only): after its
+        messages are read and before they are handled, so that a job's ``STARTED`` is known
+        before its ``RETURNED`` or ``DONE``; at housekeeping, for jobs that started while
+        the worker sent nothing else; and before its jobs are settled when it died."""
+        reader = worker.starts
+        if reader is None or worker.gone:
+            return
+        try:
+            messages = reader.drain()  # (non-blocking: what is there, up to an end of file)
+        except OSError:
+            return  # its end closed: it is exiting, which the message pipe and pidfd tell
+        if not messages:
+            return
+        with self.lock:
+            freed = False
+            for message in messages:
+                if message[0] == protocol.STARTED:
+                    freed = self._started_locked(worker, *message[1:]) or freed
+            if freed:
+                self._assign_pending_locked()
+            self.changed.notify_all()
 
     def _recall_locked(self, worker: WorkerHandle) -> None:
         """Ask ``worker`` for the jobs in its queue (``RECALL``): the ones no lane has taken
@@ -528,6 +576,8 @@ class ProcessExecutor(SlotWaits):
         process = WorkerProcess(options, label=f"pj-worker:{self.runner_id}:{self._numbers}")
         worker = WorkerHandle(number=self._numbers, process=process, conn=process.conn,
                               pid=process.pid)
+        if process.start_log is not None:
+            worker.starts = Reader(process.start_log)
         self.workers.append(worker)
         logger.info("runner %s: worker %d started (pid %d)", self.runner_id, worker.number,
                     process.pid, extra={"event": "worker_started", "worker_pid": process.pid,
@@ -645,11 +695,19 @@ class ProcessExecutor(SlotWaits):
         try:
             # One read per wake-up (the selector reports whatever is left); everything once
             # the process has exited.
-            for message in reader.drain() if exited else reader.read():
+            messages = reader.drain() if exited else reader.read()
+        except (EOFError, OSError):
+            messages, exited = [], True  # its end of the pipe closed: it is exiting
+        # Then the start log: every ``STARTED`` a lane wrote before any of these messages
+        # is in it by now (a job's start is known before its ``DONE``).
+        self._read_starts(worker)
+        try:
+            for message in messages:
                 self._handle(worker, message)
         except (EOFError, OSError):
-            exited = True  # its end of the pipe closed: it is exiting, wait for that
+            exited = True
         if exited:
+            self._read_starts(worker)  # the last starts, before its jobs are settled
             self._lost(worker)
             worker.close_channel()
 
@@ -678,11 +736,11 @@ class ProcessExecutor(SlotWaits):
         elif tag == protocol.UNSTARTED:
             with self.lock:
                 self._unstarted_locked(worker, message[1])
-        elif tag == protocol.STARTED:
+        elif tag == protocol.STARTED:  # (the start log was full)
             with self.lock:
-                self._started_locked(worker, message[1], message[2], message[3])
-                if self._sealed:  # (``await_recalls`` waits for this job to leave the queue)
-                    self.changed.notify_all()
+                if self._started_locked(worker, *message[1:]):
+                    self._assign_pending_locked()
+                self.changed.notify_all()  # (``await_recalls`` waits for the queue to empty)
         elif tag == protocol.SESSION:
             _, lane, pid, started = message
             with self.lock:
@@ -708,7 +766,9 @@ class ProcessExecutor(SlotWaits):
         item = worker.in_flight.pop(wire_id, None)
         if item is None:
             return None
-        worker.lane_of.pop(wire_id, None)
+        lane = worker.lane_of.pop(wire_id, None)
+        if lane is not None and worker.on_lane.get(lane) == wire_id:
+            del worker.on_lane[lane]
         self.owner.pop(wire_id, None)
         self.finished += 1
         if self.in_flight.get(item.job.id) is item:
@@ -793,6 +853,10 @@ class ProcessExecutor(SlotWaits):
             self.on_lost(item, why)
 
     def _housekeeping(self) -> None:
+        with self.lock:
+            workers = list(self.workers)
+        for worker in workers:
+            self._read_starts(worker)
         now = time.monotonic()
         kills: list[WorkerHandle] = []
         stops: list[WorkerHandle] = []

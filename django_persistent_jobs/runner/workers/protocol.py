@@ -13,8 +13,15 @@ worker's ``CONCURRENCY`` lanes take jobs from one queue, so the supervisor may s
 few jobs beyond its idle lanes (fast jobs only, see ``manager``): a lane that finishes one starts
 the next at once instead of waiting for a round trip through the supervisor. A lane reports each
 job it starts (``STARTED``) before the handler runs: the supervisor starts the job's timeout
-clock then, and knows, if the worker dies, which of its jobs ran (charged) and which were still
-waiting (handed to another worker, uncharged). A worker reports a lane's database session
+clock at that moment, and knows, if the worker dies, which of its jobs ran (charged) and which
+were still waiting (handed to another worker, uncharged). ``STARTED`` goes on a pipe of its own,
+the *start log*, which the supervisor does not wait on: it reads the log after each read of the
+message pipe and before handling what that read brought (so a job's start is known before its
+``DONE``), at each housekeeping tick, and to the end when the worker dies, before settling its
+jobs. A message per job start on the message pipe would wake the supervisor once per job. The
+next ``STARTED`` on a lane also tells the supervisor that the lane's previous job returned. A
+full start log (the supervisor has not read it lately) makes the lane send its ``STARTED`` on the
+message pipe instead. A worker reports a lane's database session
 (``SESSION``) once per connection, before the first handler on it starts, so the supervisor
 knows every running job's session without a message per job, even for a handler that holds the
 worker's GIL from its first instruction. A lane whose job the supervisor took over (timeout,
@@ -39,8 +46,10 @@ Worker to supervisor:
     ``(READY, pid)``                          set up, accepting jobs
     ``(SESSION, lane, backend_pid, start)``   the database session the lane's jobs run on, from
                                               now on (the supervisor terminates it at a timeout)
-    ``(STARTED, lane, job_id, fast)``         the lane is starting this job's handler (``fast``:
-                                              a waiting job on the fast path, to be noted)
+    ``(STARTED, lane, job_id, fast, at)``     the lane is starting this job's handler at ``at``
+                                              (``time.monotonic()``, one clock for all
+                                              processes on Linux); ``fast``: a waiting job on
+                                              the fast path, to be noted. On the start log
     ``(RETURNED, [job_id, ...])``             these jobs' handlers returned and their
                                               completions were handed to the worker's batch
                                               writer: their lanes are free, a ``DONE`` follows
