@@ -493,7 +493,8 @@ class ProcessExecutor(SlotWaits):
                     freed = self._started_locked(worker, *message[1:]) or freed
             if freed:
                 self._assign_pending_locked()
-            self.changed.notify_all()
+            if freed or self._sealed:  # (``await_recalls`` waits for the queues to empty)
+                self.changed.notify_all()
 
     def _recall_locked(self, worker: WorkerHandle) -> None:
         """Ask ``worker`` for the jobs in its queue (``RECALL``): the ones no lane has taken
