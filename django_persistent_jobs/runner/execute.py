@@ -316,6 +316,12 @@ def prepare_connection(alias: str, inflight: InFlight) -> None:
     connection = connections[alias]
     if connection.connection is not None and _server_hung_up(connection.connection):
         reset_connection(alias)
+    inflight.backend_pid, inflight.backend_start = _session(alias)
+
+
+def _session(alias: str) -> tuple[Any, Any]:
+    """This thread's connection, opened if need be, and its server session (pid, start)."""
+    connection = connections[alias]
     connection.ensure_connection()
     raw = connection.connection
     known = getattr(connection, "_pj_backend", None)
@@ -327,7 +333,20 @@ def prepare_connection(alias: str, inflight: InFlight) -> None:
             pid, started = cursor.fetchone()
         known = (raw, pid, started)
         connection._pj_backend = known  # type: ignore[attr-defined]
-    inflight.backend_pid, inflight.backend_start = known[1], known[2]
+    return known[1], known[2]
+
+
+def warm_connection(alias: str) -> None:
+    """Open this thread's connection before its first job (a handler thread or a lane, when
+    it starts): opening it, and asking which session it is, cost the first job on each
+    thread several milliseconds, which an idle runner's pickup latency paid once per thread.
+    A database that cannot be reached now is not an error here: the job's own attempt meets
+    it and settles it as always."""
+    try:
+        _session(alias)
+    except Exception as exc:
+        logger.debug("could not open a connection ahead of the first job: %s", exc,
+                     extra={"event": "connection_warm_up_failed"})
 
 
 #: How often the event loop running an async handler looks whether the supervisor took the

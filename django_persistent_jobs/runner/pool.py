@@ -51,6 +51,8 @@ class _Worker:
 
     def _run(self) -> None:
         try:
+            if self.pool.warm is not None:
+                self.pool.warm()
             while self._run_one():
                 pass
         except JobInterrupted:
@@ -135,6 +137,9 @@ class WorkerPool(SlotWaits):
         self.completer = Completer()
         #: Records the starts of waiting jobs before they run (set by the runner).
         self.gate: StartGate | None = None
+        #: Called by each worker thread as it starts, before its first job (set by the
+        #: runner: opens the thread's database connection, ``execute.warm_connection``).
+        self.warm: Callable[[], None] | None = None
         self.on_start: Callable[[InFlight], None] | None = None
 
     def start(self) -> None:

@@ -13,6 +13,7 @@ loop alone still takes the runner, for ``dispatch`` and the hand-back of what it
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -43,7 +44,14 @@ from .db import (
     run_with_retry,
     sqlstate,
 )
-from .execute import RUNJOBS_LOGGERS, InFlight, Outcome, execute, record_outcome
+from .execute import (
+    RUNJOBS_LOGGERS,
+    InFlight,
+    Outcome,
+    execute,
+    record_outcome,
+    warm_connection,
+)
 from .executor import Executor
 from .heartbeat import Liveness, heartbeat_loop, rescue_loop
 from .lifecycle import Lifecycle
@@ -311,6 +319,7 @@ class Runner:
                                      prefetch=self._prefetch(settings.concurrency))
             # Worker processes have a gate each; here the threads share the runner's.
             threads.gate = StartGate(self.alias, self.forced)
+            threads.warm = functools.partial(warm_connection, self.alias)
             return threads
         from .workers.manager import ProcessExecutor
 

@@ -229,6 +229,7 @@ class Worker:
 
     def _lane_main(self, lane: Lane) -> None:
         try:
+            self._execute.warm_connection(self.alias)  # before its first job, not during it
             while True:
                 entry, lane.next = lane.next, None
                 packed, cancel, fresh_until = entry if entry is not None else self.queue.get()
