@@ -69,7 +69,7 @@ def boot(conn: Any, start: dict[str, Any]) -> None:
     if start_log is not None:
         with contextlib.suppress(OSError):
             os.set_inheritable(start_log, False)
-            os.set_blocking(start_log, False)  # full: the message pipe takes the report
+            os.set_blocking(start_log, True)  # full: the lane waits for the supervisor to read
         options["start_log_fd"] = start_log
     if start.get("settings_module"):
         os.environ["DJANGO_SETTINGS_MODULE"] = start["settings_module"]
@@ -389,19 +389,18 @@ class Worker:
 
         Written to the start log, which the supervisor reads without being woken for it: a
         message per job start on the message pipe would wake its manager thread once per
-        job. One frame is far below ``PIPE_BUF``, so the write is all or nothing; a full log
-        (the supervisor has not read it lately) sends the report, with the reports waiting,
-        on the message pipe instead, which the supervisor reads after the log."""
+        job. One frame is far below ``PIPE_BUF``, so the write is all or nothing. A full log
+        (the supervisor has not read it lately) holds this lane until it has room: the
+        supervisor reads it at every housekeeping tick. (Sent on the message pipe instead, a
+        start could be handled after a newer one of the same lane from the log.)"""
         message = (protocol.STARTED, lane.number, wire_id, fast, time.monotonic())
-        if self.start_log is not None:
-            try:
-                os.write(self.start_log, frame(message))
-                return
-            except BlockingIOError:
-                pass
-            except OSError:
-                os._exit(0)  # the supervisor is gone
-        self._send_after_reports(message)
+        if self.start_log is None:  # (a worker started without one: tests)
+            self._send_after_reports(message)
+            return
+        try:
+            os.write(self.start_log, frame(message))
+        except OSError:
+            os._exit(0)  # the supervisor is gone
 
     def _send_after_reports(self, message: tuple[Any, ...]) -> None:
         """Write the reports waiting to be written, then ``message``, in one write."""

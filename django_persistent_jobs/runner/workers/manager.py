@@ -737,7 +737,7 @@ class ProcessExecutor(SlotWaits):
         elif tag == protocol.UNSTARTED:
             with self.lock:
                 self._unstarted_locked(worker, message[1])
-        elif tag == protocol.STARTED:  # (the start log was full)
+        elif tag == protocol.STARTED:  # (a worker without a start log)
             with self.lock:
                 if self._started_locked(worker, *message[1:]):
                     self._assign_pending_locked()
@@ -857,7 +857,9 @@ class ProcessExecutor(SlotWaits):
         with self.lock:
             workers = list(self.workers)
         for worker in workers:
-            self._read_starts(worker)
+            # The starts of jobs that began while the worker sent nothing else (and anything
+            # it did send, first: a lane's SESSION goes before its next job's STARTED).
+            self._receive(worker, False)
         now = time.monotonic()
         kills: list[WorkerHandle] = []
         stops: list[WorkerHandle] = []

@@ -20,8 +20,10 @@ message pipe and before handling what that read brought (so a job's start is kno
 ``DONE``), at each housekeeping tick, and to the end when the worker dies, before settling its
 jobs. A message per job start on the message pipe would wake the supervisor once per job. The
 next ``STARTED`` on a lane also tells the supervisor that the lane's previous job returned. A
-full start log (the supervisor has not read it lately) makes the lane send its ``STARTED`` on the
-message pipe instead. A worker reports a lane's database session
+full start log (the supervisor has not read it lately) holds the lane until the supervisor reads
+it, at its next housekeeping tick at the latest: a ``STARTED`` sent on the message pipe instead
+could be handled after a newer one from the log, and take the lane's running job for returned.
+A worker reports a lane's database session
 (``SESSION``) once per connection, before the first handler on it starts, so the supervisor
 knows every running job's session without a message per job, even for a handler that holds the
 worker's GIL from its first instruction. A lane whose job the supervisor took over (timeout,
@@ -102,22 +104,23 @@ def wire_id(job_id: Any) -> Any:
 
 
 def pack_job(job: ClaimedJob) -> tuple[Any, ...]:
-    """A claimed job as the tuple of its fields, the id as an int and ``due_at`` as microseconds
-    since the epoch (exact, unlike a float timestamp): a ``UUID``, and an aware ``datetime``
-    (its ``timezone`` goes through ``copyreg``), pickle several times slower than numbers, on
-    both sides of the pipe."""
+    """A claimed job as the tuple of its fields, the id as an int and an aware ``due_at`` as
+    microseconds since the epoch (exact, unlike a float timestamp): a ``UUID``, and an aware
+    ``datetime`` (its ``timezone`` goes through ``copyreg``), pickle several times slower than
+    numbers, on both sides of the pipe. A naive ``due_at`` (``USE_TZ = False``) goes as is."""
     global _job_values
     if _job_values is None:
         from ..store import ClaimedJob
 
         names = [f.name for f in dataclasses.fields(ClaimedJob)]
-        assert names[_DUE_AT] == "due_at", names
+        if names[_DUE_AT] != "due_at":
+            raise RuntimeError(f"ClaimedJob's fields moved: {names}")
         _job_values = operator.attrgetter(*names)
     values = _job_values(job)
     due_at = values[_DUE_AT]
-    return (wire_id(values[0]), *values[1:_DUE_AT],
-            (due_at - _EPOCH) // _MICROSECOND if due_at is not None else None,
-            *values[_DUE_AT + 1:])
+    if due_at is not None and due_at.tzinfo is not None:  # (naive with USE_TZ = False: as is)
+        due_at = (due_at - _EPOCH) // _MICROSECOND
+    return (wire_id(values[0]), *values[1:_DUE_AT], due_at, *values[_DUE_AT + 1:])
 
 
 def unpack_job(values: tuple[Any, ...]) -> ClaimedJob:
@@ -126,6 +129,6 @@ def unpack_job(values: tuple[Any, ...]) -> ClaimedJob:
     fields = list(values)
     if isinstance(fields[0], int):
         fields[0] = uuid.UUID(int=fields[0])
-    if fields[_DUE_AT] is not None:
+    if isinstance(fields[_DUE_AT], int):
         fields[_DUE_AT] = _EPOCH + timedelta(microseconds=fields[_DUE_AT])
     return ClaimedJob(*fields)

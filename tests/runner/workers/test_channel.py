@@ -124,13 +124,17 @@ def test_a_claimed_job_survives_the_round_trip() -> None:
     # Only plain values: a UUID or an aware datetime would pickle through copyreg, slowly.
     assert all(isinstance(v, (int, float, str, bool, dict, type(None))) for v in packed)
     assert protocol.unpack_job(packed) == job
-    assert protocol.unpack_job(packed).due_at.microsecond == 678901  # exact, not a float
+    unpacked_due = protocol.unpack_job(packed).due_at
+    assert unpacked_due is not None and unpacked_due.microsecond == 678901  # exact, not a float
     assert protocol.wire_id(job.id) == job.id.int
     elsewhere = dataclasses.replace(job, due_at=datetime.datetime(
         2026, 1, 2, 5, 4, 5, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=2))))
     assert protocol.unpack_job(protocol.pack_job(elsewhere)).due_at == elsewhere.due_at
     undue = dataclasses.replace(job, due_at=None)
     assert protocol.unpack_job(protocol.pack_job(undue)) == undue
+    # USE_TZ = False: naive datetimes, which have no epoch to count from, go as they are.
+    naive = dataclasses.replace(job, due_at=datetime.datetime(2026, 1, 2, 3, 4, 5, 678901))
+    assert protocol.unpack_job(protocol.pack_job(naive)) == naive
 
 
 def test_a_closed_writer_refuses_to_write_instead_of_using_a_reused_descriptor(

@@ -1,15 +1,16 @@
-"""A lane's ``STARTED`` goes on the start log, and on the message pipe when the log is full.
+"""A lane's ``STARTED`` goes on the start log, never elsewhere.
 
 The start log exists so that a job's start does not wake the supervisor; the report must still
 be written before the handler runs, whatever the state of the log: a full log (a supervisor
-that has not read it lately) must not drop it or block the lane. Real pipes, a real ``Worker``
-(no lanes started), no database.
+that has not read it lately) holds the lane until it is read, and drops nothing. Real pipes, a
+real ``Worker`` (no lanes started), no database.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -26,8 +27,7 @@ def pipes() -> Iterator[tuple[Worker, Reader, Reader, int]]:
     """A worker wired to a message pipe and a start log, and the supervisor's readers."""
     ours, theirs = socket.socketpair()
     log_read, log_write = os.pipe()
-    os.set_blocking(log_read, False)
-    os.set_blocking(log_write, False)
+    os.set_blocking(log_read, False)  # the supervisor's ends
     ours.setblocking(False)
     worker = Worker(Connection(theirs.detach()),
                     {"alias": "default", "runner_id": "r-test", "number": 1, "concurrency": 1,
@@ -54,19 +54,32 @@ def test_a_start_goes_on_the_log_with_its_time_and_wakes_nothing(
     assert messages.read() == []  # the message pipe, which the supervisor waits on, is quiet
 
 
-def test_a_full_log_sends_the_start_on_the_message_pipe_with_the_reports_waiting(
+def test_a_full_log_holds_the_lane_until_the_supervisor_reads_it(
     pipes: tuple[Worker, Reader, Reader, int],
 ) -> None:
-    worker, messages, _, log_write = pipes
+    """Never on the message pipe instead: there it could be handled after a newer start of
+    the same lane from the log, and the lane's running job be taken for returned."""
+    worker, messages, log, log_write = pipes
+    os.set_blocking(log_write, False)
+    filler = 0
     while True:  # fill the log as a supervisor that reads nothing would leave it
         try:
-            os.write(log_write, b"\0" * 4096)
+            filler += os.write(log_write, b"\0" * 4096)
         except BlockingIOError:
             break
-    worker._report(protocol.RETURNED, 777, flush=False)  # a report waiting to be written
-    worker._report_started(Lane(0), 888, False)
-    got = messages.read()
-    assert [m[0] for m in got] == [protocol.RETURNED, protocol.STARTED]
-    assert got[0][1] == [777]
-    assert got[1][:4] == (protocol.STARTED, 0, 888, False)
-    assert worker.finished == []
+    os.set_blocking(log_write, True)  # as the worker's end is
+    done = threading.Event()
+
+    def start() -> None:
+        worker._report_started(Lane(0), 888, False)
+        done.set()
+
+    threading.Thread(target=start, daemon=True).start()
+    # Bounded negative check: the lane is still waiting, and wrote nowhere else.
+    assert not done.wait(0.3), "the start went elsewhere, or was dropped"
+    assert messages.read() == []
+    while filler:  # the supervisor reads the log
+        filler -= len(os.read(log.fd, min(filler, 65536)))
+    assert done.wait(10)
+    [started] = log.drain()
+    assert started[:4] == (protocol.STARTED, 0, 888, False)
