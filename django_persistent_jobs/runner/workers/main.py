@@ -64,13 +64,11 @@ def boot(conn: Any, start: dict[str, Any]) -> None:
     # Its end of the pipe was inherited; a process a handler starts must not inherit it too.
     with contextlib.suppress(OSError):
         os.set_inheritable(conn.fileno(), False)
-    options = dict(start["options"])
-    start_log = start.get("start_log_fd")
-    if start_log is not None:
-        with contextlib.suppress(OSError):
-            os.set_inheritable(start_log, False)
-            os.set_blocking(start_log, True)  # full: the lane waits for the supervisor to read
-        options["start_log_fd"] = start_log
+    start_log = start["start_log_fd"]
+    with contextlib.suppress(OSError):
+        os.set_inheritable(start_log, False)
+        os.set_blocking(start_log, True)  # full: the lane waits for the supervisor to read
+    options = {**start["options"], "start_log_fd": start_log}
     if start.get("settings_module"):
         os.environ["DJANGO_SETTINGS_MODULE"] = start["settings_module"]
     worker_main(conn, start["parent_pid"], options)
@@ -129,7 +127,7 @@ class Worker:
         self._execute = execute
         self.conn = conn
         self.fd: int = conn.fileno()
-        self.start_log: int | None = options.get("start_log_fd")
+        self.start_log: int = options["start_log_fd"]
         self.alias: str = options["alias"]
         self.runner_id: str = options["runner_id"]
         self.number: int = options["number"]
@@ -394,9 +392,6 @@ class Worker:
         supervisor reads it at every housekeeping tick. (Sent on the message pipe instead, a
         start could be handled after a newer one of the same lane from the log.)"""
         message = (protocol.STARTED, lane.number, wire_id, fast, time.monotonic())
-        if self.start_log is None:  # (a worker started without one: tests)
-            self._send_after_reports(message)
-            return
         try:
             os.write(self.start_log, frame(message))
         except OSError:

@@ -433,14 +433,14 @@ class ProcessExecutor(SlotWaits):
             self._recycle_locked(worker, f"it ran {worker.jobs_run} jobs (MAX_JOBS_PER_WORKER)")
 
     def _started_locked(self, worker: WorkerHandle, lane: int, wire_id: Any, fast: bool,
-                        started_at: float | None = None) -> bool:
+                        started_at: float) -> bool:
         """A lane of ``worker`` started the job at ``started_at`` (the worker's monotonic
         clock, the same clock as ours): its timeout clock starts then; a waiting job started
         on the fast path has its start noted (the next claim writes it). The job the lane ran
         before, if its ``RETURNED`` or ``DONE`` is still on its way, returned: it is
         completing from now on. True if that freed a lane (more jobs may be sent)."""
         now = time.monotonic()
-        started = now if started_at is None else min(started_at, now)
+        started = min(started_at, now)
         freed = False
         previous = worker.on_lane.get(lane)
         if previous is not None and previous != wire_id:
@@ -737,11 +737,6 @@ class ProcessExecutor(SlotWaits):
         elif tag == protocol.UNSTARTED:
             with self.lock:
                 self._unstarted_locked(worker, message[1])
-        elif tag == protocol.STARTED:  # (a worker without a start log)
-            with self.lock:
-                if self._started_locked(worker, *message[1:]):
-                    self._assign_pending_locked()
-                self.changed.notify_all()  # (``await_recalls`` waits for the queue to empty)
         elif tag == protocol.SESSION:
             _, lane, pid, started = message
             with self.lock:
