@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     scan = store.ClaimScan(rescan=0.0 if args.from_head else 0.25)
     print("jobs done | mean claim ms (last stretch) | buffers hit by one claim")
     with psycopg.connect(url, autocommit=True) as conn, conn.cursor() as cur:
+        store.register_runner(cur, "diag", "bench", os.getpid(), None, 1, "bench")
         done, spent = 0, 0.0
         while done < args.jobs:
             started = time.perf_counter()
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             store.complete(cur, jobs[0])
             done += 1
             if done % args.every == 0:
-                params: dict[str, object] = {"runner": "x", "direct": 1, "started": [],
+                params: dict[str, object] = {"runner": "diag", "direct": 1, "started": [],
                                              "started_at": []}
                 resumed = scan.key is not None and not args.from_head
                 statement = store.claim_sql(1, after=resumed)

@@ -121,3 +121,27 @@ def subprocess_env() -> dict[str, str]:
     env.update({"DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "tests.settings",
                 "PYTHONUNBUFFERED": "1", "TEST_DATABASE_NAME": settings_dict["NAME"]})
     return env
+
+
+def claim_as(cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | None = None,
+             *args: Any, ghost: bool = False, **kwargs: Any) -> list[Any]:
+    """``store.claim`` as runner ``runner_id``, registering its row first: a runner claims only
+    while its row exists. With ``ghost`` the row is deleted again afterwards, leaving jobs
+    locked by a runner that no longer exists (what a reaped runner leaves behind)."""
+    from django_persistent_jobs.runner import store
+
+    cursor.execute("SELECT 1 FROM persistent_jobs_runners WHERE id = %s", [runner_id])
+    if cursor.fetchone() is None:
+        store.register_runner(cursor, runner_id, "test-host", os.getpid(), queues, 1, "test")
+    jobs = store.claim(cursor, runner_id, limit, queues, *args, **kwargs)
+    if ghost:
+        cursor.execute("DELETE FROM persistent_jobs_runners WHERE id = %s", [runner_id])
+    return jobs
+
+
+def register_runner(runner_id: str) -> None:
+    """Give ``runner_id`` a runner row (on the default connection), so that it may claim."""
+    from django_persistent_jobs.runner import store
+
+    with connection.cursor() as cursor:
+        store.register_runner(cursor, runner_id, "test-host", os.getpid(), None, 1, "test")

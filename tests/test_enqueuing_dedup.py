@@ -14,7 +14,7 @@ from django.db import connection, connections, transaction
 from django_persistent_jobs import Dedup, enqueue, enqueue_many, job_handler
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.core_support import blocked_backends, pj_settings, raw_connection, wait_for
+from tests.core_support import blocked_backends, claim_as, pj_settings, raw_connection, wait_for
 
 
 @job_handler("core.dedup.replace", dedup=Dedup.REPLACE)
@@ -33,7 +33,7 @@ class Rollback(Exception):
 
 def claim(limit: int = 10) -> list[store.ClaimedJob]:
     with connection.cursor() as cursor:
-        return store.claim(cursor, "core-test-runner", limit, None)
+        return claim_as(cursor, "core-test-runner", limit, None)
 
 
 def statuses(**filters: Any) -> list[tuple[Any, str, Any]]:
@@ -368,7 +368,7 @@ def test_contended_skip_and_replace_settle_while_jobs_finish() -> None:
         done = 0
         while not stop.is_set():
             with transaction.atomic(), connection.cursor() as cursor:
-                for job in store.claim(cursor, "core-churn", 5, None):
+                for job in claim_as(cursor, "core-churn", 5, None):
                     assert store.complete(cursor, job)
                     done += 1
         finished.append(done)

@@ -23,8 +23,8 @@ from django_persistent_jobs import (
     job_handler,
 )
 from django_persistent_jobs.models import JobAttempt, PersistentJob
-from django_persistent_jobs.runner import Runner, store
-from tests.core_support import pj_settings
+from django_persistent_jobs.runner import Runner
+from tests.core_support import claim_as, pj_settings
 from tests.testapp.models import LedgerEntry
 
 CALLS: list[Any] = []
@@ -87,7 +87,7 @@ def test_payload_round_trips_exactly_through_the_database() -> None:
     stored = PersistentJob.objects.get(id=job.id).payload
     assert same_types(stored, ROUND_TRIP), stored
     with connection.cursor() as cursor:
-        (claimed,) = store.claim(cursor, "core-payload", 1, None)  # what a handler receives
+        (claimed,) = claim_as(cursor, "core-payload", 1, None)  # what a handler receives
     assert same_types(claimed.payload, ROUND_TRIP), claimed.payload
     for value in ([1, "two", None], "just a string", 3, 2.5e17, None):
         other = enqueue("test.noop", value)

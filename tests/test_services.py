@@ -25,7 +25,13 @@ from django_persistent_jobs import (
 from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner, store
-from tests.core_support import db_now, notifications_until_marker, raw_connection, wait_for
+from tests.core_support import (
+    claim_as,
+    db_now,
+    notifications_until_marker,
+    raw_connection,
+    wait_for,
+)
 
 STARTED = threading.Event()
 SAW_CANCEL: list[bool] = []
@@ -50,7 +56,7 @@ def cancellable(payload: dict[str, Any], ctx: JobContext) -> None:
 
 def claim_one() -> store.ClaimedJob:
     with connection.cursor() as cursor:
-        (job,) = store.claim(cursor, "core-svc", 1, None)
+        (job,) = claim_as(cursor, "core-svc", 1, None)
     return job
 
 
@@ -181,7 +187,7 @@ def test_cancel_a_waiting_job(status: str) -> None:
     assert (result.last_error_code, result.last_error) == ("CANCELLED", "cancelled by an operator")
     assert PersistentJob.objects.get(id=job.id).status == "cancelled"
     with connection.cursor() as cursor:
-        assert store.claim(cursor, "core-svc", 10, None) == []
+        assert claim_as(cursor, "core-svc", 10, None) == []
 
 
 @pytest.mark.django_db

@@ -14,8 +14,8 @@ from django.db import connection, transaction
 
 from django_persistent_jobs import enqueue, enqueue_many, signals
 from django_persistent_jobs.models import JobStatus, PersistentJob
-from django_persistent_jobs.runner import Runner, store
-from tests.core_support import wait_for
+from django_persistent_jobs.runner import Runner
+from tests.core_support import claim_as, wait_for
 from tests.runner_support import wait_status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -112,7 +112,7 @@ def test_a_rescued_attempt_is_reported_by_the_rescuer(
         recorder: Recorder, start_runner: Callable[..., Runner]):
     job = enqueue("test.ledger", {})
     with connection.cursor() as cursor:  # claimed by a runner that never existed
-        [claimed] = store.claim(cursor, "ghost-runner", 1, None)
+        [claimed] = claim_as(cursor, "ghost-runner", 1, None, ghost=True)
     assert claimed.id == job.id
     runner = start_runner(concurrency=1)
     wait_status(job.id, JobStatus.COMPLETED)

@@ -76,10 +76,15 @@ def claim_loop(runner: Runner) -> None:
                                   job_types=registry.job_types(), direct=pool.idle(),
                                   started=tokens, started_at=times)
 
+        # Read before the claim: a lease lost and taken again during it starts a new period,
+        # and these jobs must not take the fast path then (``starts.Lease``).
+        period = runner.lease.period()
         jobs = run_with_retry(runner.alias, do_claim, what="claiming jobs",
                               interrupt=runner.stopping)
         if jobs is None:
             break
+        for job in jobs:
+            job.lease_period = period
         if not jobs and not heartbeat_fresh(runner):
             continue  # skipped, not "nothing due": burst mode must not stop on it
         if jobs and runner.stopping.is_set():

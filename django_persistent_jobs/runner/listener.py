@@ -33,6 +33,10 @@ from .starts import Lease
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 KEEPALIVE_SECONDS = 5.0
+#: How long one wait for notifications lasts, and how late it may end and still count as
+#: hearing from the session (see the loop).
+WAIT_SECONDS = 0.1
+LATE_SECONDS = 0.1
 #: How often to try for a lease our previous session still holds.
 LEASE_RETRY_SECONDS = 0.5
 
@@ -51,17 +55,26 @@ def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
             connection.ensure_connection()
             raw = connection.connection
             assert raw is not None
+            asked = time.monotonic()
             owned = _take_lease(raw, runner_id)
+            lease.held(owned, asked)
             raw.execute(f"LISTEN {NOTIFY_CHANNEL}")
             listening.set()
             wake.set()  # anything committed while we were not listening
             backoff.reset()
             last_ping = last_try = time.monotonic()
             while not halt.is_set():
-                lease.held(owned)
-                for _ in raw.notifies(timeout=0.1):
+                began = time.monotonic()
+                for _ in raw.notifies(timeout=WAIT_SECONDS):
                     wake.set()
                 now = time.monotonic()
+                if now - began <= WAIT_SECONDS + LATE_SECONDS:
+                    # A wait that ended in time without an error: the server had not ended the
+                    # session when it began (it would have said so, and the wait would have
+                    # raised). A wait that overran proves nothing (this process was frozen, or
+                    # starved, meanwhile, and the session may have ended unread): the next
+                    # wait, which reads whatever came, decides.
+                    lease.held(owned, began)
                 if not owned and now - last_try >= LEASE_RETRY_SECONDS:
                     # Our previous session still holds it (the server has not noticed that
                     # it is gone): take it over the moment it goes.

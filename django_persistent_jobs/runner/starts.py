@@ -50,28 +50,63 @@ FRESH_SECONDS = 0.3
 
 
 class Lease:
-    """Whether this runner's LISTEN session holds its lease, and when it was last heard from
-    (``listener.listen_loop`` keeps it; the executors read it at each start)."""
+    """Whether this runner's LISTEN session holds its lease, since when without a break (its
+    *period*), and when it was last heard from (``listener.listen_loop`` keeps it; the executors
+    read it at each start).
+
+    A job may start on the fast path only if its runner held the lease without a break from
+    before the job was claimed until the start (the same period) and was heard from within
+    ``FRESH_SECONDS``. A lease lost and taken again (the LISTEN session was terminated while
+    this process was frozen, say) starts a new period: the jobs claimed in the old one may have
+    been handed back in the gap, so they go through the gate, which refuses those.
+
+    The state is one tuple, replaced whole, so a reader on another thread never pairs one
+    period's number with another period's time.
+    """
 
     def __init__(self) -> None:
-        self.heard_at: float | None = None
+        #: (period, monotonic time last heard from holding it); the time is None while the
+        #: lease is not held. Periods are numbered from 1; 0 means never held.
+        self._state: tuple[int, float | None] = (0, None)
 
-    def held(self, owned: bool) -> None:
-        self.heard_at = time.monotonic() if owned else None
+    @property
+    def heard_at(self) -> float | None:
+        return self._state[1]
+
+    def held(self, owned: bool, at: float | None = None) -> None:
+        """The session was heard from at ``at`` (default: now) holding the lease (``owned``)
+        or not. ``at`` must be a time by which the session was known alive: the start of a
+        wait on it that ended in time without an error, not the moment after a long gap."""
+        period, heard = self._state
+        if not owned:
+            self._state = (period, None)
+            return
+        when = time.monotonic() if at is None else at
+        self._state = (period if heard is not None else period + 1,
+                       when if heard is None else max(heard, when))
 
     def lost(self) -> None:
-        self.heard_at = None
+        self._state = (self._state[0], None)
 
-    def fresh(self) -> bool:
-        heard = self.heard_at
-        return heard is not None and time.monotonic() - heard <= FRESH_SECONDS
+    def period(self) -> int | None:
+        """The current period while the lease is held (stamp it on the jobs claimed now), else
+        None (jobs claimed now never take the fast path)."""
+        period, heard = self._state
+        return period if heard is not None else None
 
-    def fresh_until(self) -> float:
-        """The monotonic time until which a start takes the fast path (0: none does). Worker
-        processes get it with their jobs and apply ``fresh``'s rule at the real start: the
-        clock is the system-wide ``CLOCK_MONOTONIC``, the same in every process."""
-        heard = self.heard_at
-        return 0.0 if heard is None else heard + FRESH_SECONDS
+    def fresh(self, period: int | None) -> bool:
+        """Whether a job claimed in ``period`` may start on the fast path now."""
+        return time.monotonic() < self.fresh_until(period)
+
+    def fresh_until(self, period: int | None) -> float:
+        """The monotonic time until which a start of a job claimed in ``period`` takes the fast
+        path (0: none does). Worker processes get it with their jobs and apply ``fresh``'s rule
+        at the real start: the clock is the system-wide ``CLOCK_MONOTONIC``, the same in every
+        process."""
+        current, heard = self._state
+        if heard is None or period is None or period != current:
+            return 0.0
+        return heard + FRESH_SECONDS
 
 
 class StartLog:

@@ -69,6 +69,10 @@ class ClaimedJob:
     #: Claimed to wait for a free worker: its attempt is recorded as started only when a
     #: worker is about to run it (``starts.StartGate``).
     waiting: bool = False
+    #: The period of this runner's lease it was claimed in (``starts.Lease.period``), or None
+    #: if the lease was not held then: a waiting job starts on the fast path only in the same
+    #: period.
+    lease_period: int | None = None
 
 
 @contextmanager
@@ -187,6 +191,12 @@ def claim_sql(limit: int, with_queues: bool = False, with_types: bool = False,
     is between two CTEs. (Joining the attempt CTE to the job table instead let a generic plan
     made on empty tables, which expects one row from every CTE, pick a nested loop that probed
     the whole id array once per claimed job: a claim of 100 jobs made 10,000 index lookups.)
+
+    A runner claims only while its row exists (one primary-key probe, evaluated once per
+    statement): a runner that was frozen past the stale-lock timeout and reaped checks its own
+    heartbeat's freshness in Python before it claims, but a freeze between that check and the
+    claim would otherwise let it claim under a deleted row, jobs that the next rescue takes
+    back at once. Now such a runner claims nothing until its heartbeat has registered it again.
     """
     return f"""
 WITH picked AS (
@@ -200,6 +210,7 @@ WITH picked AS (
                               ::regclass)),
         updated_at = now()
     WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
+        AND EXISTS (SELECT 1 FROM persistent_jobs_runners r WHERE r.id = %(runner)s)
     RETURNING j.id, j.job_type, j.payload::text AS payload, j.attempts, j.max_retries,
         j.timeout_seconds, j.lock_token, j.queue, j.priority, j.cancel_requested,
         j.next_run_at, j.tenant

@@ -640,8 +640,9 @@ class Runner:
 
     def _starting(self, item: InFlight) -> None:
         """A waiting job is about to start: on the fast path (its start noted, written with
-        the next claim) while this runner's lease is fresh, else through the gate."""
-        if self.lease.fresh():
+        the next claim) while this runner's lease is fresh and has been held since the job
+        was claimed, else through the gate."""
+        if self.lease.fresh(item.job.lease_period):
             item.job.waiting = False
             self.starts.note(item.job.token)
 

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from django_persistent_jobs.models import PersistentJob, due, held_by_dedup
 from django_persistent_jobs.runner import store
+from tests.core_support import claim_as
 
 SEQ_SCAN_ON_JOBS = re.compile(r"Seq Scan on persistent_jobs(?!_)")
 
@@ -203,7 +204,7 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
         cursor.execute("SELECT id FROM persistent_jobs WHERE status IN ('pending', 'failed') "
                        "ORDER BY priority DESC, next_run_at LIMIT 3")
         expected = [r[0] for r in cursor.fetchall()]
-        assert [j.id for j in store.claim(cursor, "r", 3, None)] == expected
+        assert [j.id for j in claim_as(cursor, "r", 3, None)] == expected
 
 
 @pytest.mark.django_db
@@ -258,7 +259,7 @@ def test_claimable_lists_what_the_claim_takes_in_order() -> None:
         expected = list(PersistentJob.objects.claimable(queues=queues, job_types=types)
                         .values_list("id", flat=True))
         with transaction.atomic(), connection.cursor() as cursor:
-            claimed = [j.id for j in store.claim(cursor, "r", 100, queues, types)]
+            claimed = [j.id for j in claim_as(cursor, "r", 100, queues, types)]
             transaction.set_rollback(True)
         assert claimed == expected, (queues, types)
     assert len(PersistentJob.objects.claimable()) == 5

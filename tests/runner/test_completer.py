@@ -17,7 +17,7 @@ from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.runner import Runner, store
 from django_persistent_jobs.runner.completer import Completer
-from tests.core_support import pj_settings, raw_connection, wait_for
+from tests.core_support import claim_as, pj_settings, raw_connection, wait_for
 from tests.runner_support import Gate, finished, isolated_registry
 from tests.testapp.models import LedgerEntry
 
@@ -39,7 +39,7 @@ def commits() -> int:
 
 def claim(count: int) -> list[store.ClaimedJob]:
     with raw_connection() as conn, conn.cursor() as cursor:
-        return store.claim(cursor, "completer-test", count, None)
+        return claim_as(cursor, "completer-test", count, None)
 
 
 def complete_from_threads(completer: Completer, jobs: list[store.ClaimedJob]) -> dict[Any, Any]:

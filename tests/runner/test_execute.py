@@ -31,6 +31,7 @@ from django_persistent_jobs.enqueuing import enqueue
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
+from tests.core_support import claim_as
 from tests.runner_support import (
     Gate,
     attempts_of,
@@ -154,7 +155,7 @@ def test_the_settling_statement_resolves_a_replace_race_for_every_caller(
     job_handler("hs.replace_store", dedup=Dedup.REPLACE)(lambda payload: None)
     job = enqueue("hs.replace_store", {"first": True}, dedup_key="k")
     with connection.cursor() as cursor:
-        [claimed] = store.claim(cursor, "ghost:settle", 1, None)
+        [claimed] = claim_as(cursor, "ghost:settle", 1, None, ghost=True)
     enqueuer = HeldEnqueue("hs.replace_store", "k").start()
     held.append(enqueuer)
     assert enqueuer.inserted.wait(20) and enqueuer.error is None

@@ -18,6 +18,7 @@ from django_persistent_jobs import JobContext, enqueue, job_handler
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner, store
+from tests.core_support import claim_as
 from tests.runner_support import (
     Gate,
     OutputReader,
@@ -49,7 +50,7 @@ def _claim_as(runner_id: str, *, register: bool = True, heartbeat_age: float = 0
                 "UPDATE persistent_jobs_runners SET heartbeat_at = now() - %s * interval "
                 "'1 second' WHERE id = %s", [heartbeat_age, runner_id],
             )
-        [claimed] = store.claim(cursor, runner_id, 1, None)
+        [claimed] = claim_as(cursor, runner_id, 1, None, ghost=not register)
     return claimed
 
 

@@ -13,13 +13,13 @@ from django.db import connection, transaction
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.core_support import conninfo, db_now, raw_connection
+from tests.core_support import claim_as, conninfo, db_now, raw_connection
 
 
 def claim(runner: str = "r1", limit: int = 10,
           queues: tuple[str, ...] | None = None) -> list[store.ClaimedJob]:
     with connection.cursor() as cursor:
-        return store.claim(cursor, runner, limit, queues)
+        return claim_as(cursor, runner, limit, queues)
 
 
 def transition(job: store.ClaimedJob, token: int | None = None, **kwargs: Any) -> str | None:
@@ -52,14 +52,14 @@ def test_second_connection_skips_locked_rows_and_never_blocks() -> None:
             mine = claim("runner-a", limit=2)
             assert [j.id for j in mine] == [jobs[0].id, jobs[1].id]  # highest priority first
             with other.cursor() as cursor:  # returns at once: a wait would hit lock_timeout
-                theirs = store.claim(cursor, "runner-b", 10, None)
-                again = store.claim(cursor, "runner-b", 10, None)
+                theirs = claim_as(cursor, "runner-b", 10, None)
+                again = claim_as(cursor, "runner-b", 10, None)
             assert [j.id for j in theirs] == [jobs[2].id]
             assert again == []
             assert theirs[0].payload == {"i": 2} and theirs[0].attempt == 1
         # runner-a's claim committed: the rows are running, nothing is left for runner-b.
         with other.cursor() as cursor:
-            assert store.claim(cursor, "runner-b", 10, None) == []
+            assert claim_as(cursor, "runner-b", 10, None) == []
         statuses = dict(PersistentJob.objects.values_list("id", "locked_by"))
         assert statuses == {jobs[0].id: "runner-a", jobs[1].id: "runner-a",
                             jobs[2].id: "runner-b"}
@@ -76,10 +76,10 @@ def test_a_rolled_back_claim_leaves_the_jobs_for_others() -> None:
         with pytest.raises(Abort), transaction.atomic():
             assert [j.id for j in claim("runner-a")] == [job.id]
             with other.cursor() as cursor:
-                assert store.claim(cursor, "runner-b", 10, None) == []
+                assert claim_as(cursor, "runner-b", 10, None) == []
             raise Abort
         with other.cursor() as cursor:
-            (taken,) = store.claim(cursor, "runner-b", 10, None)
+            (taken,) = claim_as(cursor, "runner-b", 10, None)
     assert taken.id == job.id and taken.attempt == 1  # the aborted claim left no trace
     assert list(JobAttempt.objects.values_list("runner_id", flat=True)) == ["runner-b"]
 
@@ -244,7 +244,7 @@ def test_claim_sql_runs_on_a_plain_psycopg_connection() -> None:
     """The store takes any DB-API cursor: the second-connection tests rely on it."""
     job = enqueue("test.noop", {"k": [1, 2]})
     with psycopg.connect(**conninfo(), autocommit=True) as conn, conn.cursor() as cursor:
-        (claimed,) = store.claim(cursor, "raw", 1, None)
+        (claimed,) = claim_as(cursor, "raw", 1, None)
         assert claimed.payload == {"k": [1, 2]}
         assert store.complete(cursor, claimed)
     assert PersistentJob.objects.get(id=job.id).status == "completed"
@@ -258,7 +258,7 @@ def test_the_claim_is_prepared_and_the_completion_planned_each_time() -> None:
     jobs = [enqueue("test.noop", {"i": i}) for i in range(2)]
     with connection.cursor() as cursor:
         for _ in jobs:
-            (claimed,) = store.claim(cursor, "prep", 1, None)
+            (claimed,) = claim_as(cursor, "prep", 1, None)
             assert store.complete(cursor, claimed)
         cursor.execute("SELECT statement FROM pg_prepared_statements")
         statements = [row[0] for row in cursor.fetchall()]

@@ -19,7 +19,7 @@ from django.utils import timezone
 from django_persistent_jobs.enqueuing import enqueue_many
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner, store
-from tests.core_support import conninfo, wait_for
+from tests.core_support import conninfo, register_runner, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -32,6 +32,7 @@ def waiting(**fields: Any) -> PersistentJob:
 
 
 def claim_ids(scan: store.ClaimScan, limit: int) -> list[Any]:
+    register_runner("scan")
     with connection.cursor() as cursor:
         return [j.id for j in scan.claim(cursor, "scan", limit, None)]
 

@@ -22,7 +22,7 @@ from django.db import connection
 
 from django_persistent_jobs import enqueue, enqueue_many, signals
 from django_persistent_jobs.runner import store
-from tests.core_support import raw_connection, wait_for
+from tests.core_support import claim_as, raw_connection, wait_for
 
 TABLES = ("persistent_jobs", "persistent_jobs_attempts")
 #: A claim key before every job (``store.ClaimKey``): a resumed claim that sees them all.
@@ -82,7 +82,7 @@ def claim_of_150_fetches_a_few_rows_per_job(
     each job table: a few per job, not one per job per claimed job."""
     with claimer.transaction():
         before = xact_counts(claimer)
-        jobs = store.claim(claims, "plans", 150, None, ["test.noop"], after=key)
+        jobs = claim_as(claims, "plans", 150, None, ["test.noop"], after=key)
         after = xact_counts(claimer)
     assert len(jobs) == 150
     fetched = {t: after[t][1] - before[t][1] for t in TABLES}
@@ -102,9 +102,9 @@ def test_per_job_statements_use_indexes_after_statistics_of_empty_tables(analyze
         # more than five times (after five custom plans PostgreSQL settles on a generic one).
         for _ in range(8):
             store.index_only_session(claims)
-            assert store.claim(claims, "plans", 10, None, ["test.noop"]) == []
-            assert store.claim(claims, "plans", 150, None, ["test.noop"]) == []
-            assert store.claim(claims, "plans", 150, None, ["test.noop"], after=EARLIEST) == []
+            assert claim_as(claims, "plans", 10, None, ["test.noop"]) == []
+            assert claim_as(claims, "plans", 150, None, ["test.noop"]) == []
+            assert claim_as(claims, "plans", 150, None, ["test.noop"], after=EARLIEST) == []
             assert not store.complete(handles, nobody)
             assert store.transition(handles, nobody.id, nobody.token, kind="retry", code="E",
                                     message="m") is None
@@ -114,7 +114,7 @@ def test_per_job_statements_use_indexes_after_statistics_of_empty_tables(analyze
 
         with claimer.transaction():
             before = xact_counts(claimer)
-            jobs = store.claim(claims, "plans", 10, None, ["test.noop"])
+            jobs = claim_as(claims, "plans", 10, None, ["test.noop"])
             after = xact_counts(claimer)
         assert len(jobs) == 10
         with handler.transaction():

@@ -15,7 +15,7 @@ from django.db import connection, transaction
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.core_support import blocked_backends, raw_connection, wait_for
+from tests.core_support import blocked_backends, claim_as, raw_connection, wait_for
 
 
 def started_flags() -> dict[int, bool]:
@@ -26,7 +26,7 @@ def started_flags() -> dict[int, bool]:
 def test_jobs_beyond_the_idle_workers_are_recorded_waiting_until_admitted() -> None:
     ids = [enqueue("test.noop", {"i": i}, priority=10 - i).id for i in range(3)]
     with connection.cursor() as cursor:
-        jobs = store.claim(cursor, "wait-a", 3, None, direct=1)
+        jobs = claim_as(cursor, "wait-a", 3, None, direct=1)
     assert [j.id for j in jobs] == ids
     assert [j.waiting for j in jobs] == [False, True, True]  # claim order decides who waits
     assert started_flags() == {jobs[0].token: True, jobs[1].token: False, jobs[2].token: False}
@@ -36,7 +36,7 @@ def test_jobs_beyond_the_idle_workers_are_recorded_waiting_until_admitted() -> N
     began = datetime.now(UTC)
     enqueue("test.noop", {"i": 3}, priority=0)
     with connection.cursor() as cursor:
-        (more,) = store.claim(cursor, "wait-a", 1, None, direct=0,
+        (more,) = claim_as(cursor, "wait-a", 1, None, direct=0,
                               started=[jobs[2].token], started_at=[began])
     assert more.waiting and started_flags()[jobs[2].token]
     assert JobAttempt.objects.get(id=jobs[2].token).started_at == began
@@ -59,7 +59,7 @@ def test_a_lost_runners_waiting_job_is_released_unless_a_worker_started_it() -> 
         store.register_runner(cursor, "wait-b", "host", 1, None, 4, "test")
     first, second, third = (enqueue("test.noop", {"i": i}, priority=5 - i).id for i in range(3))
     with connection.cursor() as cursor:
-        _running, waiting, admitted = store.claim(cursor, "wait-b", 3, None, direct=1)
+        _running, waiting, admitted = claim_as(cursor, "wait-b", 3, None, direct=1)
         held = {h.id: h for h in store.waiting_jobs_of(cursor, ["wait-b"])}
         assert set(held) == {second, third}
         assert store.admit(cursor, [admitted.token]) == {admitted.token}  # a worker got there
@@ -88,7 +88,7 @@ def test_a_start_and_a_hand_back_exclude_each_other() -> None:
         store.register_runner(cursor, "wait-c", "host", 1, None, 4, "test")
     enqueue("test.noop", {})
     with connection.cursor() as cursor:
-        (job,) = store.claim(cursor, "wait-c", 1, None, direct=0)
+        (job,) = claim_as(cursor, "wait-c", 1, None, direct=0)
         (held,) = store.waiting_jobs_of(cursor, ["wait-c"])
     with raw_connection(autocommit=False) as rescuer, raw_connection() as worker:
         with rescuer.cursor() as cursor:
@@ -138,7 +138,7 @@ def test_recording_starts_skips_an_attempt_another_transaction_holds() -> None:
     for i in range(2):
         enqueue("test.noop", {"i": i}, priority=5 - i)
     with connection.cursor() as cursor:
-        first, second = store.claim(cursor, "wait-d", 2, None, direct=0)
+        first, second = claim_as(cursor, "wait-d", 2, None, direct=0)
     with raw_connection(autocommit=False) as completing:
         completing.execute("SELECT 1 FROM persistent_jobs_attempts WHERE id = %s FOR UPDATE",
                            [first.token])

@@ -12,6 +12,7 @@ from django.db import connection
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobStatus
 from django_persistent_jobs.runner import Runner, store
+from tests.core_support import claim_as
 from tests.runner_support import wait_status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -32,7 +33,7 @@ def test_lifecycle_events_are_logged_with_extra(
         store.register_runner(cursor, "ghost:logs", "ghost-host", 1, None, 1, "test")
         cursor.execute("UPDATE persistent_jobs_runners SET heartbeat_at = now() - interval "
                        "'1 hour' WHERE id = 'ghost:logs'")
-        [claimed] = store.claim(cursor, "ghost:logs", 1, None)
+        [claimed] = claim_as(cursor, "ghost:logs", 1, None)
     ok = enqueue("test.ledger", {"note": "ok"})
     flaky = enqueue("test.ledger", {"fail_times": 1})
     doomed = enqueue("test.ledger", {"permanent": True})

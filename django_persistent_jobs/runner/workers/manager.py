@@ -541,13 +541,19 @@ class ProcessExecutor(SlotWaits):
         """
         if not self._outbox:
             return
-        batches: dict[WorkerHandle, list[tuple[tuple[Any, ...], bool]]] = {}
+        # One message per worker and fast-path deadline: a job claimed in an earlier period of
+        # the lease (``starts.Lease``) goes with none.
+        batches: dict[tuple[WorkerHandle, float], list[tuple[tuple[Any, ...], bool]]] = {}
+        lease, deadlines = self.lease, {}
         for worker, item in self._outbox:
-            batches.setdefault(worker, []).append(
+            period = item.job.lease_period
+            if period not in deadlines:  # read once per flush: one message per worker
+                deadlines[period] = lease.fresh_until(period) if lease is not None else 0.0
+            fresh_until = deadlines[period]
+            batches.setdefault((worker, fresh_until), []).append(
                 (protocol.pack_job(item.job), item.ctx.cancel_requested))
         self._outbox.clear()
-        fresh_until = self.lease.fresh_until() if self.lease is not None else 0.0
-        for worker, batch in batches.items():
+        for (worker, fresh_until), batch in batches.items():
             self._send(worker, (protocol.RUN, batch, fresh_until))
 
     def cancel(self, item: InFlight) -> None:
