@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections, transaction
 from django.db.models import Q
 from django.db.models.base import ModelState
 from django.db.models.sql import Query
@@ -226,15 +226,78 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
     else:
         sql = (f"INSERT INTO persistent_jobs ({columns}) VALUES ({_values_sql()}) "
                f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}")
-    if not conf.settings.PREPARED_STATEMENTS:
+    setting = conf.settings.PREPARED_STATEMENTS
+    if not (setting if setting is not None else _may_prepare(cursor.db)):
         cursor.execute(sql, job.params())
         row: tuple[Any, ...] | None = cursor.fetchone()
         return row
     # A prepared statement: PostgreSQL parses and plans the insert once per connection
     # instead of on every call, a fifth of what a lone enqueue costs the server.
-    with prepared(cursor) as fast:
-        fast.execute(sql, job.params(), prepare=True)
-        return fast.fetchone()
+    try:
+        with prepared(cursor) as fast:
+            fast.execute(sql, job.params(), prepare=True)
+            return fast.fetchone()
+    except DatabaseError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) not in _POOLER_REFUSALS:
+            raise
+        return _unprepared_after_refusal(cursor, sql, job, exc, explicit=setting is not None)
+
+
+#: What a prepared statement meets behind a pooler that cannot keep them (PgBouncer in
+#: transaction mode before 1.24, or with ``max_prepared_statements = 0``): the statement
+#: prepared on one server connection is executed on another (26000), or a name psycopg
+#: believes free was prepared there by another client (42P05).
+_POOLER_REFUSALS = frozenset({"26000", "42P05"})
+#: Set when a prepared insert met such a refusal with ``PREPARED_STATEMENTS`` left to follow
+#: the connection: from then on this process enqueues unprepared.
+_prepare_refused = False
+
+
+def _may_prepare(db: Any) -> bool:
+    """Whether ``enqueue()`` may prepare its insert on this connection, when
+    ``PREPARED_STATEMENTS`` is None (the default): not after a pooler refused it, not where
+    the database says it sits behind one (``OPTIONS`` with ``prepare_threshold`` None,
+    psycopg's own switch for such poolers, or Django's ``DISABLE_SERVER_SIDE_CURSORS``), and
+    not while Django watches the connection's cursors (``DEBUG`` query logging, an
+    ``execute_wrapper``), which the prepared insert would bypass."""
+    if _prepare_refused:
+        return False
+    settings_dict = db.settings_dict
+    options = settings_dict.get("OPTIONS") or {}
+    if "prepare_threshold" in options and options["prepare_threshold"] is None:
+        return False
+    if settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+        return False
+    return not (db.execute_wrappers or db.queries_logged)
+
+
+def _unprepared_after_refusal(cursor: Cursor, sql: str, job: _Prepared, exc: Exception,
+                              *, explicit: bool) -> tuple[Any, ...] | None:
+    """A pooler refused the prepared insert. Following the connection (no explicit setting),
+    this process stops preparing, and an insert that ran in autocommit (nothing else was lost
+    with it) is simply sent again, unprepared. Inside a transaction, which the failed
+    statement has aborted, or with ``PREPARED_STATEMENTS = True`` asked for explicitly, the
+    caller gets an error that says what to change."""
+    global _prepare_refused
+    advice = ("set PERSISTENT_JOBS['PREPARED_STATEMENTS'] = False, or give the database "
+              "OPTIONS {'prepare_threshold': None}")
+    if explicit:
+        raise ConfigurationError(
+            f"enqueue()'s prepared insert was refused ({exc}): the database connection seems "
+            f"to go through a pooler that cannot keep prepared statements; {advice}") from exc
+    _prepare_refused = True
+    logger.warning(
+        "enqueue(): a prepared insert was refused (%s), as behind a pooler that cannot keep "
+        "prepared statements; this process enqueues unprepared from now on (to say so up "
+        "front, %s)", exc, advice, extra={"event": "prepare_refused"})
+    if cursor.db.in_atomic_block:
+        raise ConfigurationError(
+            f"enqueue()'s prepared insert was refused ({exc}) inside a transaction, which is "
+            "now aborted: roll it back and try again (this process no longer prepares the "
+            f"insert); to avoid this, {advice}") from exc
+    cursor.execute(sql, job.params())
+    row: tuple[Any, ...] | None = cursor.fetchone()
+    return row
 
 
 def _cancel_waiting_duplicates(cursor: Cursor, job_type: str, keys: list[str]) -> int:
