@@ -84,13 +84,13 @@ def test_a_database_that_says_it_is_behind_a_pooler_gets_plain_inserts(
     assert prepared_inserts() == 1
 
 
-def test_django_sees_the_insert_while_it_watches_the_cursors() -> None:
-    """The prepared insert bypasses Django's cursor: while ``DEBUG`` logging (here
-    ``CaptureQueriesContext``, as the debug toolbar does) or an ``execute_wrapper`` watches,
-    it goes through Django's cursor instead."""
+def test_django_sees_the_prepared_insert_like_any_query() -> None:
+    """It goes through Django's cursor wrapper: ``DEBUG`` query logging (here
+    ``CaptureQueriesContext``, as the debug toolbar does) and ``execute_wrapper``s (as APM
+    integrations do) see it, and it is still prepared."""
     with CaptureQueriesContext(connection) as captured:
         enqueue("test.noop", {})
-    assert any(q["sql"].startswith("INSERT INTO persistent_jobs") for q in captured)
+    assert any("INSERT INTO persistent_jobs" in q["sql"] for q in captured)
     seen: list[str] = []
 
     def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
@@ -100,7 +100,36 @@ def test_django_sees_the_insert_while_it_watches_the_cursors() -> None:
     with connection.execute_wrapper(wrapper):
         enqueue("test.noop", {})
     assert any(sql.startswith("INSERT INTO persistent_jobs") for sql in seen)
+    assert prepared_inserts() == 1
+
+
+def test_only_a_connection_that_reaches_postgresql_itself_prepares_by_default(
+    database_options: dict[str, Any],
+) -> None:
+    """Behind a pooler that cannot keep prepared statements a prepared statement may run
+    another client's statement of the same name: by default only a connection whose server
+    address and port are the ones it connected to prepares. A connection through a port
+    mapping, a proxy or a Unix socket sends the insert as text."""
+    connection.ensure_connection()
+    info = connection.connection.info
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT host(inet_server_addr()), inet_server_port()")
+        assert cursor.fetchone() == (info.hostaddr, info.port)  # (the suite's own setup)
+    enqueue("test.noop", {})
+    assert prepared_inserts() == 1
+    # The same server through a Unix socket: nothing says who is at the other end.
+    connection.close()
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW unix_socket_directories")
+        sockets = cursor.fetchone()[0].split(",")[0].strip()
+    connection.close()
+    database_options["HOST"] = sockets
+    enqueue("test.noop", {})
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT inet_server_addr() IS NULL")
+        assert cursor.fetchone() == (True,)
     assert prepared_inserts() == 0
+    connection.close()
 
 
 def test_a_refusal_in_autocommit_costs_nothing_and_stops_preparing(
@@ -122,7 +151,7 @@ def test_a_refusal_in_autocommit_costs_nothing_and_stops_preparing(
 def test_a_refusal_inside_a_transaction_says_what_to_do_and_the_retry_works() -> None:
     enqueue("test.noop", {"n": 1})
     forget_behind_psycopgs_back()
-    with pytest.raises(ConfigurationError, match="roll it back and try again"), \
+    with pytest.raises(ConfigurationError, match="roll it back; then try the enqueue again"), \
             transaction.atomic():
         enqueue("test.noop", {"n": 2})
     with transaction.atomic():  # what the caller does next: it works, unprepared
@@ -138,3 +167,15 @@ def test_a_refusal_with_prepared_statements_asked_for_is_an_error() -> None:
             enqueue("test.noop", {"n": 2})
     assert not enqueuing._prepare_refused  # asked for explicitly: not switched off behind it
     assert [j.payload for j in PersistentJob.objects.all()] == [{"n": 1}]
+
+
+def test_a_refusal_of_a_keyed_enqueue_in_autocommit_says_to_try_again() -> None:
+    """A Replace enqueue in autocommit runs in a transaction of its own (its savepoint), which
+    the refusal ends: the caller, who opened no transaction, is told to try again, and that
+    works."""
+    enqueue("test.noop", {"n": 1}, dedup_key="first", dedup="replace")  # its insert prepared
+    forget_behind_psycopgs_back()
+    with pytest.raises(ConfigurationError, match="try the enqueue again"):
+        enqueue("test.noop", {"n": 2}, dedup_key="k", dedup="replace")
+    enqueue("test.noop", {"n": 3}, dedup_key="k", dedup="replace")
+    assert sorted(j.payload["n"] for j in PersistentJob.objects.all()) == [1, 3]

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..conf import RunnerSettings
     from .executor import Executor
     from .lifecycle import Beating
+    from .starts import Lease
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
@@ -59,24 +60,30 @@ class Liveness:
     """
 
     def __init__(self, alias: str, runner_id: str, settings: RunnerSettings,
-                 register: Callable[[Cursor], None]) -> None:
+                 register: Callable[[Cursor], None], lease: Lease | None = None) -> None:
         self.alias = alias
         self.runner_id = runner_id
         self.settings = settings
         self.register = register
+        #: Told of every beat: a waiting job starts on the fast path only while the last beat
+        #: keeps this runner's row safe from a reaper (``starts.Lease.beaten``).
+        self.lease = lease
         self.last_beat: float | None = None
         self.healthy_since: float | None = None
         #: Notified after every successful beat (the claim loop waits on it when its
         #: heartbeat is too old to claim).
         self.beaten = threading.Condition()
 
-    def note_beat(self) -> None:
-        """Record a successful heartbeat (registration counts as one)."""
+    def note_beat(self, reregistered: bool = False) -> None:
+        """Record a successful heartbeat (registration counts as one); ``reregistered``: it
+        found this runner's row gone and wrote it again."""
         now = time.monotonic()
         if (self.last_beat is None
                 or now - self.last_beat > GAP_INTERVALS * self.settings.heartbeat_interval):
             self.healthy_since = now
         self.last_beat = now
+        if self.lease is not None:
+            self.lease.beaten(now + fresh_limit(self.settings), reregistered)
         with self.beaten:
             self.beaten.notify_all()
 
@@ -100,7 +107,7 @@ class Liveness:
                                backoff=Backoff(first=min(0.05, cap), cap=cap))
         if alive is None:
             return  # halted while the database was away
-        self.note_beat()
+        self.note_beat(reregistered=alive is False)
         if alive is False:
             logger.warning(
                 "runner %s was presumed dead by another runner (heartbeat too old); its jobs "
@@ -114,9 +121,12 @@ def heartbeat_fresh(subject: Beating) -> bool:
     stale-lock timeout. A runner that was frozen or cut off beats (and re-registers if it was
     reaped) before it claims again, so it never claims jobs under a row others have deleted."""
     last = subject.last_beat
-    settings = subject.settings
-    limit = max(settings.stale_lock_timeout / 2, GAP_INTERVALS * settings.heartbeat_interval)
-    return last is not None and time.monotonic() - last <= limit
+    return last is not None and time.monotonic() - last <= fresh_limit(subject.settings)
+
+
+def fresh_limit(settings: RunnerSettings) -> float:
+    """How long after a beat this runner counts as safe from a reaper (``heartbeat_fresh``)."""
+    return max(settings.stale_lock_timeout / 2, GAP_INTERVALS * settings.heartbeat_interval)
 
 
 def heartbeat_loop(liveness: Liveness, halt: threading.Event) -> None:

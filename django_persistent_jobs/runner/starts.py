@@ -26,6 +26,7 @@ charged.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -68,6 +69,19 @@ class Lease:
         #: (period, monotonic time last heard from holding it); the time is None while the
         #: lease is not held. Periods are numbered from 1; 0 means never held.
         self._state: tuple[int, float | None] = (0, None)
+        #: Until when this runner's last heartbeat keeps its row safe from a reaper, which
+        #: hands back waiting jobs whatever the lease says (``heartbeat.Liveness`` sets it):
+        #: no fast start after it. Infinite for a lease no heartbeat feeds (unit tests).
+        self._beat_until = math.inf
+
+    def beaten(self, until: float, reregistered: bool = False) -> None:
+        """A heartbeat went through: fast starts may go on until ``until``. ``reregistered``:
+        the beat found this runner's row gone (it was presumed dead and its waiting jobs may
+        have been handed back), so the current period ends here and the jobs claimed in it
+        go through the gate."""
+        if reregistered:
+            self.lost()
+        self._beat_until = until
 
     @property
     def heard_at(self) -> float | None:
@@ -106,7 +120,7 @@ class Lease:
         current, heard = self._state
         if heard is None or period is None or period != current:
             return 0.0
-        return heard + FRESH_SECONDS
+        return min(heard + FRESH_SECONDS, self._beat_until)
 
 
 class StartLog:

@@ -193,7 +193,8 @@ class Runner:
         self.pool.on_start = self._starting
         self.timeouts = TimeoutEnforcer(self.alias, self.runner_id, self.pool, self.forced)
         # Liveness as this runner itself knows it (maintained by the heartbeat loop).
-        self.liveness = Liveness(self.alias, self.runner_id, self.settings, self.register)
+        self.liveness = Liveness(self.alias, self.runner_id, self.settings, self.register,
+                                 self.lease)
         self.loops: list[Loop] = []
         self._supervisor: threading.Thread | None = None
         self._launched = False  # run() or start() was called: stop() has something to wait for

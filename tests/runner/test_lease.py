@@ -61,3 +61,20 @@ def test_freshness_runs_from_when_the_session_was_heard_from_not_from_the_report
     assert lease.fresh_until(period) == long_ago + FRESH_SECONDS
     lease.held(True)
     assert lease.fresh(period)
+
+
+def test_no_fast_start_once_the_last_heartbeat_no_longer_keeps_the_row_safe() -> None:
+    """A reaper hands back waiting jobs whatever the lease says: after a freeze longer than the
+    stale-lock timeout the LISTEN session may still hold the lease, so the last beat bounds
+    the fast path too, and a beat that found the row gone ends the period."""
+    lease = Lease()
+    lease.held(True)
+    period = lease.period()
+    lease.beaten(time.monotonic() - 1)  # the last beat's protection ran out a second ago
+    assert not lease.fresh(period)
+    lease.beaten(time.monotonic() + 30)
+    assert lease.fresh(period)
+    lease.beaten(time.monotonic() + 30, reregistered=True)  # it had been reaped
+    assert not lease.fresh(period) and lease.period() is None
+    lease.held(True)
+    assert lease.fresh(lease.period()) and not lease.fresh(period)
