@@ -70,8 +70,7 @@ SETTING_CHECKS: dict[str, tuple[str, _Hint]] = {
     "MAX_MEMORY_PER_WORKER": ("persistent_jobs.E033", "Use MiB (a number > 0), or None."),
     "TIMEOUT_GRACE": ("persistent_jobs.E034", "Use seconds (a number or a timedelta)."),
     "REDACT_KEYS": ("persistent_jobs.E030", "For example ['password', 'token']."),
-    "PREPARED_STATEMENTS": ("persistent_jobs.E035",
-                            "Use True, False or None (None follows the connection)."),
+    "PREPARED_STATEMENTS": ("persistent_jobs.E035", "Use True or False."),
 }
 
 #: Handlers registered with ``@job_handler``.

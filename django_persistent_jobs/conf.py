@@ -170,12 +170,6 @@ def _boolean(key: str, value: Any) -> str | None:
     return None
 
 
-def _optional_boolean(key: str, value: Any) -> str | None:
-    if value is not None and not isinstance(value, bool):
-        return f"{_name(key)} must be True, False or None, got {bounds.show(value)}."
-    return None
-
-
 def _callable(key: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -408,12 +402,9 @@ class Settings:
     #: Seconds between scheduler passes.
     SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
     #: A server-side prepared statement for ``enqueue()``'s insert (the runner's claim is always
-    #: prepared). None (the default) follows the connection: prepared unless its psycopg
-    #: ``prepare_threshold`` is None (psycopg's own switch for poolers that cannot keep prepared
-    #: statements), the database has ``DISABLE_SERVER_SIDE_CURSORS``, or Django is watching its
-    #: cursors (``DEBUG`` query logging, ``execute_wrapper``s), which a prepared statement
-    #: would bypass (``store.may_prepare``).
-    PREPARED_STATEMENTS = Setting[bool | None](None, _optional_boolean, _same)
+    #: prepared). Off by default: web processes often reach the database through a pooler that
+    #: cannot keep prepared statements (PgBouncer before 1.21 in transaction mode).
+    PREPARED_STATEMENTS = Setting[bool](False, _boolean, bool)
     #: Free hand-backs of one job at shutdown; later ones are charged as attempts.
     HANDBACK_LIMIT = Setting[int](3, _non_negative_int, int)
     #: Worker processes ``runjobs`` runs handlers in (0: threads of the runjobs process);

@@ -8,7 +8,6 @@ first statement, so bad input writes nothing.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import uuid
@@ -18,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.db.models import Q
 from django.db.models.base import ModelState
 from django.db.models.sql import Query
@@ -29,6 +28,7 @@ from .handlers import HandlerSpec, registry
 from .ids import UUID7Batch, uuid7
 from .models import JOB_COLUMNS_SQL, WAITING_DEDUP, PersistentJob, job_from_row
 from .payload import PayloadLimits, prepare_payload
+from .runner.store import prepared
 from .types import Dedup
 
 if TYPE_CHECKING:
@@ -226,129 +226,15 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
     else:
         sql = (f"INSERT INTO persistent_jobs ({columns}) VALUES ({_values_sql()}) "
                f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}")
-    setting = conf.settings.PREPARED_STATEMENTS
-    if not (setting if setting is not None else _may_prepare(cursor.db)):
+    if not conf.settings.PREPARED_STATEMENTS:
         cursor.execute(sql, job.params())
         row: tuple[Any, ...] | None = cursor.fetchone()
         return row
     # A prepared statement: PostgreSQL parses and plans the insert once per connection
     # instead of on every call, a fifth of what a lone enqueue costs the server.
-    try:
-        return _execute_prepared(cursor, sql, job.params())
-    except DatabaseError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) not in _POOLER_REFUSALS:
-            raise
-        return _unprepared_after_refusal(cursor, sql, job, exc, explicit=setting is not None)
-
-
-def _execute_prepared(cursor: Cursor, sql: str, params: list[Any]) -> tuple[Any, ...] | None:
-    """Run ``sql`` as a prepared statement through Django's own cursor wrapper, so that what
-    watches Django's cursors (``execute_wrapper``s, ``DEBUG`` query logging and the debug
-    toolbar, APM integrations) sees it like any query. Django's cursors bind parameters
-    client-side, which cannot prepare: this one is Django's server-binding cursor on the same
-    connection (so the same transaction), made to prepare on first use for this execution
-    only."""
-    from django.db.backends.postgresql.base import ServerBindingCursor
-
-    db = cursor.db
-    raw = db.connection
-    binding: Any = ServerBindingCursor  # (the stubs know only Django's own calls of it)
-    server = binding(raw)
-    wrapped = db.make_debug_cursor(server) if db.queries_logged else db.make_cursor(server)
-    threshold = raw.prepare_threshold
-    raw.prepare_threshold = 0
-    try:
-        wrapped.execute(sql, params)
-        row: tuple[Any, ...] | None = wrapped.fetchone()
-        return row
-    finally:
-        raw.prepare_threshold = threshold
-        server.close()
-
-
-#: What a prepared statement meets behind a pooler that cannot keep them (PgBouncer in
-#: transaction mode before 1.24, or with ``max_prepared_statements = 0``), if the connection
-#: check below let one through: the statement prepared on one server connection is executed
-#: on another, where it does not exist (26000), or where another client's statement has its
-#: name (42P05 when preparing, 08P01 when its parameters differ).
-_POOLER_REFUSALS = frozenset({"26000", "42P05", "08P01"})
-#: Set when a prepared insert met such a refusal with ``PREPARED_STATEMENTS`` left to follow
-#: the connection: from then on this process enqueues unprepared.
-_prepare_refused = False
-
-
-def _may_prepare(db: Any) -> bool:
-    """Whether ``enqueue()`` may prepare its insert on this connection, when
-    ``PREPARED_STATEMENTS`` is None (the default): not after a pooler refused it, not where
-    the database says it sits behind one (``OPTIONS`` with ``prepare_threshold`` None,
-    psycopg's own switch for such poolers, or Django's ``DISABLE_SERVER_SIDE_CURSORS``), and
-    only on a connection that reaches PostgreSQL itself (``_direct``)."""
-    if _prepare_refused:
-        return False
-    settings_dict = db.settings_dict
-    options = settings_dict.get("OPTIONS") or {}
-    if "prepare_threshold" in options and options["prepare_threshold"] is None:
-        return False
-    if settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
-        return False
-    return _direct(db)
-
-
-def _direct(db: Any) -> bool:
-    """Whether this connection talks to PostgreSQL itself, not through a proxy or pooler:
-    the server's own address and port (``inet_server_addr()``, ``inet_server_port()``) are
-    the ones the client connected to. Behind a pooler that cannot keep prepared statements
-    a prepared statement may silently run another client's statement of the same name, so
-    only a connection known to be direct prepares by default. (A Unix-socket connection, a
-    port mapping or a service address is not known to be direct: it sends the insert as
-    text.) Asked once per connection, with Django's cursor."""
-    db.ensure_connection()
-    raw = db.connection
-    known = getattr(db, "_pj_direct", None)
-    if known is not None and known[0] is raw:
-        return bool(known[1])
-    direct = False
-    try:
-        client_addr, client_port = raw.info.hostaddr, raw.info.port
-        with db.cursor() as cursor:
-            cursor.execute("SELECT host(inet_server_addr()), inet_server_port()")
-            server_addr, server_port = cursor.fetchone()
-        direct = (server_addr is not None and server_port == client_port
-                  and ipaddress.ip_address(server_addr) == ipaddress.ip_address(client_addr))
-    except (ValueError, DatabaseError, psycopg.Error):
-        direct = False
-    db._pj_direct = (raw, direct)
-    return direct
-
-
-def _unprepared_after_refusal(cursor: Cursor, sql: str, job: _Prepared, exc: Exception,
-                              *, explicit: bool) -> tuple[Any, ...] | None:
-    """A pooler refused the prepared insert. Following the connection (no explicit setting),
-    this process stops preparing, and an insert that ran in autocommit (nothing else was lost
-    with it) is simply sent again, unprepared. Inside a transaction, which the failed
-    statement has aborted (or a savepoint of an enqueue with a dedup key), or with
-    ``PREPARED_STATEMENTS = True`` asked for explicitly, the caller gets an error that says
-    what to change."""
-    global _prepare_refused
-    advice = ("set PERSISTENT_JOBS['PREPARED_STATEMENTS'] = False, or give the database "
-              "OPTIONS {'prepare_threshold': None}")
-    if explicit:
-        raise ConfigurationError(
-            f"enqueue()'s prepared insert was refused ({exc}): the database connection seems "
-            f"to go through a pooler that cannot keep prepared statements; {advice}") from exc
-    _prepare_refused = True
-    logger.warning(
-        "enqueue(): a prepared insert was refused (%s), as behind a pooler that cannot keep "
-        "prepared statements; this process enqueues unprepared from now on (to say so up "
-        "front, %s)", exc, advice, extra={"event": "prepare_refused"})
-    if not cursor.db.get_autocommit():
-        raise ConfigurationError(
-            f"enqueue()'s prepared insert was refused ({exc}); if it ran in your transaction, "
-            "that transaction is aborted: roll it back; then try the enqueue again (this "
-            f"process no longer prepares the insert). To avoid this, {advice}") from exc
-    cursor.execute(sql, job.params())
-    row: tuple[Any, ...] | None = cursor.fetchone()
-    return row
+    with prepared(cursor) as fast:
+        fast.execute(sql, job.params(), prepare=True)
+        return fast.fetchone()
 
 
 def _cancel_waiting_duplicates(cursor: Cursor, job_type: str, keys: list[str]) -> int:

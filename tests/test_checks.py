@@ -118,7 +118,7 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"ALLOW_UNREGISTERED": "no"}, "persistent_jobs.E014",
      "PERSISTENT_JOBS['ALLOW_UNREGISTERED'] must be True or False, got 'no'."),
     ({"PREPARED_STATEMENTS": 1}, "persistent_jobs.E035",
-     "PERSISTENT_JOBS['PREPARED_STATEMENTS'] must be True, False or None, got 1."),
+     "PERSISTENT_JOBS['PREPARED_STATEMENTS'] must be True or False, got 1."),
 ]
 
 

@@ -298,8 +298,8 @@ def test_enqueue_many_inserts_the_batch_in_one_statement(
 @pytest.mark.django_db
 def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
     """With ``PREPARED_STATEMENTS`` PostgreSQL parses and plans a lone enqueue's insert once per
-    connection; without it the insert goes as text every time. The job is the same either way.
-    (The default follows the connection: ``test_enqueuing_prepared.py``.)"""
+    connection; without it (the default, safe behind any pooler) the insert goes as text every
+    time. The job is the same either way."""
 
     def prepared_inserts() -> int:
         with connection.cursor() as cursor:

@@ -74,16 +74,19 @@ class Liveness:
         #: heartbeat is too old to claim).
         self.beaten = threading.Condition()
 
-    def note_beat(self, reregistered: bool = False) -> None:
+    def note_beat(self, reregistered: bool = False, sent: float | None = None) -> None:
         """Record a successful heartbeat (registration counts as one); ``reregistered``: it
-        found this runner's row gone and wrote it again."""
+        found this runner's row gone and wrote it again. ``sent``: when the beat's statement
+        was sent (the row's time is no earlier), which bounds the lease's fast path: a freeze
+        between the statement and this call must not stretch it."""
         now = time.monotonic()
         if (self.last_beat is None
                 or now - self.last_beat > GAP_INTERVALS * self.settings.heartbeat_interval):
             self.healthy_since = now
         self.last_beat = now
         if self.lease is not None:
-            self.lease.beaten(now + fresh_limit(self.settings), reregistered)
+            self.lease.beaten((now if sent is None else sent) + fresh_limit(self.settings),
+                              reregistered)
         with self.beaten:
             self.beaten.notify_all()
 
@@ -96,7 +99,11 @@ class Liveness:
         return heartbeat_fresh(self)
 
     def beat(self, interrupt: threading.Event) -> None:
+        sent = time.monotonic()
+
         def do(cursor: Cursor) -> bool:
+            nonlocal sent
+            sent = time.monotonic()
             alive = store.heartbeat(cursor, self.runner_id)
             if not alive:
                 self.register(cursor)
@@ -107,7 +114,7 @@ class Liveness:
                                backoff=Backoff(first=min(0.05, cap), cap=cap))
         if alive is None:
             return  # halted while the database was away
-        self.note_beat(reregistered=alive is False)
+        self.note_beat(reregistered=alive is False, sent=sent)
         if alive is False:
             logger.warning(
                 "runner %s was presumed dead by another runner (heartbeat too old); its jobs "

@@ -62,10 +62,13 @@ class Lease:
     been handed back in the gap, so they go through the gate, which refuses those.
 
     The state is one tuple, replaced whole, so a reader on another thread never pairs one
-    period's number with another period's time.
+    period's number with another period's time; writers (the listener, and the heartbeat when
+    it finds the row gone) take a lock, so an end of period cannot be lost between a read and
+    a write of the listener's.
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         #: (period, monotonic time last heard from holding it); the time is None while the
         #: lease is not held. Periods are numbered from 1; 0 means never held.
         self._state: tuple[int, float | None] = (0, None)
@@ -79,9 +82,10 @@ class Lease:
         the beat found this runner's row gone (it was presumed dead and its waiting jobs may
         have been handed back), so the current period ends here and the jobs claimed in it
         go through the gate."""
-        if reregistered:
-            self.lost()
-        self._beat_until = until
+        with self._lock:
+            if reregistered:
+                self._state = (self._state[0], None)
+            self._beat_until = until
 
     @property
     def heard_at(self) -> float | None:
@@ -91,16 +95,18 @@ class Lease:
         """The session was heard from at ``at`` (default: now) holding the lease (``owned``)
         or not. ``at`` must be a time by which the session was known alive: the start of a
         wait on it that ended in time without an error, not the moment after a long gap."""
-        period, heard = self._state
-        if not owned:
-            self._state = (period, None)
-            return
         when = time.monotonic() if at is None else at
-        self._state = (period if heard is not None else period + 1,
-                       when if heard is None else max(heard, when))
+        with self._lock:
+            period, heard = self._state
+            if not owned:
+                self._state = (period, None)
+                return
+            self._state = (period if heard is not None else period + 1,
+                           when if heard is None else max(heard, when))
 
     def lost(self) -> None:
-        self._state = (self._state[0], None)
+        with self._lock:
+            self._state = (self._state[0], None)
 
     def period(self) -> int | None:
         """The current period while the lease is held (stamp it on the jobs claimed now), else
