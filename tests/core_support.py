@@ -130,6 +130,8 @@ def claim_as(cursor: Any, runner_id: str, limit: int, queues: tuple[str, ...] | 
     locked by a runner that no longer exists (what a reaped runner leaves behind)."""
     from django_persistent_jobs.runner import store
 
+    # Looked up first, not upserted: ``register_runner`` refreshes the heartbeat of an
+    # existing row, and callers may have aged it on purpose (a runner presumed dead).
     cursor.execute("SELECT 1 FROM persistent_jobs_runners WHERE id = %s", [runner_id])
     if cursor.fetchone() is None:
         store.register_runner(cursor, runner_id, "test-host", os.getpid(), queues, 1, "test")

@@ -87,10 +87,6 @@ class Lease:
                 self._state = (self._state[0], None)
             self._beat_until = until
 
-    @property
-    def heard_at(self) -> float | None:
-        return self._state[1]
-
     def held(self, owned: bool, at: float | None = None) -> None:
         """The session was heard from at ``at`` (default: now) holding the lease (``owned``)
         or not. ``at`` must be a time by which the session was known alive: the start of a
