@@ -38,12 +38,15 @@ def runs_of(path: Path) -> Counter[str]:
 
 
 def wait_for_gate(payload: dict[str, Any]) -> None:
+    """Wait for the gate, then ``linger`` seconds more (a scenario that needs the handler to
+    return a while after the gate opens)."""
     gate = payload.get("gate")
     if not gate:
         return
     deadline = time.monotonic() + GATE_LIMIT
     while not Path(gate).exists() and time.monotonic() < deadline:
         time.sleep(0.01)
+    time.sleep(float(payload.get("linger", 0)))
 
 
 @job_handler("faults.solo", max_retries=3, backoff=constant(0.2), timeout=60)

@@ -55,15 +55,15 @@ def _flags(ids: list[str]) -> dict[str, bool]:
                     [ids]))
 
 
-def _claim_with_waiting(fleet: Fleet, tmp_path: Path, name: str) -> tuple[
-        RunnerProcess, list[str], Path, Path]:
+def _claim_with_waiting(fleet: Fleet, tmp_path: Path, name: str, linger: float = 0.0
+                        ) -> tuple[RunnerProcess, list[str], Path, Path]:
     """A runner with one worker slot and room for ``WAITING`` more: it starts one job (held
-    at a gate) and holds the others waiting."""
+    at a gate, and ``linger`` seconds after it opens) and holds the others waiting."""
     runs, gate = tmp_path / "runs", tmp_path / "gate"
     runner = fleet.spawn(name, concurrency=1, settings={**SETTINGS, "PREFETCH": WAITING},
                          args=["--queues", "held"])
     ids = [str(job.id) for job in enqueue_many(
-        [("faults.solo", {"runs": str(runs), "gate": str(gate), "n": i})
+        [("faults.solo", {"runs": str(runs), "gate": str(gate), "n": i, "linger": linger})
          for i in range(WAITING + 1)], queue="held")]
     wait_for(lambda: status_counts(ids) == {"running": WAITING + 1} and len(runs_of(runs)) == 1,
              20, "one job started and the others waiting", reconnect=True)
@@ -157,3 +157,53 @@ def test_a_frozen_runner_whose_lease_lapsed_does_not_start_the_jobs_handed_back(
             (finisher.runner_id, "completed", "")}, attempt
     rows = sql("SELECT attempts, handbacks FROM persistent_jobs WHERE id = ANY(%s)", [waiting])
     assert rows == [(1, 1)] * WAITING  # charged once: the run that completed
+
+
+def test_a_runner_frozen_until_reaped_does_not_start_the_jobs_handed_back(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    """Frozen past the stale-lock timeout with its LISTEN session intact, so it still holds its
+    lease: another runner reaps it (its heartbeat is stale) and hands its waiting jobs back
+    anyway. Thawed, its session is heard from at once, in the same period of the lease, but
+    its last heartbeat no longer keeps its row safe: each waiting job goes through the gate and
+    is refused, never started a second time."""
+    fleet.spawn("watcher", settings=SETTINGS, args=["--queues", "default"])
+    watcher_ready = time.monotonic()
+    # The started job returns half a second after the thaw: by then the LISTEN session has been
+    # heard from again, so only the heartbeat's word keeps the next jobs off the fast path.
+    frozen, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "reaped", linger=0.5)
+    (started,) = runs_of(runs)
+    waiting = [job_id for job_id in ids if job_id != started]
+    wait_for(lambda: time.monotonic() - watcher_ready > STALE + 0.5, STALE + 5,
+             "the watcher to be allowed to rescue")
+
+    frozen.send(signal.SIGSTOP)
+    thawed = False
+    try:
+        # Its lease stays held (the session is alive): only the reap hands these back.
+        wait_for(lambda: status_counts(ids) != {"running": WAITING + 1}, 2 * STALE + 10,
+                 "the watcher to reap the frozen runner", reconnect=True)
+        wait_for(lambda: status_counts(waiting) == {"pending": WAITING}, 10,
+                 "the waiting jobs to be handed back", reconnect=True)
+        gate.touch()
+        finisher = fleet.spawn("finisher", settings=SETTINGS, args=["--queues", "held"])
+        wait_all_terminal(ids, timeout=30)
+        mark = frozen.mark()
+        frozen.send(signal.SIGCONT)
+        thawed = True
+    finally:
+        if not thawed:
+            frozen.send(signal.SIGCONT)
+    frozen.wait_line(r"not started, it was handed back while it waited", since=mark,
+                     count=WAITING)
+    frozen.wait_line(r"has registered again", since=mark)
+    assert status_counts(ids) == {"completed": WAITING + 1}
+    # The waiting jobs ran once each, on the finisher; the started one ran on the frozen runner
+    # (its completion refused) and again on the finisher after its rescue.
+    assert runs_of(runs) == {started: 2, **{job_id: 1 for job_id in waiting}}
+    for attempt in attempts_of(waiting):
+        assert attempt.runner_id in {frozen.runner_id, finisher.runner_id}, attempt
+        if attempt.runner_id == finisher.runner_id:
+            assert attempt.outcome == "completed", attempt
+        else:
+            assert attempt.outcome != "completed", attempt
