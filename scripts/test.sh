@@ -81,7 +81,8 @@ if [ "$#" -gt 0 ]; then
     exit "$status"
 fi
 # A moved test file must not silently drop out of these selections.
-for path in tests/faults tests/admin/test_browser.py tests/api/test_views_fuzz.py; do
+for path in tests/faults tests/faults/test_worker_processes.py tests/admin/test_browser.py \
+        tests/api/test_views_fuzz.py; do
     [ -e "$path" ] || { echo "scripts/test.sh names $path, which does not exist" >&2; exit 2; }
 done
 status=0
@@ -93,13 +94,22 @@ if [ -n "$PYTHON_SERIES" ]; then
     # run here).
     "$PYBIN" -m pytest --ignore=tests/faults --ignore=tests/admin/test_browser.py \
         --ignore=tests/api/test_views_fuzz.py || status=$?
-elif [ "$DJANGO_SERIES" = "6.1" ]; then
-    # The fault suite runs once per executor model, not once per model and series: here its
-    # runners hand jobs to worker processes (--processes 1), on the 5.2 leg they run them on
-    # threads (runjobs' default; tests/faults/runners.py: PJ_TEST_PROCESSES).
-    PJ_TEST_PROCESSES=1 "$PYBIN" -m pytest || status=$?
 else
-    PJ_TEST_PROCESSES=0 "$PYBIN" -m pytest || status=$?
+    # Everything but the fault suite on two pytest-xdist workers (each with its own test
+    # database): those tests wait on runner threads and PostgreSQL far more than they compute.
+    "$PYBIN" -m pytest -n 2 --ignore=tests/faults || status=$?
+    # The fault suite alone, one test at a time: it kills, freezes and times runners, and a
+    # second test beside it would blur its timings. It runs once per executor model, not once
+    # per model and series: here, on Django 6.1, its runners hand jobs to worker processes
+    # (--processes 1); on the 5.2 leg they run them on threads (runjobs' default;
+    # tests/faults/runners.py: PJ_TEST_PROCESSES). test_worker_processes.py starts its own
+    # --processes runners whatever the leg, so it runs on the process leg only.
+    if [ "$DJANGO_SERIES" = "6.1" ]; then
+        PJ_TEST_PROCESSES=1 "$PYBIN" -m pytest tests/faults || status=$?
+    else
+        PJ_TEST_PROCESSES=0 "$PYBIN" -m pytest tests/faults \
+            --ignore=tests/faults/test_worker_processes.py || status=$?
+    fi
 fi
 finish_mypy || status=1
 exit "$status"

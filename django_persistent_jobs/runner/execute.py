@@ -156,35 +156,39 @@ def log_transition(
     job: ClaimedJob, status: str | None, outcome: Outcome, runner_id: str,
     settled_as: str | None = None,
 ) -> None:
+    # The text as it was stored: a NUL or a lone surrogate from the handler's error would make
+    # a UTF-8 log handler fail to write the line ("--- Logging error ---"), losing the record.
+    code = store.storable_text(outcome.code, store.CODE_MAX_LENGTH)
+    message = store.storable_text(outcome.message, store.MESSAGE_MAX_LENGTH)
     extra = {
         "event": {"failed": "retry", "dead_lettered": "dead_letter", "cancelled": "cancelled",
                   "pending": "handed_back"}.get(status or "", "claim_lost"),
         "job_id": str(job.id), "job_type": job.job_type, "attempt": job.attempt,
-        "error_code": outcome.code, "runner_id": runner_id, "status": status,
+        "error_code": code, "runner_id": runner_id, "status": status,
     }
     if status in ("failed", "dead_lettered"):
         # One "failure" record per failed attempt, then what follows from it (retry or dead
         # letter), so a log query for failures does not depend on the verdict.
-        logger.warning("job %s attempt %d failed (%s: %s)", job.id, job.attempt, outcome.code,
-                       outcome.message, extra={**extra, "event": "failure"})
+        logger.warning("job %s attempt %d failed (%s: %s)", job.id, job.attempt, code,
+                       message, extra={**extra, "event": "failure"})
     if status == "failed":
         logger.warning("job %s: retry scheduled in %.1fs (after attempt %d, %s)", job.id,
-                       outcome.delay, job.attempt, outcome.code, extra=extra)
+                       outcome.delay, job.attempt, code, extra=extra)
     elif status == "dead_lettered":
         logger.error("job %s dead-lettered after attempt %d (%s: %s)", job.id, job.attempt,
-                     outcome.code, outcome.message, extra=extra)
+                     code, message, extra=extra)
     elif status is None and settled_as == "completed":
         # The completion committed, but the runner did not hear back (the connection died
         # during COMMIT): the job is done, exactly once, and there is nothing to retry.
         extra["event"] = "completed_unacknowledged"
         logger.info("job %s: attempt %d had committed its completion although its connection "
-                    "failed (%s); nothing to retry", job.id, job.attempt, outcome.code,
+                    "failed (%s); nothing to retry", job.id, job.attempt, code,
                     extra=extra)
     elif status is None:
         logger.warning("job %s: claim lost before the failure could be recorded (attempt "
                        "settled as %s)", job.id, settled_as, extra=extra)
     else:
-        logger.info("job %s %s (%s)", job.id, status, outcome.code, extra=extra)
+        logger.info("job %s %s (%s)", job.id, status, code, extra=extra)
 
 
 #: How many times a settling statement that failed with a non-transient error is tried again
@@ -227,7 +231,8 @@ def _settle(
         except Exception as exc:
             error = exc
             logger.warning(
-                "job %s: recording %s failed (%s: %s); %s", job.id, outcome.code,
+                "job %s: recording %s failed (%s: %s); %s", job.id,
+                store.storable_text(outcome.code, store.CODE_MAX_LENGTH),
                 type(exc).__name__, store.storable_text(exc, 500),
                 "trying again" if round_ + 1 < SETTLE_ROUNDS else "giving up",
                 extra={"event": "settle_retry", "job_id": str(job.id)},
@@ -265,7 +270,9 @@ def record_outcome(
         )
         logger.error("job %s: handing it back, its outcome could not be recorded", job.id,
                      extra={"event": "settle_failed", "job_id": str(job.id),
-                            "runner_id": runner_id, "error_code": outcome.code})
+                            "runner_id": runner_id,
+                            "error_code": store.storable_text(outcome.code,
+                                                              store.CODE_MAX_LENGTH)})
         status, second = _settle(alias, job, fallback, interrupt, "interrupted", bounded)
         if second is not None:
             raise SettleFailed(f"job {job.id}: could not record its outcome nor hand it back: "

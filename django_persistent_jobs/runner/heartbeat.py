@@ -70,6 +70,10 @@ class Liveness:
         self.lease = lease
         self.last_beat: float | None = None
         self.healthy_since: float | None = None
+        #: Whether ``may_reap`` said yes since the streak began (its log line is written once);
+        #: both under ``_streak``, since the heartbeat and rescue threads share them.
+        self._reaping = False
+        self._streak = threading.Lock()
         #: Notified after every successful beat (the claim loop waits on it when its
         #: heartbeat is too old to claim).
         self.beaten = threading.Condition()
@@ -80,20 +84,52 @@ class Liveness:
         was sent (the row's time is no earlier), which bounds the lease's fast path: a freeze
         between the statement and this call must not stretch it."""
         now = time.monotonic()
-        if (self.last_beat is None
-                or now - self.last_beat > GAP_INTERVALS * self.settings.heartbeat_interval):
-            self.healthy_since = now
-        self.last_beat = now
+        last = self.last_beat
+        if last is None or now - last > self.gap_seconds:
+            if last is not None:
+                logger.info(
+                    "runner %s: %.1fs between two heartbeats (the database was slow or away, or "
+                    "this process was frozen); it reaps no other runner until it has beaten "
+                    "without a gap for %gs", self.runner_id, now - last,
+                    self.settings.stale_lock_timeout,
+                    extra={"event": "heartbeat_gap", "runner_id": self.runner_id,
+                           "gap_seconds": round(now - last, 3)})
+            with self._streak:
+                self.healthy_since = now
+                self._reaping = False
+                self.last_beat = now
+        else:
+            self.last_beat = now
         if self.lease is not None:
             self.lease.beaten((now if sent is None else sent) + fresh_limit(self.settings),
                               reregistered)
         with self.beaten:
             self.beaten.notify_all()
 
+    @property
+    def gap_seconds(self) -> float:
+        """The longest time between two beats that does not break this runner's streak."""
+        return GAP_INTERVALS * self.settings.heartbeat_interval
+
     def may_reap(self) -> bool:
-        """Whether this runner has been beating, gap-free, for a whole stale-lock timeout."""
-        since = self.healthy_since
-        return since is not None and time.monotonic() - since >= self.settings.stale_lock_timeout
+        """Whether this runner has been beating, gap-free, for a whole stale-lock timeout. The
+        first time it has after a start or a gap is logged: an operator asking why a dead
+        runner was not reaped (and the fault suite) can see when this runner began to judge."""
+        now = time.monotonic()
+        with self._streak:
+            since, last = self.healthy_since, self.last_beat
+            # A gap is noticed only at the beat that ends it: until then (a thawed process, a
+            # database just back) an overdue beat means the streak is already broken, even
+            # though healthy_since still says otherwise.
+            allowed = (since is not None and last is not None
+                       and now - since >= self.settings.stale_lock_timeout
+                       and now - last <= self.gap_seconds)
+            first, self._reaping = allowed and not self._reaping, self._reaping or allowed
+        if first:
+            logger.info("runner %s has beaten without a gap for %gs: it now reaps runners whose "
+                        "heartbeat is stale", self.runner_id, self.settings.stale_lock_timeout,
+                        extra={"event": "reaping_allowed", "runner_id": self.runner_id})
+        return allowed
 
     def fresh(self) -> bool:
         return heartbeat_fresh(self)
@@ -188,7 +224,8 @@ def rescue(liveness: Liveness, interrupt: threading.Event) -> int:
     dead: list[tuple[str, Any]] = []
     if liveness.may_reap():
         dead = run_with_retry(
-            alias, lambda c: store.reap_dead_runners(c, stale),
+            alias, lambda c: store.reap_dead_runners(c, stale, liveness.runner_id,
+                                                     liveness.gap_seconds),
             what="reaping dead runners", interrupt=interrupt,
         ) or []
     for runner_id, last_beat in dead:
@@ -244,8 +281,14 @@ def hand_back_lapsed(liveness: Liveness, lapses: LeaseWatch, interrupt: threadin
     asked = time.monotonic()
     lapsed = run_with_retry(alias, lambda c: store.lapsed_leases(c, me),
                             what="checking runner leases", interrupt=interrupt) or []
-    if time.monotonic() - asked > LEASE_CHECK_SECONDS:
-        lapses.since.clear()  # the database was slow or away: sightings across it prove nothing
+    took = time.monotonic() - asked
+    if took > LEASE_CHECK_SECONDS:
+        # The database was slow or away: sightings across it prove nothing.
+        if lapses.since:
+            logger.info("runner %s: checking the other runners' leases took %.1fs; the lapsed "
+                        "leases it had seen are watched again from now", me, took,
+                        extra={"event": "lease_check_slow", "runner_id": me})
+        lapses.since.clear()
         return 0
     confirmed = lapses.confirm(lapsed, time.monotonic())
     if not confirmed:

@@ -704,13 +704,30 @@ def cancel_requests(cursor: Cursor, runner_id: str) -> list[Any]:
     return [row[0] for row in cursor.fetchall()]
 
 
-def reap_dead_runners(cursor: Cursor, stale_seconds: float) -> list[tuple[str, Any]]:
-    """Delete runners whose heartbeat is older than ``stale_seconds`` by the database clock."""
-    cursor.execute(
-        "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %s * interval "
-        "'1 second' RETURNING id, heartbeat_at",
-        [stale_seconds],
-    )
+def reap_dead_runners(cursor: Cursor, stale_seconds: float, reaper: str | None = None,
+                      reaper_fresh_seconds: float | None = None) -> list[tuple[str, Any]]:
+    """Delete runners whose heartbeat is older than ``stale_seconds`` by the database clock.
+
+    With ``reaper``, only while the reaper's own heartbeat is at most ``reaper_fresh_seconds``
+    old by the same clock: a statement sent before the database stalled (or this runner froze)
+    may run after it, when every runner's heartbeat looks stale, the reaper's included; then it
+    deletes nothing. The reaper's in-process rule (``heartbeat.Liveness.may_reap``) cannot see
+    that delay."""
+    if reaper is None:
+        cursor.execute(
+            "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %s * interval "
+            "'1 second' RETURNING id, heartbeat_at",
+            [stale_seconds],
+        )
+    else:
+        cursor.execute(
+            "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %(stale)s * "
+            "interval '1 second' AND EXISTS (SELECT 1 FROM persistent_jobs_runners me WHERE "
+            "me.id = %(reaper)s AND me.heartbeat_at >= now() - %(fresh)s * interval '1 second') "
+            "RETURNING id, heartbeat_at",
+            {"stale": stale_seconds, "reaper": reaper,
+             "fresh": stale_seconds if reaper_fresh_seconds is None else reaper_fresh_seconds},
+        )
     return [(row[0], row[1]) for row in cursor.fetchall()]
 
 

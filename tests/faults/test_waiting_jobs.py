@@ -55,6 +55,13 @@ def _flags(ids: list[str]) -> dict[str, bool]:
                     [ids]))
 
 
+def _until_it_reaps(runner: RunnerProcess) -> None:
+    """A runner hands back others' jobs only once it has beaten without a gap for a whole
+    stale-lock timeout (see heartbeat.py), and says so: wait for that line rather than for a
+    stale-lock timeout of wall time, since a slow beat on a loaded machine restarts the count."""
+    runner.wait_line(r"it now reaps runners whose heartbeat is stale", timeout=3 * STALE)
+
+
 def _claim_with_waiting(fleet: Fleet, tmp_path: Path, name: str, linger: float = 0.0
                         ) -> tuple[RunnerProcess, list[str], Path, Path]:
     """A runner with one worker slot and room for ``WAITING`` more: it starts one job (held
@@ -73,16 +80,12 @@ def _claim_with_waiting(fleet: Fleet, tmp_path: Path, name: str, linger: float =
 def test_a_killed_runners_waiting_jobs_are_handed_back_uncharged_before_the_stale_timeout(
     fleet: Fleet, tmp_path: Path,
 ) -> None:
-    fleet.spawn("survivor", settings=SETTINGS, args=["--queues", "default"])
-    survivor_ready = time.monotonic()  # it logged "started": it has registered and beaten
+    survivor = fleet.spawn("survivor", settings=SETTINGS, args=["--queues", "default"])
     victim, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "victim")
     (started,) = runs_of(runs)
     waiting = [job_id for job_id in ids if job_id != started]
     assert _flags(ids) == {started: True, **{job_id: False for job_id in waiting}}
-    # A runner hands back others' jobs only once it has beaten without a gap for a whole
-    # stale-lock timeout (see heartbeat.py): wait for the survivor to get there.
-    wait_for(lambda: time.monotonic() - survivor_ready > STALE + 0.5, STALE + 5,
-             "the survivor to be allowed to rescue")
+    _until_it_reaps(survivor)
 
     victim.kill()
     killed = time.monotonic()
@@ -117,13 +120,11 @@ def test_a_killed_runners_waiting_jobs_are_handed_back_uncharged_before_the_stal
 def test_a_frozen_runner_whose_lease_lapsed_does_not_start_the_jobs_handed_back(
     fleet: Fleet, tmp_path: Path,
 ) -> None:
-    fleet.spawn("watcher", settings=SETTINGS, args=["--queues", "default"])
-    watcher_ready = time.monotonic()
+    watcher = fleet.spawn("watcher", settings=SETTINGS, args=["--queues", "default"])
     frozen, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "frozen")
     (started,) = runs_of(runs)
     waiting = [job_id for job_id in ids if job_id != started]
-    wait_for(lambda: time.monotonic() - watcher_ready > STALE + 0.5, STALE + 5,
-             "the watcher to be allowed to rescue")
+    _until_it_reaps(watcher)
 
     # Frozen (SIGSTOP) with its lease gone: as a runner cut off from the server would be.
     frozen.send(signal.SIGSTOP)
@@ -167,15 +168,13 @@ def test_a_runner_frozen_until_reaped_does_not_start_the_jobs_handed_back(
     anyway. Thawed, its session is heard from at once, in the same period of the lease, but
     its last heartbeat no longer keeps its row safe: each waiting job goes through the gate and
     is refused, never started a second time."""
-    fleet.spawn("watcher", settings=SETTINGS, args=["--queues", "default"])
-    watcher_ready = time.monotonic()
+    watcher = fleet.spawn("watcher", settings=SETTINGS, args=["--queues", "default"])
     # The started job returns half a second after the thaw: by then the LISTEN session has been
     # heard from again, so only the heartbeat's word keeps the next jobs off the fast path.
     frozen, ids, runs, gate = _claim_with_waiting(fleet, tmp_path, "reaped", linger=0.5)
     (started,) = runs_of(runs)
     waiting = [job_id for job_id in ids if job_id != started]
-    wait_for(lambda: time.monotonic() - watcher_ready > STALE + 0.5, STALE + 5,
-             "the watcher to be allowed to rescue")
+    _until_it_reaps(watcher)
 
     frozen.send(signal.SIGSTOP)
     thawed = False

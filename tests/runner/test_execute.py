@@ -183,7 +183,7 @@ def test_the_settling_statement_resolves_a_replace_race_for_every_caller(
 # ------------------------------------------------------------ text PostgreSQL cannot store
 
 def test_error_text_with_nul_and_lone_surrogates_is_stored_escaped(
-    isolated_registry: Registry, start_runner: StartRunner,
+    isolated_registry: Registry, start_runner: StartRunner, caplog: pytest.LogCaptureFixture,
 ) -> None:
     bad_name = b"report-\xff.csv".decode("utf-8", "surrogateescape")
 
@@ -209,6 +209,13 @@ def test_error_text_with_nul_and_lone_surrogates_is_stored_escaped(
     assert other.last_error_code == "HANDLER_ERROR"
     assert other.last_error == "ValueError: nul \\x00 and report-\\udcff.csv"
     assert_runner_alive(runner)
+    # Logged as stored: a UTF-8 log handler can write every line (no "--- Logging error ---").
+    logged = [record.getMessage() for record in caplog.records
+              if record.name.startswith("django_persistent_jobs")]
+    assert any("report-\\udcff.csv" in line for line in logged), logged
+    for line in logged:
+        assert "\x00" not in line
+        line.encode("utf-8")
 
 
 def test_handler_exit_and_unprintable_errors_fail_the_attempt_not_the_runner(
