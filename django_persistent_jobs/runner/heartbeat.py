@@ -223,9 +223,12 @@ def rescue(liveness: Liveness, interrupt: threading.Event) -> int:
     stale = liveness.settings.stale_lock_timeout
     dead: list[tuple[str, Any]] = []
     if liveness.may_reap():
+        # Asked again at every try: the retries may outlast a database outage, and the beat
+        # that ends it (it comes first, retrying more often) starts a new streak.
         dead = run_with_retry(
-            alias, lambda c: store.reap_dead_runners(c, stale, liveness.runner_id,
-                                                     liveness.gap_seconds),
+            alias, lambda c: store.reap_dead_runners(
+                c, stale, liveness.runner_id, fresh_limit(liveness.settings),
+            ) if liveness.may_reap() else [],
             what="reaping dead runners", interrupt=interrupt,
         ) or []
     for runner_id, last_beat in dead:
@@ -298,7 +301,7 @@ def hand_back_lapsed(liveness: Liveness, lapses: LeaseWatch, interrupt: threadin
                              interrupt=interrupt) or []
     handed = 0
     for held in waiting:
-        if interrupt.is_set():
+        if interrupt.is_set() or not liveness.may_reap():  # the database went away meanwhile
             break
         if _rescue_job(alias, me, held, f"the lease of runner {held.locked_by} lapsed before "
                        f"it started attempt {held.attempts}; handed back by {me}",

@@ -709,10 +709,12 @@ def reap_dead_runners(cursor: Cursor, stale_seconds: float, reaper: str | None =
     """Delete runners whose heartbeat is older than ``stale_seconds`` by the database clock.
 
     With ``reaper``, only while the reaper's own heartbeat is at most ``reaper_fresh_seconds``
-    old by the same clock: a statement sent before the database stalled (or this runner froze)
-    may run after it, when every runner's heartbeat looks stale, the reaper's included; then it
-    deletes nothing. The reaper's in-process rule (``heartbeat.Liveness.may_reap``) cannot see
-    that delay."""
+    old by the same clock: a statement that reaches the server long after the reaper decided
+    to send it (this runner frozen in between, the network holding it) finds every runner's
+    heartbeat as stale as the reaper's own, and deletes nothing. The reaper's in-process rule
+    (``heartbeat.Liveness.may_reap``) cannot see that delay. (``now()`` is the time the
+    statement's transaction began, so a statement held up inside the server judges as of its
+    arrival, which is safe already.)"""
     if reaper is None:
         cursor.execute(
             "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %s * interval "

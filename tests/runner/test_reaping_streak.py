@@ -8,6 +8,7 @@ looks stale at once. The fault suite's waiting-job scenarios wait for the log li
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -16,7 +17,7 @@ from django.db import connection
 
 from django_persistent_jobs.conf import RunnerSettings
 from django_persistent_jobs.runner import store
-from django_persistent_jobs.runner.heartbeat import Liveness
+from django_persistent_jobs.runner.heartbeat import Liveness, rescue
 
 
 def _liveness() -> Liveness:
@@ -85,4 +86,28 @@ def test_the_reap_statement_reaps_nobody_while_its_reapers_own_heartbeat_is_stal
         assert [runner for runner, _ in store.reap_dead_runners(cursor, 30, "reaper", 1.5)] \
             == ["dead"]
         cursor.execute("SELECT id FROM persistent_jobs_runners")
+        assert cursor.fetchall() == [("reaper",)]
+
+
+@pytest.mark.django_db
+def test_a_rescue_round_reaps_only_while_the_reapers_row_is_fresh_too() -> None:
+    """The round passes its runner's id to the reap statement: a runner that believes its
+    streak (in-process) but whose row the database saw beat long ago reaps nobody."""
+    liveness = _liveness()
+    liveness.runner_id = "reaper"
+    liveness.note_beat()
+    liveness.healthy_since = time.monotonic() - 60
+    assert liveness.may_reap()
+    _register("dead", timedelta(minutes=5))
+    _register("reaper", timedelta(seconds=40))
+    halt = threading.Event()
+    rescue(liveness, halt)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id FROM persistent_jobs_runners ORDER BY id")
+        assert cursor.fetchall() == [("dead",), ("reaper",)]
+        cursor.execute("UPDATE persistent_jobs_runners SET heartbeat_at = now() "
+                       "WHERE id = 'reaper'")
+    rescue(liveness, halt)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id FROM persistent_jobs_runners ORDER BY id")
         assert cursor.fetchall() == [("reaper",)]
