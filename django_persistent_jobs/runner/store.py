@@ -787,11 +787,14 @@ def take_lease(cursor: Cursor | psycopg.Cursor[Any], runner_id: str) -> bool:
 
 def lapsed_leases(cursor: Cursor, runner_id: str) -> list[str]:
     """Other registered runners no session holds the lease of: dead, or cut off from the
-    server (a caller must see a lease lapsed twice, some time apart, before acting on it)."""
+    server (a caller must see a lease lapsed twice, some time apart, before acting on it).
+    Advisory locks are per database, so only this database's count: another project's runner
+    of the same id hash on the same server holds a different lock."""
     cursor.execute(
         "SELECT r.id FROM persistent_jobs_runners r WHERE r.id <> %s AND NOT EXISTS ("
         "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
         "AND l.objsubid = 2 AND l.classid = %s "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
         "AND l.objid = (hashtext(r.id)::bigint & 4294967295)::text::oid) ORDER BY r.id",
         [runner_id, LEASE_NAMESPACE],
     )

@@ -9,13 +9,14 @@ from __future__ import annotations
 import threading
 from datetime import UTC, datetime
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.core_support import blocked_backends, claim_as, raw_connection, wait_for
+from tests.core_support import blocked_backends, claim_as, conninfo, raw_connection, wait_for
 
 
 def started_flags() -> dict[int, bool]:
@@ -133,6 +134,18 @@ def test_a_lease_is_lapsed_exactly_while_no_session_holds_it() -> None:
             assert store.take_lease(cursor, "lease-b")
         with connection.cursor() as cursor:
             assert store.lapsed_leases(cursor, "lease-a") == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lease_held_in_another_database_of_the_server_does_not_count() -> None:
+    with connection.cursor() as cursor:
+        for runner in ("lease-a", "lease-b"):
+            store.register_runner(cursor, runner, "host", 1, None, 4, "test")
+    elsewhere = {**conninfo(), "dbname": "postgres"}
+    with psycopg.connect(**elsewhere, autocommit=True) as other, other.cursor() as cursor:
+        assert store.take_lease(cursor, "lease-b")  # the same key, another database's lock
+        with connection.cursor() as ours:
+            assert store.lapsed_leases(ours, "lease-a") == ["lease-b"]
 
 
 @pytest.mark.django_db(transaction=True)
