@@ -232,7 +232,8 @@ def _open_transactions_writing(table: str) -> bool:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
-            "WHERE c.relname = %s AND l.mode = 'RowExclusiveLock' AND l.pid <> pg_backend_pid()",
+            "WHERE c.relname = %s AND l.mode = 'RowExclusiveLock' AND l.pid <> pg_backend_pid() "
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
             [table],
         )
         return bool(cursor.fetchone()[0])
