@@ -3,7 +3,10 @@
 #   Django 6.1, Python 3.13 (.venv):        ruff, mypy, `makemigrations --check`, the whole
 #                                           suite, its fault suite with worker processes;
 #   Django 5.2 LTS, Python 3.11 (.venv-dj52, django-tasks backport): `makemigrations --check`,
-#                                           the whole suite, its fault suite with runner threads.
+#                                           the whole suite, its fault suite with runner threads
+#                                           (less test_worker_processes.py).
+# In both, the tests outside tests/faults run on two pytest-xdist workers, then the fault suite
+# runs alone.
 # On request (not in the default run, which must fit CI's 25 minutes on a 2-core machine):
 #   Django 6.1, Python 3.12 (.venv-py312):  `makemigrations --check`, the suite without the fault
 #                                           suite, the browser test and the API fuzz run.

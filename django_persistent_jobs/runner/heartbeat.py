@@ -70,8 +70,9 @@ class Liveness:
         self.lease = lease
         self.last_beat: float | None = None
         self.healthy_since: float | None = None
-        #: Whether ``may_reap`` said yes since the streak began (its log line is written once);
-        #: both under ``_streak``, since the heartbeat and rescue threads share them.
+        #: Whether ``may_reap`` said yes since the streak began (its log line is written once).
+        #: It, ``healthy_since`` and a gap's ``last_beat`` change under ``_streak``: the
+        #: heartbeat thread writes them, the rescue thread reads them.
         self._reaping = False
         self._streak = threading.Lock()
         #: Notified after every successful beat (the claim loop waits on it when its
@@ -217,20 +218,24 @@ def relay_cancel_requests(alias: str, runner_id: str, executor: Executor,
                         extra={"event": "cancel_requested", "job_id": str(job_id)})
 
 
+def reap_try(cursor: Cursor, liveness: Liveness) -> list[tuple[str, Any]]:
+    """One try of a reap. It asks ``may_reap`` itself, at every try: the retries may outlast a
+    database outage, and the beat that ends the outage (it retries more often, so it comes
+    first) starts a new streak, which must stop a reap decided before the outage."""
+    if not liveness.may_reap():
+        return []
+    return store.reap_dead_runners(
+        cursor, liveness.settings.stale_lock_timeout, reaper=liveness.runner_id,
+        reaper_fresh_seconds=fresh_limit(liveness.settings))
+
+
 def rescue(liveness: Liveness, interrupt: threading.Event) -> int:
     """Delete runners that stopped heartbeating, then release every job no live runner holds."""
     alias = liveness.alias
-    stale = liveness.settings.stale_lock_timeout
     dead: list[tuple[str, Any]] = []
     if liveness.may_reap():
-        # Asked again at every try: the retries may outlast a database outage, and the beat
-        # that ends it (it comes first, retrying more often) starts a new streak.
-        dead = run_with_retry(
-            alias, lambda c: store.reap_dead_runners(
-                c, stale, liveness.runner_id, fresh_limit(liveness.settings),
-            ) if liveness.may_reap() else [],
-            what="reaping dead runners", interrupt=interrupt,
-        ) or []
+        dead = run_with_retry(alias, lambda c: reap_try(c, liveness),
+                              what="reaping dead runners", interrupt=interrupt) or []
     for runner_id, last_beat in dead:
         logger.warning("runner %s presumed dead (last heartbeat %s)", runner_id, last_beat,
                        extra={"event": "runner_dead", "dead_runner_id": runner_id})
@@ -352,5 +357,5 @@ def _rescue_job(alias: str, runner_id: str, held: store.HeldJob, message: str,
 
 __all__ = [
     "LeaseWatch", "Liveness", "hand_back_lapsed", "heartbeat_fresh", "heartbeat_loop",
-    "log_transition", "rescue", "rescue_loop",
+    "log_transition", "reap_try", "rescue", "rescue_loop",
 ]

@@ -704,11 +704,12 @@ def cancel_requests(cursor: Cursor, runner_id: str) -> list[Any]:
     return [row[0] for row in cursor.fetchall()]
 
 
-def reap_dead_runners(cursor: Cursor, stale_seconds: float, reaper: str | None = None,
+def reap_dead_runners(cursor: Cursor, stale_seconds: float, *, reaper: str | None,
                       reaper_fresh_seconds: float | None = None) -> list[tuple[str, Any]]:
     """Delete runners whose heartbeat is older than ``stale_seconds`` by the database clock.
 
-    With ``reaper``, only while the reaper's own heartbeat is at most ``reaper_fresh_seconds``
+    With ``reaper`` (keyword and required, so a caller chooses ``None`` knowingly), only while
+    the reaper's own heartbeat is at most ``reaper_fresh_seconds`` (default ``stale_seconds``)
     old by the same clock: a statement that reaches the server long after the reaper decided
     to send it (this runner frozen in between, the network holding it) finds every runner's
     heartbeat as stale as the reaper's own, and deletes nothing. The reaper's in-process rule

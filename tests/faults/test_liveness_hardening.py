@@ -123,7 +123,8 @@ def test_a_rescue_blocked_by_a_row_lock_stalls_neither_heartbeat_nor_claims(
     "gil",
     # Computing in C for 8 stale-lock timeouts (40 s of CI) matters to a runner whose heartbeat
     # shares the handler's interpreter. With worker processes it does not: the supervisor's
-    # heartbeat is in another process (test_worker_processes.py holds a worker's GIL for 3).
+    # heartbeat is in another process (test_worker_processes.py holds a worker's GIL for 3
+    # stale-lock timeouts).
     pytest.param("gil_cpu", marks=pytest.mark.skipif(
         PROCESSES != "0", reason="threads only: a worker process's GIL is not the runner's")),
 ])

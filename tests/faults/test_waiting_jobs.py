@@ -60,8 +60,9 @@ def _until_it_reaps(runner: RunnerProcess) -> int:
     stale-lock timeout (see heartbeat.py), and says so: wait for that line rather than for a
     stale-lock timeout of wall time, since a slow beat on a loaded machine restarts the count.
     Returns a log mark for ``_handed_back``."""
-    runner.wait_line(r"it now reaps runners whose heartbeat is stale", timeout=3 * STALE)
-    return runner.mark()
+    match = runner.wait_line(r"it now reaps runners whose heartbeat is stale", timeout=3 * STALE)
+    with runner.cond:  # (the position of that line: a gap logged right after it counts too)
+        return runner.lines.index(match.string)
 
 
 def _handed_back(waiting: list[str], rescuer: RunnerProcess, since: int, timeout: float) -> None:

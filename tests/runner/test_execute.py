@@ -210,10 +210,16 @@ def test_error_text_with_nul_and_lone_surrogates_is_stored_escaped(
     assert other.last_error == "ValueError: nul \\x00 and report-\\udcff.csv"
     assert_runner_alive(runner)
     # Logged as stored: a UTF-8 log handler can write every line (no "--- Logging error ---").
-    logged = [record.getMessage() for record in caplog.records
-              if record.name.startswith("django_persistent_jobs")]
-    assert any("report-\\udcff.csv" in line for line in logged), logged
-    for line in logged:
+    # (Both jobs' lines: they are written just after the outcome commits.)
+    def logged() -> list[str]:
+        return [record.getMessage() for record in list(caplog.records)
+                if record.name.startswith("django_persistent_jobs")]
+
+    wait_for(lambda: sum("dead-lettered after attempt 1" in line for line in logged()) == 2,
+             message="both jobs' dead-letter lines")
+    lines = logged()
+    assert any("report-\\udcff.csv" in line for line in lines), lines
+    for line in lines:
         assert "\x00" not in line
         line.encode("utf-8")
 

@@ -17,7 +17,7 @@ from django.db import connection
 
 from django_persistent_jobs.conf import RunnerSettings
 from django_persistent_jobs.runner import store
-from django_persistent_jobs.runner.heartbeat import Liveness, rescue
+from django_persistent_jobs.runner.heartbeat import Liveness, reap_try, rescue
 
 
 def _liveness() -> Liveness:
@@ -71,20 +71,24 @@ def _register(runner_id: str, heartbeat_age: timedelta) -> None:
 
 @pytest.mark.django_db
 def test_the_reap_statement_reaps_nobody_while_its_reapers_own_heartbeat_is_stale() -> None:
-    """As after a database stall: the statement was sent before it and ran after it, when the
-    reaper's own heartbeat (by the database clock) is as stale as everybody else's."""
+    """As for a statement that reached the server long after it was sent (its runner frozen in
+    between): the reaper's own heartbeat, by the database clock, is as stale as everybody
+    else's."""
     _register("dead", timedelta(minutes=5))
     _register("reaper", timedelta(seconds=40))
     with connection.cursor() as cursor:
-        assert store.reap_dead_runners(cursor, 30, "reaper", 1.5) == []
-        assert store.reap_dead_runners(cursor, 30, "unknown", 1.5) == []
+        def reap(reaper: str) -> list[str]:
+            return [runner for runner, _ in store.reap_dead_runners(
+                cursor, 30, reaper=reaper, reaper_fresh_seconds=1.5)]
+
+        assert reap("reaper") == []
+        assert reap("unknown") == []
         cursor.execute("UPDATE persistent_jobs_runners SET heartbeat_at = now() - "
                        "interval '2 seconds' WHERE id = 'reaper'")
-        assert store.reap_dead_runners(cursor, 30, "reaper", 1.5) == []  # a beat overdue
+        assert reap("reaper") == []  # a beat overdue
         cursor.execute("UPDATE persistent_jobs_runners SET heartbeat_at = now() "
                        "WHERE id = 'reaper'")
-        assert [runner for runner, _ in store.reap_dead_runners(cursor, 30, "reaper", 1.5)] \
-            == ["dead"]
+        assert reap("reaper") == ["dead"]
         cursor.execute("SELECT id FROM persistent_jobs_runners")
         assert cursor.fetchall() == [("reaper",)]
 
@@ -101,13 +105,36 @@ def test_a_rescue_round_reaps_only_while_the_reapers_row_is_fresh_too() -> None:
     _register("dead", timedelta(minutes=5))
     _register("reaper", timedelta(seconds=40))
     halt = threading.Event()
+    liveness.note_beat()  # (just now: the in-process rule says yes, only the row's age says no)
+    assert liveness.may_reap()
     rescue(liveness, halt)
     with connection.cursor() as cursor:
         cursor.execute("SELECT id FROM persistent_jobs_runners ORDER BY id")
         assert cursor.fetchall() == [("dead",), ("reaper",)]
         cursor.execute("UPDATE persistent_jobs_runners SET heartbeat_at = now() "
                        "WHERE id = 'reaper'")
+    liveness.note_beat()
+    assert liveness.may_reap()
     rescue(liveness, halt)
     with connection.cursor() as cursor:
         cursor.execute("SELECT id FROM persistent_jobs_runners ORDER BY id")
         assert cursor.fetchall() == [("reaper",)]
+
+
+@pytest.mark.django_db
+def test_each_try_of_a_reap_asks_again_whether_it_may() -> None:
+    """A reap retried through an outage: by the try that reaches the database, the reaper's own
+    beat may have ended the outage and started a new streak (or still be overdue)."""
+    liveness = _liveness()
+    liveness.runner_id = "reaper"
+    liveness.note_beat()
+    liveness.healthy_since = time.monotonic() - 60
+    _register("dead", timedelta(minutes=5))
+    _register("reaper", timedelta(0))
+    with connection.cursor() as cursor:
+        liveness.last_beat = time.monotonic() - 5.0  # overdue when this try runs
+        assert reap_try(cursor, liveness) == []
+        liveness.note_beat()  # the beat that ends the gap: a new streak, not long enough yet
+        assert reap_try(cursor, liveness) == []
+        liveness.healthy_since = time.monotonic() - 10.5
+        assert [runner for runner, _ in reap_try(cursor, liveness)] == ["dead"]

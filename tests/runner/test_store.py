@@ -203,9 +203,9 @@ def test_dead_runners_are_reaped_and_their_jobs_rescued() -> None:
     assert (held_by_alive.id, held_by_dead.id) == (alive_job.id, dead_job.id)
     with connection.cursor() as cursor:
         assert store.orphaned_jobs(cursor) == []  # both runners still have rows
-        reaped = store.reap_dead_runners(cursor, 30)
+        reaped = store.reap_dead_runners(cursor, 30, reaper=None)
         assert [runner_id for runner_id, _ in reaped] == ["dead"]
-        assert store.reap_dead_runners(cursor, 30) == []
+        assert store.reap_dead_runners(cursor, 30, reaper=None) == []
         orphans = store.orphaned_jobs(cursor)
         assert orphans == [(dead_job.id, held_by_dead.token, "test.noop", 1, "dead", True)]
         assert store.transition(cursor, dead_job.id, held_by_dead.token, kind="retry",
@@ -234,7 +234,8 @@ def test_heartbeat_keeps_a_runner_alive_and_reports_its_removal() -> None:
     register("r", heartbeat_age=timedelta(minutes=5))
     with connection.cursor() as cursor:
         assert store.heartbeat(cursor, "r")
-        assert store.reap_dead_runners(cursor, 30) == []  # fresh heartbeat, by the DB clock
+        # Fresh heartbeat, by the DB clock:
+        assert store.reap_dead_runners(cursor, 30, reaper=None) == []
         store.unregister_runner(cursor, "r")
         assert not store.heartbeat(cursor, "r")
 
