@@ -152,13 +152,19 @@ def _classify(exc: BaseException, spec: HandlerSpec | None, attempt: int) -> Out
                    _backoff_for(spec, attempt))
 
 
+def _stored_code(outcome: Outcome) -> str:
+    """The outcome's code as ``store.transition`` writes it, for log lines: a handler's code
+    may hold a NUL or a lone surrogate, which a UTF-8 log handler cannot write."""
+    return store.storable_text(outcome.code, store.CODE_MAX_LENGTH)
+
+
 def log_transition(
     job: ClaimedJob, status: str | None, outcome: Outcome, runner_id: str,
     settled_as: str | None = None,
 ) -> None:
     # The text as it was stored: a NUL or a lone surrogate from the handler's error would make
     # a UTF-8 log handler fail to write the line ("--- Logging error ---"), losing the record.
-    code = store.storable_text(outcome.code, store.CODE_MAX_LENGTH)
+    code = _stored_code(outcome)
     message = store.storable_text(outcome.message, store.MESSAGE_MAX_LENGTH)
     extra = {
         "event": {"failed": "retry", "dead_lettered": "dead_letter", "cancelled": "cancelled",
@@ -231,8 +237,7 @@ def _settle(
         except Exception as exc:
             error = exc
             logger.warning(
-                "job %s: recording %s failed (%s: %s); %s", job.id,
-                store.storable_text(outcome.code, store.CODE_MAX_LENGTH),
+                "job %s: recording %s failed (%s: %s); %s", job.id, _stored_code(outcome),
                 type(exc).__name__, store.storable_text(exc, 500),
                 "trying again" if round_ + 1 < SETTLE_ROUNDS else "giving up",
                 extra={"event": "settle_retry", "job_id": str(job.id)},
@@ -270,9 +275,7 @@ def record_outcome(
         )
         logger.error("job %s: handing it back, its outcome could not be recorded", job.id,
                      extra={"event": "settle_failed", "job_id": str(job.id),
-                            "runner_id": runner_id,
-                            "error_code": store.storable_text(outcome.code,
-                                                              store.CODE_MAX_LENGTH)})
+                            "runner_id": runner_id, "error_code": _stored_code(outcome)})
         status, second = _settle(alias, job, fallback, interrupt, "interrupted", bounded)
         if second is not None:
             raise SettleFailed(f"job {job.id}: could not record its outcome nor hand it back: "

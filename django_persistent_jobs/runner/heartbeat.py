@@ -71,8 +71,8 @@ class Liveness:
         self.last_beat: float | None = None
         self.healthy_since: float | None = None
         #: Whether ``may_reap`` said yes since the streak began (its log line is written once).
-        #: It, ``healthy_since`` and a gap's ``last_beat`` change under ``_streak``: the
-        #: heartbeat thread writes them, the rescue thread reads them.
+        #: It, ``healthy_since`` and ``last_beat`` change under ``_streak``: the heartbeat
+        #: thread writes them, the rescue thread reads them.
         self._reaping = False
         self._streak = threading.Lock()
         #: Notified after every successful beat (the claim loop waits on it when its
@@ -85,22 +85,21 @@ class Liveness:
         was sent (the row's time is no earlier), which bounds the lease's fast path: a freeze
         between the statement and this call must not stretch it."""
         now = time.monotonic()
-        last = self.last_beat
-        if last is None or now - last > self.gap_seconds:
-            if last is not None:
-                logger.info(
-                    "runner %s: %.1fs between two heartbeats (the database was slow or away, or "
-                    "this process was frozen); it reaps no other runner until it has beaten "
-                    "without a gap for %gs", self.runner_id, now - last,
-                    self.settings.stale_lock_timeout,
-                    extra={"event": "heartbeat_gap", "runner_id": self.runner_id,
-                           "gap_seconds": round(now - last, 3)})
-            with self._streak:
+        with self._streak:
+            last = self.last_beat
+            broken = last is None or now - last > self.gap_seconds
+            if broken:
                 self.healthy_since = now
                 self._reaping = False
-                self.last_beat = now
-        else:
             self.last_beat = now
+        if broken and last is not None:
+            logger.info(
+                "runner %s: %.1fs between two heartbeats (the database was slow or away, or "
+                "this process was frozen); it reaps no other runner until it has beaten "
+                "without a gap for %gs", self.runner_id, now - last,
+                self.settings.stale_lock_timeout,
+                extra={"event": "heartbeat_gap", "runner_id": self.runner_id,
+                       "gap_seconds": round(now - last, 3)})
         if self.lease is not None:
             self.lease.beaten((now if sent is None else sent) + fresh_limit(self.settings),
                               reregistered)
@@ -125,7 +124,9 @@ class Liveness:
             allowed = (since is not None and last is not None
                        and now - since >= self.settings.stale_lock_timeout
                        and now - last <= self.gap_seconds)
-            first, self._reaping = allowed and not self._reaping, self._reaping or allowed
+            first = allowed and not self._reaping
+            if allowed:
+                self._reaping = True
         if first:
             logger.info("runner %s has beaten without a gap for %gs: it now reaps runners whose "
                         "heartbeat is stale", self.runner_id, self.settings.stale_lock_timeout,
@@ -232,10 +233,9 @@ def reap_try(cursor: Cursor, liveness: Liveness) -> list[tuple[str, Any]]:
 def rescue(liveness: Liveness, interrupt: threading.Event) -> int:
     """Delete runners that stopped heartbeating, then release every job no live runner holds."""
     alias = liveness.alias
-    dead: list[tuple[str, Any]] = []
-    if liveness.may_reap():
-        dead = run_with_retry(alias, lambda c: reap_try(c, liveness),
-                              what="reaping dead runners", interrupt=interrupt) or []
+    # (``reap_try`` asks ``may_reap`` at each try, and sends nothing when it may not.)
+    dead = run_with_retry(alias, lambda c: reap_try(c, liveness),
+                          what="reaping dead runners", interrupt=interrupt) or []
     for runner_id, last_beat in dead:
         logger.warning("runner %s presumed dead (last heartbeat %s)", runner_id, last_beat,
                        extra={"event": "runner_dead", "dead_runner_id": runner_id})

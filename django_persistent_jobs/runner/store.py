@@ -716,21 +716,15 @@ def reap_dead_runners(cursor: Cursor, stale_seconds: float, *, reaper: str | Non
     (``heartbeat.Liveness.may_reap``) cannot see that delay. (``now()`` is the time the
     statement's transaction began, so a statement held up inside the server judges as of its
     arrival, which is safe already.)"""
-    if reaper is None:
-        cursor.execute(
-            "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %s * interval "
-            "'1 second' RETURNING id, heartbeat_at",
-            [stale_seconds],
-        )
-    else:
-        cursor.execute(
-            "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %(stale)s * "
-            "interval '1 second' AND EXISTS (SELECT 1 FROM persistent_jobs_runners me WHERE "
-            "me.id = %(reaper)s AND me.heartbeat_at >= now() - %(fresh)s * interval '1 second') "
-            "RETURNING id, heartbeat_at",
-            {"stale": stale_seconds, "reaper": reaper,
-             "fresh": stale_seconds if reaper_fresh_seconds is None else reaper_fresh_seconds},
-        )
+    cursor.execute(
+        "DELETE FROM persistent_jobs_runners WHERE heartbeat_at < now() - %(stale)s * "
+        "interval '1 second' AND (%(reaper)s::text IS NULL OR EXISTS (SELECT 1 FROM "
+        "persistent_jobs_runners me WHERE me.id = %(reaper)s "
+        "AND me.heartbeat_at >= now() - %(fresh)s * interval '1 second')) "
+        "RETURNING id, heartbeat_at",
+        {"stale": stale_seconds, "reaper": reaper,
+         "fresh": stale_seconds if reaper_fresh_seconds is None else reaper_fresh_seconds},
+    )
     return [(row[0], row[1]) for row in cursor.fetchall()]
 
 

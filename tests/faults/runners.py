@@ -13,8 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -98,6 +98,28 @@ class RunnerProcess:
             os.killpg(self.pid, sig)
         else:
             os.kill(self.pid, sig)
+
+    @contextmanager
+    def frozen(self) -> Iterator[Callable[[], int]]:
+        """Frozen (SIGSTOP) for the block. It yields ``thaw``, which sends SIGCONT and returns a
+        log mark taken just before, for the lines the thawed runner writes; a block that ends
+        without thawing (a failed assertion) thaws on its way out, so the runner can be
+        stopped and its log read."""
+        thawed = False
+
+        def thaw() -> int:
+            nonlocal thawed
+            mark = self.mark()
+            self.send(signal.SIGCONT)
+            thawed = True
+            return mark
+
+        self.send(signal.SIGSTOP)
+        try:
+            yield thaw
+        finally:
+            if not thawed:
+                self.send(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL and reap: no handler runs, no shutdown code, sockets just close."""

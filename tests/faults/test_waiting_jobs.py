@@ -17,7 +17,6 @@ Those jobs never ran, so:
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -142,9 +141,7 @@ def test_a_frozen_runner_whose_lease_lapsed_does_not_start_the_jobs_handed_back(
     since = _until_it_reaps(watcher)
 
     # Frozen (SIGSTOP) with its lease gone: as a runner cut off from the server would be.
-    frozen.send(signal.SIGSTOP)
-    thawed = False
-    try:
+    with frozen.frozen() as thaw:
         (holder,) = sql("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
                         "AND classid = %s AND objid = (hashtext(%s)::bigint & 4294967295)"
                         "::text::oid", [store.LEASE_NAMESPACE, frozen.runner_id])
@@ -154,12 +151,7 @@ def test_a_frozen_runner_whose_lease_lapsed_does_not_start_the_jobs_handed_back(
         gate.touch()
         finisher = fleet.spawn("finisher", settings=SETTINGS, args=["--queues", "held"])
         wait_all_terminal(waiting, timeout=20)
-        mark = frozen.mark()
-        frozen.send(signal.SIGCONT)
-        thawed = True
-    finally:
-        if not thawed:
-            frozen.send(signal.SIGCONT)
+        mark = thaw()
     # Thawed, it goes on with its buffer: each waiting job is refused at its start.
     frozen.wait_line(r"not started, it was handed back while it waited", since=mark,
                      count=WAITING)
@@ -190,9 +182,7 @@ def test_a_runner_frozen_until_reaped_does_not_start_the_jobs_handed_back(
     waiting = [job_id for job_id in ids if job_id != started]
     since = _until_it_reaps(watcher)
 
-    frozen.send(signal.SIGSTOP)
-    thawed = False
-    try:
+    with frozen.frozen() as thaw:
         # Its lease stays held (the session is alive): only the reap hands these back.
         wait_for(lambda: status_counts(ids) != {"running": WAITING + 1}, 2 * STALE + 10,
                  "the watcher to reap the frozen runner", reconnect=True)
@@ -200,12 +190,7 @@ def test_a_runner_frozen_until_reaped_does_not_start_the_jobs_handed_back(
         gate.touch()
         finisher = fleet.spawn("finisher", settings=SETTINGS, args=["--queues", "held"])
         wait_all_terminal(ids, timeout=30)
-        mark = frozen.mark()
-        frozen.send(signal.SIGCONT)
-        thawed = True
-    finally:
-        if not thawed:
-            frozen.send(signal.SIGCONT)
+        mark = thaw()
     frozen.wait_line(r"not started, it was handed back while it waited", since=mark,
                      count=WAITING)
     frozen.wait_line(r"has registered again", since=mark)
