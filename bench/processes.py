@@ -187,6 +187,15 @@ class Runjobs:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"runjobs did not start; see {self.log_path}")
             time.sleep(0.05)
+        # Every lane (a thread, or a thread of a worker process) opens its connection as it
+        # starts: once all are open, the workers are up. A drain must not time a worker
+        # process's interpreter start and Django set-up (``runjobs``' start-up, not its rate).
+        lanes = max(1, processes) * concurrency
+        while scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                     "AND pid <> pg_backend_pid()") < lanes + 1:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"runjobs' workers did not start; see {self.log_path}")
+            time.sleep(0.05)
         time.sleep(0.5)  # idle, listening
 
     def cpu(self) -> float:

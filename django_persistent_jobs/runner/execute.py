@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-import select
 import threading
 import traceback as tb_module
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from .._flag import Flag
 from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
 from ..handlers import HandlerSpec, global_backoff, registry
-from . import store
+from . import store, syscalls
 from .db import (
     NotNow,
     is_connection_error,
@@ -314,9 +313,7 @@ def _server_hung_up(raw: Any) -> bool:
     try:
         if raw.closed or raw.broken:
             return True
-        poller = select.poll()
-        poller.register(raw.pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
-        return bool(poller.poll(0))
+        return syscalls.readable(raw.pgconn.socket)
     except Exception:
         return True
 

@@ -29,6 +29,7 @@ class SlotWaits:
     executors do: ``_free_locked``, ``_idle_locked`` and ``_closed`` are theirs)."""
 
     changed: threading.Condition
+    in_flight: dict[object, InFlight]
     _closed: bool
 
     def _free_locked(self) -> int:
@@ -37,17 +38,39 @@ class SlotWaits:
     def _idle_locked(self) -> int:
         raise NotImplementedError
 
+    #: What the claim loop waits for in ``wait_for_free_slot`` (0 while it does not wait).
+    _slots_wanted: int = 0
+
+    def _slots_ready_locked(self, at_least: int) -> bool:
+        free = self._free_locked()
+        return free >= at_least or (free > 0 and self._idle_locked() > 0)
+
+    def _worth_waking_locked(self) -> bool:
+        """Whether a job leaving a slot should wake the waiters on ``changed``.
+
+        The claim loop waits for half of the waiting room to be free before it refills it; a
+        wake-up for every job that leaves (each one a thread switch, and a GIL hand-off) cost
+        a drain of short jobs more than their claims did. Anyone else waiting on ``changed``
+        waits for the executor to empty or to stop, and is woken for that.
+        """
+        wanted = self._slots_wanted
+        return (wanted == 0 or self._closed or not self.in_flight
+                or self._slots_ready_locked(wanted))
+
     def wait_for_free_slot(self, timeout: float, at_least: int = 1) -> int:
         deadline = time.monotonic() + timeout
         with self.changed:
-            while not self._closed:
-                free = self._free_locked()
-                if free >= at_least or (free > 0 and self._idle_locked() > 0):
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self.changed.wait(remaining)
+            try:
+                while not self._closed:
+                    if self._slots_ready_locked(at_least):
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._slots_wanted = max(1, at_least)
+                    self.changed.wait(remaining)
+            finally:
+                self._slots_wanted = 0
             return self._free_locked()
 
 

@@ -16,11 +16,5 @@ class ThreadExecutor(WorkerPool):
 
     kind = "threads"
 
-    def submit_many(self, items: list[InFlight]) -> int:
-        for accepted, item in enumerate(items):
-            if not self.submit(item):
-                return accepted
-        return len(items)
-
     def cancel(self, item: InFlight) -> None:
         item.ctx._cancel_event.set()  # the handler's own context: it runs here

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from django.conf import settings
@@ -15,6 +16,8 @@ from django_persistent_jobs import enqueue_many, job_handler
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner
+from django_persistent_jobs.runner.execute import InFlight
+from django_persistent_jobs.runner.threads import ThreadExecutor
 from tests.runner_support import Gate, attempts_of, isolated_registry, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -94,3 +97,48 @@ def test_handler_threads_open_their_connections_before_their_first_job(
         due=Min("next_run_at"))["due"]
     wait_for(lambda: len(seen) == 6, timeout=30, message="the six jobs to run")
     assert all(opened < due for opened in seen), (seen, due)
+
+
+def _item(number: int) -> InFlight:
+    job = SimpleNamespace(id=f"job-{number}", waiting=False)
+    return InFlight(job=cast(Any, job), ctx=cast(Any, None), deadline=None)
+
+
+def test_the_claim_loop_is_woken_once_enough_room_is_free_not_before() -> None:
+    """The claim loop waits for half of the waiting room (``refill_at``); jobs leaving the
+    pool wake it only once that much is free (a wake-up per job cost drains a GIL hand-off
+    each), and never leave it asleep once it is."""
+    release = {f"job-{number}": threading.Event() for number in range(6)}
+
+    def run(item: InFlight) -> None:
+        release[cast(str, item.job.id)].wait(30)
+
+    pool = ThreadExecutor(2, run, prefetch=4)
+    pool.start()
+    try:
+        assert pool.submit_many([_item(number) for number in range(6)]) == 6
+        assert pool.free_slots() == 0
+        answer: list[int] = []
+        waiter = threading.Thread(
+            target=lambda: answer.append(pool.wait_for_free_slot(timeout=30, at_least=3)))
+        waiter.start()
+        for number in (0, 1):
+            release[f"job-{number}"].set()
+        wait_for(lambda: pool.free_slots() == 2, timeout=10, message="two jobs to leave")
+        waiter.join(0.3)
+        assert waiter.is_alive() and not answer  # two free: not enough yet
+        release["job-2"].set()
+        waiter.join(10)
+        assert answer == [3]
+    finally:
+        for event in release.values():
+            event.set()
+        pool.close()
+        pool.join(10)
+
+
+def test_a_sealed_pool_accepts_no_part_of_a_claim() -> None:
+    pool = ThreadExecutor(1, lambda item: None)
+    pool.seal()
+    assert pool.submit_many([_item(0), _item(1)]) == 0
+    assert pool.busy == 0

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import syscalls
 from . import protocol
 from .channel import Reader, frame
 
@@ -67,7 +68,6 @@ def boot(conn: Any, start: dict[str, Any]) -> None:
     start_log = start["start_log_fd"]
     with contextlib.suppress(OSError):
         os.set_inheritable(start_log, False)
-        os.set_blocking(start_log, True)  # full: the lane waits for the supervisor to read
     options = {**start["options"], "start_log_fd": start_log}
     if start.get("settings_module"):
         os.environ["DJANGO_SETTINGS_MODULE"] = start["settings_module"]
@@ -128,6 +128,10 @@ class Worker:
         self.conn = conn
         self.fd: int = conn.fileno()
         self.start_log: int = options["start_log_fd"]
+        # Non-blocking, because ``syscalls.write_whole`` holds the GIL through its write: on a
+        # blocking pipe, a full log would stop every thread of this process, not just the
+        # lane writing to it, until the supervisor read it.
+        os.set_blocking(self.start_log, False)
         self.alias: str = options["alias"]
         self.runner_id: str = options["runner_id"]
         self.number: int = options["number"]
@@ -393,7 +397,7 @@ class Worker:
         start could be handled after a newer one of the same lane from the log.)"""
         message = (protocol.STARTED, lane.number, wire_id, fast, time.monotonic())
         try:
-            os.write(self.start_log, frame(message))
+            syscalls.write_whole(self.start_log, frame(message))
         except OSError:
             os._exit(0)  # the supervisor is gone
 

@@ -60,14 +60,16 @@ def test_a_full_log_holds_the_lane_until_the_supervisor_reads_it(
     """Never on the message pipe instead: there it could be handled after a newer start of
     the same lane from the log, and the lane's running job be taken for returned."""
     worker, messages, log, log_write = pipes
-    os.set_blocking(log_write, False)
+    # The worker's end does not block: its write holds the GIL while the log has room, and
+    # waits for room with it released (a blocking write holding the GIL would stop this
+    # test's own thread, the "supervisor" below, from ever reading).
+    assert not os.get_blocking(log_write)
     filler = 0
     while True:  # fill the log as a supervisor that reads nothing would leave it
         try:
             filler += os.write(log_write, b"\0" * 4096)
         except BlockingIOError:
             break
-    os.set_blocking(log_write, True)  # as the worker's end is
     done = threading.Event()
 
     def start() -> None:
