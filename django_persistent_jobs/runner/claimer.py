@@ -92,12 +92,13 @@ def claim_loop(runner: Runner) -> None:
             # noticed, so hand them straight back rather than start them.
             runner.hand_back_unstarted(jobs)
             break
-        for index, job in enumerate(jobs):
-            if not runner.dispatch(job):
-                # The supervisor sealed the pool for shutdown between the check above and now.
-                runner.hand_back_unstarted(jobs[index:])
-                _write_starts(runner)
-                return
+        # The whole claim at once: one lock (threads) or one message per worker (processes).
+        accepted = runner.dispatch_many(jobs) if jobs else 0
+        if accepted < len(jobs):
+            # The supervisor sealed the pool for shutdown between the check above and now.
+            runner.hand_back_unstarted(jobs[accepted:])
+            _write_starts(runner)
+            return
         if logger.isEnabledFor(logging.DEBUG) and jobs:
             logger.debug("claimed %d job(s)", len(jobs),
                          extra={"event": "claim", "count": len(jobs),

@@ -318,17 +318,21 @@ def _server_hung_up(raw: Any) -> bool:
         return True
 
 
-def prepare_connection(alias: str, inflight: InFlight) -> None:
-    """Give the handler a live connection and note which server session it is."""
-    connection = connections[alias]
+def prepare_connection(alias: str, inflight: InFlight, connection: Any = None) -> None:
+    """Give the handler a live connection and note which server session it is. (A caller
+    that holds this thread's ``connections[alias]`` passes it: each lookup goes through
+    asgiref's thread-local machinery, a measurable share of a no-op job.)"""
+    if connection is None:
+        connection = connections[alias]
     if connection.connection is not None and _server_hung_up(connection.connection):
         reset_connection(alias)
-    inflight.backend_pid, inflight.backend_start = _session(alias)
+    inflight.backend_pid, inflight.backend_start = _session(alias, connection)
 
 
-def _session(alias: str) -> tuple[Any, Any]:
+def _session(alias: str, connection: Any = None) -> tuple[Any, Any]:
     """This thread's connection, opened if need be, and its server session (pid, start)."""
-    connection = connections[alias]
+    if connection is None:
+        connection = connections[alias]
     connection.ensure_connection()
     raw = connection.connection
     known = getattr(connection, "_pj_backend", None)
@@ -339,7 +343,7 @@ def _session(alias: str) -> tuple[Any, Any]:
                            "WHERE pid = pg_backend_pid()")
             pid, started = cursor.fetchone()
         known = (raw, pid, started)
-        connection._pj_backend = known  # type: ignore[attr-defined]
+        connection._pj_backend = known
     return known[1], known[2]
 
 
@@ -441,7 +445,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
                                   "runner_id": runner_id})
             return False
     try:
-        prepare_connection(alias, inflight)
+        prepare_connection(alias, inflight, connection)
         if spec.atomic:
             with transaction.atomic(using=alias):
                 result = _call_handler(spec, inflight)

@@ -7,7 +7,7 @@ and stops the runner loudly if one dies, instead of limping on without, say, its
 
 Each loop is given only what it uses (the settings it reads, the ``lifecycle`` events, the
 ``liveness`` object, the executor) and none imports this module: see ``_loop_bodies``. The claim
-loop alone still takes the runner, for ``dispatch`` and the hand-back of what it claimed late.
+loop alone still takes the runner, for ``dispatch_many`` and the hand-back of what it claimed late.
 """
 
 from __future__ import annotations
@@ -608,11 +608,6 @@ class Runner:
                 logger.warning("database not reachable (%s); retrying in %.1fs%s", last_error,
                                delay, left, extra={"event": "db_wait"})
                 self.stopping.wait(delay)
-
-    def dispatch(self, job: store.ClaimedJob) -> bool:
-        """Hand a claimed job to the workers; False if the runner is stopping (the caller then
-        hands it back)."""
-        return self.pool.submit(self._in_flight(job))
 
     def dispatch_many(self, jobs: list[store.ClaimedJob]) -> int:
         """Hand a whole claim to the workers (with worker processes: one message per worker
