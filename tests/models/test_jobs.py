@@ -153,8 +153,9 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
              {"runner": "r", "queues": ["mail"], "types": ["core.idx.1", "core.idx.3"]}),
         ):
             params = {**params, "direct": 10, "started": [], "started_at": []}
-            cursor.execute("EXPLAIN " + sql, params)
-            plans[name] = "\n".join(r[0] for r in cursor.fetchall())
+            with store.prepared(cursor) as fast:  # (binary parameters, as the runner sends)
+                fast.execute("EXPLAIN " + sql, params)
+                plans[name] = "\n".join(r[0] for r in fast.fetchall())
         # The runner prepares the statement, so PostgreSQL settles on a generic plan (queues
         # and types unknown at plan time): that plan must walk pj_claim_idx too, for every
         # variant of the ORM-built text.
@@ -165,8 +166,8 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
                                       }.items():
             generic = (store.claim_sql(10, queues, types).replace("%(runner)s", "$1")
                        .replace("%(queues)s", "$2").replace("%(types)s", "$3")
-                       .replace("%(direct)s", "$4").replace("%(started)s", "$5")
-                       .replace("%(started_at)s", "$6"))
+                       .replace("%(direct)s", "$4").replace("%(started)b", "$5")
+                       .replace("%(started_at)b", "$6"))
             cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
             cursor.execute("PREPARE pj_claim_generic(text, text[], text[], int, bigint[], "
                            f"timestamptz[]) AS {generic}")
@@ -180,7 +181,7 @@ def test_claim_query_is_an_index_scan_with_many_finished_rows() -> None:
         resumed = (store.claim_sql(10, after=True).replace("%(runner)s", "$1")
                    .replace("%(after_priority)s", "$2").replace("%(after_at)s", "$3")
                    .replace("%(after_id)s", "$4").replace("%(direct)s", "$5")
-                   .replace("%(started)s", "$6").replace("%(started_at)s", "$7"))
+                   .replace("%(started)b", "$6").replace("%(started_at)b", "$7"))
         cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
         cursor.execute("PREPARE pj_claim_after(text, int, timestamptz, uuid, int, bigint[], "
                        f"timestamptz[]) AS {resumed}")
