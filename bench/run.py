@@ -631,6 +631,8 @@ def section_drain(args: argparse.Namespace, ctx: Context) -> None:
         ctx.reference = statistics.mean(ctx.references)
         ctx.report.add("pgbench reference (mean of before and after)", f"{ctx.reference:,.0f} tps")
     c, d = ctx.drain_c, ctx.drain_d
+    # The throughput-mode figure set against PgQueuer's batch 500: the fastest one-process drain.
+    ctx.drain_best = max([c, *variants], key=lambda drain: drain.rate)
     ctx.report.add(f"C drain {args.jobs:,} no-op jobs, runjobs defaults", f"{c.rate:,.0f} jobs/s",
                    "", f"{_vs_reference(ctx, c.rate)}{cpu_text(c)}")
     for v in variants:
@@ -784,9 +786,14 @@ def section_peers(args: argparse.Namespace, ctx: Context) -> None:
                                                f"ours {ours_c / rate:.2f}x") if ours_c else "")
     if pgq_c500:
         rate = pgq_c500["jobs_per_s"]
+        ours_best, best_text = ctx.drain_best, ""
+        if ours_best is not None:
+            how = (f"--concurrency {ours_best.concurrency}"
+                   if ours_best.concurrency is not None else "defaults")
+            best_text = verdict(ours_best.rate >= rate,
+                                f"ours at its best ({how}) {ours_best.rate / rate:.2f}x")
         ctx.report.add("PgQueuer C drain, batch 500", f"{rate:,.0f} jobs/s",
-                       "throughput mode >= 1.0x",
-                       f"our default {ours_c / rate:.2f}x" if ours_c else "")
+                       "throughput mode >= 1.0x", best_text)
     if pgq_d:
         d_rate = pgq_d["jobs_per_s"]
         ctx.report.add("PgQueuer D drain, 2 workers, default", f"{d_rate:,.0f} jobs/s",
@@ -873,6 +880,7 @@ class Context:
     reference: float | None = None
     references: list[float] = field(default_factory=list)
     drain_c: Drain | None = None
+    drain_best: Drain | None = None
     drain_d: Drain | None = None
     best_concurrency: int | None = None
     #: Our figures the peer section compares with: "A" enqueue p99 ms, "B" bulk jobs/s,

@@ -21,7 +21,11 @@ import errno
 import os
 import select
 
-_EVENTS = select.POLLIN | select.POLLERR | select.POLLHUP
+#: Where ``select.poll`` is missing (Windows), ``readable`` asks ``select.select``.
+_HAS_POLL = hasattr(select, "poll")
+_EVENTS = (select.POLLIN | select.POLLERR | select.POLLHUP) if _HAS_POLL else 0
+#: The largest write a pipe takes all or nothing (POSIX guarantees at least 512 bytes).
+_PIPE_BUF = getattr(select, "PIPE_BUF", 512)
 
 
 class _PollFd(ctypes.Structure):
@@ -44,6 +48,9 @@ _LIBC = _libc()
 
 
 def _select_poll(fd: int) -> bool:
+    if not _HAS_POLL:
+        readable_now, _, broken = select.select([fd], [], [fd], 0)
+        return bool(readable_now or broken)
     poller = select.poll()
     poller.register(fd, _EVENTS)
     return bool(poller.poll(0))
@@ -63,6 +70,10 @@ def write_whole(fd: int, data: bytes) -> None:
     """Write ``data`` (at most ``PIPE_BUF`` bytes) to the non-blocking pipe ``fd`` in one
     piece: holding the GIL while the pipe has room, and waiting for room with the GIL released
     when it is full. Raises ``OSError`` as ``os.write`` does (a pipe whose reader is gone)."""
+    if len(data) > _PIPE_BUF:
+        # Longer, a write may be cut short, and a reader would take the rest for a new frame.
+        raise ValueError(f"{len(data)} bytes cannot be written to a pipe in one piece "
+                         f"(at most {_PIPE_BUF})")
     while True:
         if _LIBC is not None:
             written = _LIBC.write(fd, data, len(data))
@@ -77,7 +88,11 @@ def write_whole(fd: int, data: bytes) -> None:
                 return
             except BlockingIOError:
                 pass
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        poller.poll()  # full: the GIL is released while the reader makes room
+        # Full: wait for room with the GIL released while the reader makes it.
+        if _HAS_POLL:
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            poller.poll()
+        else:
+            select.select([], [fd], [fd])
 

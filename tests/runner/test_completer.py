@@ -263,3 +263,17 @@ def test_stopping_waits_for_completions_being_written(
     assert finished == [(job.id, "completed")]
     row = PersistentJob.objects.get(id=job.id)
     assert (row.status, row.attempts) == ("completed", 1)
+
+
+def test_a_batch_stores_each_jobs_own_result_next_to_jobs_without_one() -> None:
+    """The batch's arrays go to PostgreSQL in binary: a text array holding JSON results and
+    NULLs, ids and tokens of every size the claim hands out."""
+    enqueue_many([("test.noop", {})] * 3)
+    jobs = claim(3)
+    results = ['{"answer": 42}', None, '"done"']
+    with raw_connection() as conn, conn.cursor() as cursor:
+        done = store.complete_many(cursor, list(zip(jobs, results, strict=True)))
+    assert done == {job.token for job in jobs}
+    stored = dict(PersistentJob.objects.values_list("id", "result"))
+    assert stored == {jobs[0].id: {"answer": 42}, jobs[1].id: None, jobs[2].id: "done"}
+    assert set(JobAttempt.objects.values_list("outcome", flat=True)) == {"completed"}

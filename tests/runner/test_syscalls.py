@@ -96,3 +96,17 @@ def test_write_whole_raises_once_the_reader_is_gone(mode: str) -> None:
             syscalls.write_whole(write_end, b"late")
     finally:
         os.close(write_end)
+
+
+def test_a_frame_longer_than_a_pipe_writes_whole_is_refused() -> None:
+    """Cut short, the rest of it would read as the start of the next frame."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        with pytest.raises(ValueError, match="in one piece"):
+            syscalls.write_whole(write_end, b"x" * (syscalls._PIPE_BUF + 1))
+        syscalls.write_whole(write_end, b"x" * syscalls._PIPE_BUF)
+        assert len(os.read(read_end, 2 * syscalls._PIPE_BUF)) == syscalls._PIPE_BUF
+    finally:
+        os.close(read_end)
+        os.close(write_end)
