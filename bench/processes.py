@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,21 +183,23 @@ class Runjobs:
              "--concurrency", str(concurrency), "--no-scheduler"],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
-        while not scalar("SELECT count(*) FROM persistent_jobs_runners WHERE pid = %s",
-                         [self.proc.pid]):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"runjobs did not start; see {self.log_path}")
-            time.sleep(0.05)
+        self._wait_until(lambda: scalar("SELECT count(*) FROM persistent_jobs_runners "
+                                        "WHERE pid = %s", [self.proc.pid]) > 0,
+                         deadline, "runjobs did not start")
         # Every lane (a thread, or a thread of a worker process) opens its connection as it
         # starts: once all are open, the workers are up. A drain must not time a worker
         # process's interpreter start and Django set-up (``runjobs``' start-up, not its rate).
         lanes = max(1, processes) * concurrency
-        while scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                     "AND pid <> pg_backend_pid()") < lanes + 1:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"runjobs' workers did not start; see {self.log_path}")
-            time.sleep(0.05)
+        self._wait_until(lambda: scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()") >= lanes + 1, deadline, "runjobs' workers did not start")
         time.sleep(0.5)  # idle, listening
+
+    def _wait_until(self, ready: Callable[[], bool], deadline: float, failure: str) -> None:
+        while not ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{failure}; see {self.log_path}")
+            time.sleep(0.05)
 
     def cpu(self) -> float:
         return sum(_cpu_of(pid) for pid in _tree(self.proc.pid))

@@ -113,9 +113,6 @@ class Executor(Protocol):
         """Block until ``at_least`` slots are free, or one is and a worker is idle, or
         ``timeout``; return the number of free slots."""
 
-    def submit(self, item: InFlight) -> bool:
-        """Accept a claimed job; False once sealed (the caller then hands the job back)."""
-
     def submit_many(self, items: list[InFlight]) -> int:
         """Accept claimed jobs in order; how many were accepted (the caller hands the rest
         back). Handing over a whole claim at once lets the worker-process executor send it

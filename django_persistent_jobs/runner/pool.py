@@ -200,13 +200,9 @@ class WorkerPool(SlotWaits):
                 self.changed.wait(remaining)
             return True
 
-    def submit(self, item: InFlight) -> bool:
-        """Queue a claimed job; False once the pool is sealed (the runner is stopping), in which
-        case the caller still owns the job and must hand it back."""
-        return self.submit_many([item]) == 1
-
     def submit_many(self, items: list[InFlight]) -> int:
-        """Queue a whole claim: all of it, or none once the pool is sealed. One acquisition of
+        """Queue a whole claim: all of it, or none once the pool is sealed (the runner is
+        stopping; the caller still owns the jobs and hands them back). One acquisition of
         ``lock`` for the claim, not one per job: the worker threads take that lock as each job
         starts and ends, and in a drain of short jobs the claim thread waited for it (a GIL
         hand-off each time) more than it did anything else."""

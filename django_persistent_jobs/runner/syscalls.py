@@ -95,4 +95,3 @@ def write_whole(fd: int, data: bytes) -> None:
             poller.poll()
         else:
             select.select([], [fd], [fd])
-

@@ -276,10 +276,6 @@ class ProcessExecutor(SlotWaits):
         with self.lock:
             return self._idle_locked()
 
-    def submit(self, item: InFlight) -> bool:
-        """Accept a claimed job: start it on a free lane, or keep it waiting here for one."""
-        return self.submit_many([item]) == 1
-
     def submit_many(self, items: list[InFlight]) -> int:
         """Accept claimed jobs (all of them, or none once sealed: returns how many), writing
         each worker its share as one message."""
