@@ -14,6 +14,7 @@ from django.db import connection
 from django_persistent_jobs import JobContext, job_handler
 
 NOOP = "bench.noop"
+NOOP_AUTOCOMMIT = "bench.noop_autocommit"
 PICKUP = "bench.pickup"
 PICKUP_CHANNEL = "pj_bench_pickup"
 
@@ -21,6 +22,13 @@ PICKUP_CHANNEL = "pj_bench_pickup"
 @job_handler(NOOP, max_retries=0)
 def noop(payload: Any) -> None:
     """Does nothing, so a drain measures the job system's own cost per job."""
+    return None
+
+
+@job_handler(NOOP_AUTOCOMMIT, max_retries=0, atomic=False)
+def noop_autocommit(payload: Any) -> None:
+    """The throughput mode's no-op: ``atomic=False``, so the runner opens no transaction for it
+    and its completion is always batched (a drain of these measures that mode's cost per job)."""
     return None
 
 

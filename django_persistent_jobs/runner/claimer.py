@@ -134,9 +134,16 @@ def _write_starts(runner: Runner) -> None:
 #: With the adaptive ``PREFETCH`` (``None``), at most this many claimed jobs per worker slot wait
 #: (the lookahead below is what bounds it for any job slower than a few milliseconds).
 ADAPTIVE_PREFETCH_FACTOR = 16
+#: ... but at least this many whatever the slots, so that a runner at the default concurrency
+#: claims tiny jobs in batches as large as one at ``--concurrency 32`` does (fewer, larger
+#: claims: the claim statement's cost per job falls with its size).
+ADAPTIVE_PREFETCH_FLOOR = 512
 #: ... and no more than the workers finished in this many seconds: at the recent pace, a job
 #: waits about this long for a worker.
 LOOKAHEAD_SECONDS = 0.1
+#: The shortest history the pace is scaled up from (a few jobs finished within a millisecond
+#: of the start say little about the next tenth of a second).
+RAMP_MIN_SECONDS = 0.02
 
 
 class WaitingRoom:
@@ -162,7 +169,15 @@ class WaitingRoom:
         history.append((now, finished))
         while len(history) > 1 and history[1][0] <= now - LOOKAHEAD_SECONDS:
             history.popleft()
-        self.executor.waiting_room = min(self.cap, finished - history[0][1])
+        since, finished_then = history[0]
+        done = finished - finished_then
+        span = now - since
+        if done and span < LOOKAHEAD_SECONDS:
+            # Less than a lookahead of history (the runner just started, or just got work):
+            # the pace so far, scaled to a whole lookahead. Waiting for a full lookahead of
+            # history kept the first tenth of a second of a drain to small claims.
+            done = round(done * LOOKAHEAD_SECONDS / max(span, RAMP_MIN_SECONDS))
+        self.executor.waiting_room = min(self.cap, done)
 
 
 #: The claim sizes a runner uses: each size is a statement text of its own (its LIMIT is a

@@ -36,8 +36,11 @@ from . import store
 from .db import run_with_retry
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from django.db.backends.utils import CursorWrapper as Cursor
 
+    from .starts import StartLog
     from .store import ClaimedJob
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -56,16 +59,18 @@ Answer = Callable[[bool | None, BaseException | None], None]
 class _Waiting:
     """One completion handed over, and who to tell once the batch carrying it was written."""
 
-    __slots__ = ("alias", "answered", "completer", "job", "on_answer", "result")
+    __slots__ = ("alias", "answered", "completer", "job", "on_answer", "result", "started")
 
     def __init__(self, completer: Completer, alias: str, job: ClaimedJob, result: str | None,
-                 on_answer: Answer) -> None:
+                 on_answer: Answer, started: datetime | None) -> None:
         self.completer = completer
         self.alias = alias
         self.job = job
         self.result = result
         self.on_answer = on_answer
         self.answered = False
+        #: When the job started, if that is not on record yet (see ``Completer.starts``).
+        self.started = started
 
     def answer(self, outcome: bool | None, error: BaseException | None = None) -> None:
         if self.answered:
@@ -95,6 +100,11 @@ class Completer:
         #: answers when it stops): a worker process reports a batch's jobs in one message
         #: instead of one per job.
         self.after_batch: Callable[[], None] | None = None
+        #: Where the fast path notes the starts of waiting jobs (the thread runner sets it).
+        #: A job handed over takes its start with it (``StartLog.take``), and its batch writes
+        #: the start with the completion: a job that finished before the next claim needs no
+        #: update of its own for its start.
+        self.starts: StartLog | None = None
         #: Statements that completed jobs, and the jobs they completed (for tests and benches).
         self.statements = 0
         self.completed = 0
@@ -129,9 +139,13 @@ class Completer:
         is called on the completer's thread once it was written (see ``complete`` for what
         it is told). False (and ``on_answer`` is never called) once the completer is closing:
         the caller then treats the completion as abandoned."""
-        waiting = _Waiting(self, alias, job, result, on_answer)
+        starts = self.starts
+        waiting = _Waiting(self, alias, job, result, on_answer,
+                           starts.take(job.token) if starts is not None else None)
         with self._cond:
             if self._closing:
+                if waiting.started is not None:
+                    self._restore({job.token: waiting.started})
                 return False
             self._queue.append(waiting)
             self._unanswered += 1
@@ -183,6 +197,8 @@ class Completer:
         finally:
             with self._cond:
                 left, self._queue = list(self._queue), deque()
+            self._restore({waiting.job.token: waiting.started for waiting in left
+                           if waiting.started is not None})
             for waiting in left:
                 waiting.answer(None)
             self._batch_answered()
@@ -221,10 +237,26 @@ class Completer:
     def _write(self, batch: list[_Waiting]) -> None:
         alias = batch[0].alias
         pairs = [(waiting.job, waiting.result) for waiting in batch]
+        started = {waiting.job.token: waiting.started for waiting in batch
+                   if waiting.started is not None}
+        try:
+            self._write_taken(batch, alias, pairs, started)
+        except BaseException:
+            self._restore(started)
+            raise
 
+    def _restore(self, started: dict[int, datetime]) -> None:
+        """Starts this batch took but did not write go back to the log (the claim loop writes
+        them); the jobs they belong to are still running under this runner."""
+        if started and self.starts is not None:
+            self.starts.restore(started)
+
+    def _write_taken(self, batch: list[_Waiting], alias: str,
+                     pairs: list[tuple[ClaimedJob, str | None]],
+                     started: dict[int, datetime]) -> None:
         def complete(cursor: Cursor) -> set[int]:
             store.index_only_session(cursor)  # this thread's connection runs nothing else
-            return store.complete_many(cursor, pairs)
+            return store.complete_many(cursor, pairs, started)
 
         try:
             done = run_with_retry(alias, complete,
@@ -232,6 +264,7 @@ class Completer:
                                   interrupt=self._give_up)
         except Exception as exc:
             if len(batch) == 1:
+                self._restore(started)
                 batch[0].answer(None, exc)
                 return
             logger.warning("completing %d jobs in one statement failed (%s: %s); completing "
@@ -241,9 +274,12 @@ class Completer:
                 self._write([waiting])
             return
         if done is None:
+            self._restore(started)
             for waiting in batch:
                 waiting.answer(None)
             return
+        if started and self.starts is not None:
+            self.starts.carried_done(started)  # written (or the attempt is no longer ours)
         self.statements += 1
         self.completed += len(done)
         missing = [waiting.job.token for waiting in batch if waiting.job.token not in done]

@@ -87,10 +87,13 @@ class InFlight:
     completer: Completer | None = None
     #: Records the start of a job that waited for a worker before it runs (None: no gate).
     gate: StartGate | None = None
-    #: Called once a completion handed to ``completer`` was written and logged (``execute``
-    #: returned True): the job has then left this runner's hands. Given the exception if its
-    #: outcome could not be recorded (what ``execute`` raises when it settles a job itself).
-    on_settled: Callable[[BaseException | None], None] | None = None
+    #: Called with this job once a completion handed to ``completer`` was written and logged
+    #: (``execute`` returned True): the job has then left this runner's hands. Given the
+    #: exception if its outcome could not be recorded (what ``execute`` raises when it settles
+    #: a job itself). Given the job rather than bound to it: a callable on the job that refers
+    #: back to it would make every job a reference cycle, which only the garbage collector
+    #: frees (a pause of tens of milliseconds every few thousand jobs, every thread stopped).
+    on_settled: Callable[[InFlight, BaseException | None], None] | None = None
     #: A worker process reported this job done (a job reaches ``DONE`` once, whichever of its
     #: lane and its completion gets there first).
     done_reported: bool = False
@@ -506,7 +509,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             except BaseException as exc:
                 failure = exc
             if inflight.on_settled is not None:
-                inflight.on_settled(failure)
+                inflight.on_settled(inflight, failure)
             elif failure is not None:
                 raise failure
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
 import queue
 import threading
@@ -214,7 +213,7 @@ class WorkerPool(SlotWaits):
         for item in items:
             item.completer = self.completer
             item.gate = self.gate
-            item.on_settled = functools.partial(self._settled, item)
+            item.on_settled = self._settled
             self.queue.put(item)
         return len(items)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -127,49 +127,98 @@ class Lease:
 
 class StartLog:
     """Attempt ids (fencing tokens) of waiting jobs started on the fast path, with when, not
-    yet written. Thread-safe: executors note from their threads, the claim loop takes."""
+    yet written. Thread-safe: executors note from their threads, the claim loop takes.
+
+    A job whose handler returns before the next claim is handed to the completer, and its
+    start goes with it (``take``): the batch carrying its completion writes the start too, so
+    that most jobs of a drain of short jobs need no update for their start at all. Such a
+    start stays *carried* here until its batch is written (``carried_done``): if the batch
+    has not been written by the time the start is due (``FLUSH_AFTER``), the claim loop writes
+    it as well, so a slow batch never delays a start past its due time. (Written twice is
+    harmless: the second write finds the attempt started, or settled.)
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tokens: list[int] = []
-        self._times: list[datetime] = []
-        self._oldest: float | None = None
+        #: token -> (when it started, monotonic time it was noted), oldest first: starts only
+        #: the claim loop will write, and starts a batch of completions carries.
+        self._noted: dict[int, tuple[datetime, float]] = {}
+        self._carried: dict[int, tuple[datetime, float]] = {}
 
     def note(self, token: int) -> None:
         when = datetime.now(UTC)
         with self._lock:
-            self._tokens.append(token)
-            self._times.append(when)
-            if self._oldest is None:
-                self._oldest = time.monotonic()
+            self._noted[token] = (when, time.monotonic())
+
+    def take(self, token: int) -> datetime | None:
+        """The start of this attempt, for the batch carrying its completion to write (None if
+        it is not noted: written already, or the job never waited)."""
+        with self._lock:
+            entry = self._noted.pop(token, None)
+            if entry is None:
+                return None
+            self._carried[token] = entry
+        return entry[0]
+
+    def carried_done(self, tokens: Iterable[int]) -> None:
+        """The batch carrying these starts was written, or gave them back (``restore``)."""
+        with self._lock:
+            carried = self._carried
+            for token in tokens:
+                carried.pop(token, None)
+
+    def restore(self, starts: dict[int, datetime]) -> None:
+        """Note again starts taken but not written, due at once: the claim loop writes them
+        with its next claim, or on their own."""
+        if not starts:
+            return
+        due = time.monotonic() - FLUSH_AFTER
+        with self._lock:
+            for token in starts:
+                self._carried.pop(token, None)
+            self._noted = {**{token: (when, due) for token, when in starts.items()},
+                           **self._noted}
+
+    def _oldest_locked(self) -> float | None:
+        # ``_noted`` is in the order of the starts; ``_carried`` in the order the handlers
+        # returned (a few hundred at most: the completions being written).
+        times = [noted_at for _, noted_at in self._carried.values()]
+        for _, noted_at in self._noted.values():
+            times.append(noted_at)
+            break
+        return min(times, default=None)
 
     def due_in(self, limit: float) -> float:
         """Seconds until the oldest noted start must be written (``limit`` when none is)."""
         with self._lock:
-            if self._oldest is None:
-                return limit
-            return max(0.0, min(limit, self._oldest + FLUSH_AFTER - time.monotonic()))
+            oldest = self._oldest_locked()
+        if oldest is None:
+            return limit
+        return max(0.0, min(limit, oldest + FLUSH_AFTER - time.monotonic()))
 
     @property
     def overdue(self) -> bool:
         with self._lock:
-            return self._oldest is not None and time.monotonic() - self._oldest >= FLUSH_AFTER
+            oldest = self._oldest_locked()
+        return oldest is not None and time.monotonic() - oldest >= FLUSH_AFTER
 
     @contextmanager
     def taken(self) -> Iterator[tuple[list[int], list[datetime]]]:
-        """The noted starts, for one statement to write; noted again if it raises (the retry,
-        or the next claim, writes them then)."""
+        """The noted starts, and the carried ones that are due, for one statement to write;
+        noted again if it raises (the retry, or the next claim, writes them then)."""
+        due = time.monotonic() - FLUSH_AFTER
         with self._lock:
-            tokens, times, oldest = self._tokens, self._times, self._oldest
-            self._tokens, self._times, self._oldest = [], [], None
+            noted, self._noted = self._noted, {}
+            carried = self._carried
+            late = {token: entry for token, entry in carried.items() if entry[1] <= due}
+            for token in late:
+                del carried[token]
+        writing = {**noted, **late}
         try:
-            yield tokens, times
+            yield list(writing), [when for when, _ in writing.values()]
         except BaseException:
             with self._lock:
-                self._tokens[:0] = tokens
-                self._times[:0] = times
-                if oldest is not None:
-                    self._oldest = min(oldest, self._oldest or oldest)
+                self._noted = {**writing, **self._noted}
             raise
 
 

@@ -29,7 +29,7 @@ import math
 import time
 import uuid
 import weakref
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -463,14 +463,22 @@ WITH done AS (
     WHERE j.id = d.id AND j.lock_token = d.token
     RETURNING d.token
 )
-UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
-    duration = clock_timestamp() - a.started_at, outcome = 'completed'
-FROM done WHERE a.id = done.token
+UPDATE persistent_jobs_attempts a SET started = true,
+    started_at = CASE WHEN a.started THEN a.started_at ELSE coalesce(s.at, a.started_at) END,
+    finished_at = clock_timestamp(),
+    duration = clock_timestamp()
+        - CASE WHEN a.started THEN a.started_at ELSE coalesce(s.at, a.started_at) END,
+    outcome = 'completed'
+FROM done LEFT JOIN unnest(%b::bigint[], %b::timestamptz[]) AS s(id, at) ON s.id = done.token
+WHERE a.id = done.token
 RETURNING a.id
 """
 
 
-def complete_many(cursor: Cursor, jobs: Sequence[tuple[ClaimedJob, str | None]]) -> set[int]:
+def complete_many(
+    cursor: Cursor, jobs: Sequence[tuple[ClaimedJob, str | None]],
+    started: Mapping[int, datetime] | None = None,
+) -> set[int]:
     """Mark several jobs completed in one statement; the tokens of those whose claim held.
 
     Each row is fenced by its own token, exactly as ``complete`` fences one job: a job rescued,
@@ -478,10 +486,16 @@ def complete_many(cursor: Cursor, jobs: Sequence[tuple[ClaimedJob, str | None]])
     ids are sent in order, so batches lock their rows in one order; a deadlock with another
     session's statement is a transient error, retried like any other. Planned at each
     execution (see ``complete``).
+
+    ``started``: when waiting jobs of the batch started (by token), noted on the fast path and
+    not written yet (``starts.StartLog``). The statement writes them with the completion, so a
+    job that finished before the next claim costs no update of its own for its start; a
+    completed attempt is started whatever was on record.
     """
     ordered = sorted(jobs, key=lambda pair: str(pair[0].id))
+    began = started or {}
     params = [[job.id for job, _ in ordered], [job.token for job, _ in ordered],
-              [result for _, result in ordered]]
+              [result for _, result in ordered], list(began), list(began.values())]
     with prepared(cursor) as fast:
         fast.execute(_COMPLETE_MANY, params, prepare=False)
         return {int(row[0]) for row in fast.fetchall()}

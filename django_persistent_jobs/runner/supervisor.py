@@ -33,7 +33,7 @@ from ..context import JobContext
 from ..errors import ConfigurationError
 from ..handlers import registry
 from . import store
-from .claimer import ADAPTIVE_PREFETCH_FACTOR, claim_loop
+from .claimer import ADAPTIVE_PREFETCH_FACTOR, ADAPTIVE_PREFETCH_FLOOR, claim_loop
 from .cleanup import cleanup_loop
 from .db import (
     LOCK_NOT_AVAILABLE,
@@ -320,6 +320,8 @@ class Runner:
                                      prefetch=self._prefetch(settings.concurrency))
             # Worker processes have a gate each; here the threads share the runner's.
             threads.gate = StartGate(self.alias, self.forced)
+            # Batched completions carry the starts of their jobs that are still noted.
+            threads.completer.starts = self.starts
             threads.warm = functools.partial(warm_connection, self.alias)
             return threads
         from .workers.manager import ProcessExecutor
@@ -341,7 +343,7 @@ class Runner:
         default the cap the claim loop works under (``claimer.WaitingRoom``)."""
         if self.settings.prefetch is not None:
             return self.settings.prefetch
-        return ADAPTIVE_PREFETCH_FACTOR * slots
+        return max(ADAPTIVE_PREFETCH_FACTOR * slots, ADAPTIVE_PREFETCH_FLOOR)
 
     def _executor_failed(self, exc: BaseException) -> None:
         """The executor cannot run jobs any more: stop loudly, like a runner whose loop died."""

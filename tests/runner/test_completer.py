@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.runner import Runner, store
 from django_persistent_jobs.runner.completer import Completer
+from django_persistent_jobs.runner.starts import StartLog
 from tests.core_support import claim_as, pj_settings, raw_connection, wait_for
 from tests.runner_support import Gate, finished, isolated_registry
 from tests.testapp.models import LedgerEntry
@@ -176,6 +178,12 @@ def test_completions_of_handlers_that_ran_no_sql_are_batched(
     # own bookkeeping (register, heartbeats, unregister) stay well under one per job.
     assert statements <= total // 2, statements
     assert spent < total // 2, (spent, statements)
+    # Most of these jobs waited for a worker; each attempt is on record as started, from when
+    # it started (written with its completion, or with a claim), not from when it was claimed.
+    attempts = JobAttempt.objects.filter(job_id__in=ids)
+    assert not attempts.filter(started=False).exists()
+    for began, ended, took in attempts.values_list("started_at", "finished_at", "duration"):
+        assert began <= ended and abs(took - (ended - began)) < timedelta(milliseconds=1)
 
 
 def test_a_handler_that_wrote_to_the_database_completes_in_its_own_transaction(
@@ -277,3 +285,32 @@ def test_a_batch_stores_each_jobs_own_result_next_to_jobs_without_one() -> None:
     stored = dict(PersistentJob.objects.values_list("id", "result"))
     assert stored == {jobs[0].id: {"answer": 42}, jobs[1].id: None, jobs[2].id: "done"}
     assert set(JobAttempt.objects.values_list("outcome", flat=True)) == {"completed"}
+
+
+def test_a_batch_writes_the_starts_still_noted_for_its_jobs() -> None:
+    """A waiting job started on the fast path has its start noted (``starts.StartLog``) until a
+    claim writes it; handed to the completer, the job takes its start out of the log, and its
+    batch writes it with the completion, so no claim writes it a second time."""
+    enqueue_many([("test.noop", {})] * 3)
+    with raw_connection() as conn, conn.cursor() as cursor:
+        jobs = claim_as(cursor, "completer-test", 3, None, direct=1)
+    assert [job.waiting for job in jobs] == [False, True, True]
+    claimed_at = dict(JobAttempt.objects.values_list("id", "started_at"))
+    log = StartLog()
+    log.note(jobs[1].token)  # started on the fast path; jobs[2]'s start is not noted
+    completer = Completer()
+    completer.starts = log
+    try:
+        answers = complete_from_threads(completer, jobs)
+    finally:
+        completer.close(10)
+    assert answers == {job.id: True for job in jobs}
+    assert log.take(jobs[1].token) is None  # written: nothing left for the next claim
+    rows = {row.id: row for row in JobAttempt.objects.all()}
+    assert all(row.started and row.outcome == "completed" for row in rows.values())
+    assert rows[jobs[0].token].started_at == claimed_at[jobs[0].token]  # direct: unchanged
+    assert rows[jobs[1].token].started_at > claimed_at[jobs[1].token]  # the noted start
+    assert rows[jobs[2].token].started_at == claimed_at[jobs[2].token]  # nothing better known
+    for row in rows.values():
+        assert row.finished_at is not None
+        assert abs(row.duration - (row.finished_at - row.started_at)) < timedelta(milliseconds=1)

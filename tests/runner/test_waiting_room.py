@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from django_persistent_jobs.runner.claimer import LOOKAHEAD_SECONDS, WaitingRoom
+from django_persistent_jobs.runner.claimer import LOOKAHEAD_SECONDS, RAMP_MIN_SECONDS, WaitingRoom
 
 
 @dataclass
@@ -30,7 +30,7 @@ def test_waiting_follows_the_jobs_finished_within_the_lookahead_up_to_the_cap() 
     room.adjust(now=100.0)
     executor.finished = 7
     room.adjust(now=100.0 + LOOKAHEAD_SECONDS / 2)
-    assert executor.waiting_room == 7
+    assert executor.waiting_room == 14  # half a lookahead of history: the pace, scaled
     executor.finished = 500  # tiny jobs: thousands a second
     room.adjust(now=100.0 + LOOKAHEAD_SECONDS)
     assert executor.waiting_room == 40  # capped
@@ -40,3 +40,21 @@ def test_waiting_follows_the_jobs_finished_within_the_lookahead_up_to_the_cap() 
     assert executor.waiting_room == 1
     room.adjust(now=100.0 + 5 * LOOKAHEAD_SECONDS)
     assert executor.waiting_room == 0
+
+
+def test_a_runner_that_just_started_waits_for_no_full_lookahead_to_claim_in_batches() -> None:
+    """A drain's first claims: 40 jobs finished 10 ms after the start say the pace, scaled to a
+    whole lookahead from no less than ``RAMP_MIN_SECONDS`` of history (so a few jobs finished
+    in the first millisecond do not claim the whole cap)."""
+    executor = Counters(waiting_room=1000)
+    room = WaitingRoom(executor)
+    room.adjust(now=100.0)
+    executor.finished = 40
+    room.adjust(now=100.0 + RAMP_MIN_SECONDS / 2)
+    assert executor.waiting_room == 200  # 40 in (at least) 20 ms
+    executor.finished = 140
+    room.adjust(now=100.0 + LOOKAHEAD_SECONDS / 4)
+    assert executor.waiting_room == 560  # 140 in a quarter of a lookahead
+    executor.finished = 141
+    room.adjust(now=100.0 + 2 * LOOKAHEAD_SECONDS)
+    assert executor.waiting_room == 1  # a whole lookahead of history: counted, not scaled

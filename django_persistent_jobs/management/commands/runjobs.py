@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_persistent_jobs import conf
 from django_persistent_jobs.errors import ConfigurationError
-from django_persistent_jobs.runner import Runner
+from django_persistent_jobs.runner import Runner, heap
 from django_persistent_jobs.runner.db import DatabaseUnreachable
 from django_persistent_jobs.runner.execute import COMPLETIONS_LOGGER
 
@@ -91,6 +91,7 @@ class Command(BaseCommand):
                 processes=processes,
                 name=options["name"], database_wait=options["database_wait"],
             )
+            heap.settle()  # this process only runs jobs: see ``runner.heap``
             code = runner.run(install_signal_handlers=True)
         except (ConfigurationError, DatabaseUnreachable) as exc:
             raise CommandError(str(exc)) from exc

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import queue
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import syscalls
+from .. import heap, syscalls
 from . import protocol
 from .channel import Reader, frame
 
@@ -93,7 +94,9 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
         handler.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
         package_logger.addHandler(handler)
-    Worker(conn, options).serve()
+    worker = Worker(conn, options)
+    heap.settle()  # after start-up: see ``heap``
+    worker.serve()
 
 
 
@@ -284,7 +287,9 @@ class Worker:
         if skipped:  # taken back before it started (answered ``UNSTARTED``): never runs here
             return True
         deferred = False
-        item.on_settled = lambda failure: self._settled(item, wire_id, failure)
+        # Not a closure over ``item``: stored on it, that would make every job a reference
+        # cycle, freed only by the garbage collector (see ``execute.InFlight.on_settled``).
+        item.on_settled = functools.partial(self._settled, wire_id=wire_id)
         try:
             self._report_session(lane, item)
             self._report_started(lane, wire_id, fast)
@@ -407,7 +412,7 @@ class Worker:
             batch, self.finished = self.finished, []
         self.send_many([*self._report_messages(batch), message])
 
-    def _settled(self, item: Any, wire_id: Any, failure: BaseException | None) -> None:
+    def _settled(self, item: Any, failure: BaseException | None, wire_id: Any) -> None:
         """A job whose completion was batched is settled (``execute``'s ``on_settled``)."""
         if failure is not None:
             self.send((protocol.CRASHED, wire_id, f"{type(failure).__name__}: {failure}"))

@@ -1,0 +1,84 @@
+"""The fast path's log of starts not yet written (``starts.StartLog``): the claim loop takes all
+of them for its next claim, a job handed to the completer takes its own, and whatever a
+writer could not write is noted again and due at once. Pure bookkeeping, no database; the
+statements that write them are exercised in ``test_store_waiting.py`` and ``test_completer.py``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from django_persistent_jobs.runner.starts import FLUSH_AFTER, StartLog
+
+
+def test_a_job_handed_to_the_completer_takes_only_its_own_start() -> None:
+    log = StartLog()
+    for token in (1, 2, 3):
+        log.note(token)
+    assert log.take(3) is not None and log.take(1) is not None
+    assert log.take(99) is None  # its start was written already, or it never waited
+    with log.taken() as (tokens, times):
+        assert tokens == [2] and len(times) == 1  # the claim writes the rest
+    assert log.take(2) is None
+    log.carried_done([1, 3])
+
+
+def test_nothing_noted_means_nothing_due() -> None:
+    log = StartLog()
+    assert log.due_in(5.0) == 5.0 and not log.overdue
+    log.note(7)
+    assert 0 < log.due_in(5.0) <= FLUSH_AFTER
+    log.take(7)
+    log.carried_done([7])
+    assert log.due_in(5.0) == 5.0 and not log.overdue  # its completion wrote it
+
+
+def test_starts_a_writer_could_not_write_are_due_at_once() -> None:
+    log = StartLog()
+    log.note(1)
+    began = log.take(1)
+    assert began is not None
+    log.restore({1: began})
+    assert log.overdue and log.due_in(5.0) == 0.0
+    with log.taken() as (tokens, times):
+        assert tokens == [1] and times == [began]  # the time it started, not the restore's
+
+
+def test_a_claim_that_fails_notes_its_starts_again() -> None:
+    log = StartLog()
+    log.note(1)
+    with pytest.raises(RuntimeError), log.taken() as (tokens, _):
+        assert tokens == [1]
+        raise RuntimeError("the claim failed")
+    log.note(2)
+    with log.taken() as (tokens, _):
+        assert tokens == [1, 2]
+
+
+def test_a_start_whose_completion_batch_is_late_is_written_by_the_claim_too() -> None:
+    """A start a batch carries leaves the claim's share at once, but stays due: if the batch
+    has not been written when the start falls due, the claim loop writes it as well."""
+    log = StartLog()
+    log.note(1)
+    log.note(2)
+    assert log.take(1) is not None
+    with log.taken() as (tokens, _):
+        assert tokens == [2]  # 1 is carried by its batch, not due yet
+    assert 0 < log.due_in(5.0) <= FLUSH_AFTER  # ... but still counts as unwritten
+    log.carried_done([1])
+    assert log.due_in(5.0) == 5.0 and not log.overdue
+
+
+def test_a_carried_start_falls_due_like_any_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])  # the clock starts.py reads
+    log = StartLog()
+    log.note(1)
+    began = log.take(1)
+    now[0] += FLUSH_AFTER
+    assert log.overdue and log.due_in(5.0) == 0.0
+    with log.taken() as (tokens, times):
+        assert tokens == [1] and times == [began]  # the claim writes it too
+    log.carried_done([1])  # the batch, written after all: nothing left
+    assert not log.overdue
