@@ -180,13 +180,17 @@ class StartLog:
                            **self._noted}
 
     def _oldest_locked(self) -> float | None:
-        # ``_noted`` is in the order of the starts; ``_carried`` in the order the handlers
-        # returned (a few hundred at most: the completions being written).
-        times = [noted_at for _, noted_at in self._carried.values()]
-        for _, noted_at in self._noted.values():
-            times.append(noted_at)
-            break
-        return min(times, default=None)
+        """When the oldest unwritten start was noted, near enough: the first of each map.
+        ``_noted`` is in the order of the starts; ``_carried`` in the order the handlers
+        returned, which puts a start first that is younger than one behind it by at most the
+        length of a handler that returned after a shorter one started (a start noted longer
+        ago than ``FLUSH_AFTER`` is written from ``_noted`` before its handler returns)."""
+        oldest = None
+        for entries in (self._noted, self._carried):
+            for _, noted_at in entries.values():
+                oldest = noted_at if oldest is None else min(oldest, noted_at)
+                break
+        return oldest
 
     def due_in(self, limit: float) -> float:
         """Seconds until the oldest noted start must be written (``limit`` when none is)."""

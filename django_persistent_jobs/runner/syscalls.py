@@ -20,6 +20,7 @@ import ctypes
 import errno
 import os
 import select
+from typing import Any
 
 #: Where ``select.poll`` is missing (Windows), ``readable`` asks ``select.select``.
 _HAS_POLL = hasattr(select, "poll")
@@ -56,11 +57,20 @@ def _select_poll(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
+#: One ``pollfd`` per descriptor polled, made once: building it and its pointer cost more than
+#: the call itself. (A descriptor is polled by one thread at a time: the one whose connection
+#: it is; ``poll`` only writes ``revents``, which nothing reads.)
+_POLLFDS: dict[int, Any] = {}
+
+
 def readable(fd: int) -> bool:
     """True if the socket has data, an error or a hang-up waiting; never blocks."""
     if _LIBC is None:
         return _select_poll(fd)
-    answer: int = _LIBC.poll(ctypes.byref(_PollFd(fd, _EVENTS, 0)), 1, 0)
+    pointer = _POLLFDS.get(fd)
+    if pointer is None:
+        pointer = _POLLFDS[fd] = ctypes.byref(_PollFd(fd, _EVENTS, 0))
+    answer: int = _LIBC.poll(pointer, 1, 0)
     if answer < 0:
         return _select_poll(fd)  # EINTR and the like: ask the ordinary way
     return answer > 0
