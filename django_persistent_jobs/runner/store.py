@@ -459,18 +459,18 @@ WITH done AS (
     UPDATE persistent_jobs j SET status = 'completed', locked_by = NULL, locked_at = NULL,
         lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
         result = d.result::jsonb
-    FROM unnest(%b::uuid[], %b::bigint[], %b::text[]) AS d(id, token, result)
+    FROM unnest(%b::uuid[], %b::bigint[], %b::text[], %b::timestamptz[])
+        AS d(id, token, result, began)
     WHERE j.id = d.id AND j.lock_token = d.token
-    RETURNING d.token
+    RETURNING d.token, d.began
 )
 UPDATE persistent_jobs_attempts a SET started = true,
-    started_at = CASE WHEN a.started THEN a.started_at ELSE coalesce(s.at, a.started_at) END,
+    started_at = CASE WHEN a.started THEN a.started_at ELSE coalesce(done.began, a.started_at) END,
     finished_at = clock_timestamp(),
     duration = clock_timestamp()
-        - CASE WHEN a.started THEN a.started_at ELSE coalesce(s.at, a.started_at) END,
+        - CASE WHEN a.started THEN a.started_at ELSE coalesce(done.began, a.started_at) END,
     outcome = 'completed'
-FROM done LEFT JOIN unnest(%b::bigint[], %b::timestamptz[]) AS s(id, at) ON s.id = done.token
-WHERE a.id = done.token
+FROM done WHERE a.id = done.token
 RETURNING a.id
 """
 
@@ -495,7 +495,7 @@ def complete_many(
     ordered = sorted(jobs, key=lambda pair: str(pair[0].id))
     began = started or {}
     params = [[job.id for job, _ in ordered], [job.token for job, _ in ordered],
-              [result for _, result in ordered], list(began), list(began.values())]
+              [result for _, result in ordered], [began.get(job.token) for job, _ in ordered]]
     with prepared(cursor) as fast:
         fast.execute(_COMPLETE_MANY, params, prepare=False)
         return {int(row[0]) for row in fast.fetchall()}
