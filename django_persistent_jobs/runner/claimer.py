@@ -97,7 +97,7 @@ def claim_loop(runner: Runner) -> None:
         if accepted < len(jobs):
             # The supervisor sealed the pool for shutdown between the check above and now.
             runner.hand_back_unstarted(jobs[accepted:])
-            _write_starts(runner)
+            _write_starts(runner, last=True)
             return
         if logger.isEnabledFor(logging.DEBUG) and jobs:
             logger.debug("claimed %d job(s)", len(jobs),
@@ -118,13 +118,15 @@ def claim_loop(runner: Runner) -> None:
                           0.01)
             continue
         runner.wake.wait(starts.due_in(poll))
-    _write_starts(runner)  # the starts noted last, before the runner settles what it holds
+    _write_starts(runner, last=True)  # the last starts, before the runner settles what it holds
 
 
-def _write_starts(runner: Runner) -> None:
-    """Record the starts noted on the fast path (``starts.StartLog``) on their own."""
+def _write_starts(runner: Runner, last: bool = False) -> None:
+    """Record the starts noted on the fast path (``starts.StartLog``) on their own (``last``:
+    the claim loop's final write, which also takes the starts a completion batch carries, due
+    or not: the batch may yet fail, and nobody would write them after this)."""
     def write(cursor: Cursor) -> None:
-        with runner.starts.taken() as (tokens, times):
+        with runner.starts.taken(everything=last) as (tokens, times):
             if tokens:
                 store.mark_started(cursor, tokens, times)
 
@@ -173,9 +175,9 @@ class WaitingRoom:
         done = finished - finished_then
         span = now - since
         if done and span < LOOKAHEAD_SECONDS:
-            # Less than a lookahead of history (the runner just started, or just got work):
-            # the pace so far, scaled to a whole lookahead. Waiting for a full lookahead of
-            # history kept the first tenth of a second of a drain to small claims.
+            # Less than a lookahead of history (the runner just started): the pace so far,
+            # scaled to a whole lookahead. Waiting for a full lookahead of history kept the
+            # first tenth of a second of a drain to small claims.
             done = round(done * LOOKAHEAD_SECONDS / max(span, RAMP_MIN_SECONDS))
         self.executor.waiting_room = min(self.cap, done)
 

@@ -9,21 +9,32 @@ for about 50 ms. ``settle`` moves what exists after start-up out of the collecto
 runner's own per-job objects are freed by reference counting (they form no cycles), so the
 collector only has the handlers' cyclic garbage to find.
 
-Only for processes the job system owns: a runner embedded in another application leaves that
-application's collector alone.
+Only while a process runs nothing but the job system (``runjobs``, a worker process): a
+runner embedded in another application leaves that application's collector alone, and when
+``runjobs`` returns (say, ``call_command("runjobs", "--burst")`` in a test or a script) the
+collector is given back as it was: unfrozen, with its thresholds.
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 #: Allocations (net of frees) between young-generation collections; Python's default is 700.
 YOUNG_THRESHOLD = 10_000
 
 
-def settle() -> None:
-    """Collect once, then freeze what survived and raise the young generation's threshold."""
+@contextmanager
+def settled() -> Iterator[None]:
+    """Collect once, then freeze what survived and raise the young generation's threshold;
+    undone on the way out."""
+    thresholds = gc.get_threshold()
     gc.collect()
     gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(YOUNG_THRESHOLD, middle, old)
+    gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()

@@ -144,6 +144,9 @@ class StartLog:
         #: the claim loop will write, and starts a batch of completions carries.
         self._noted: dict[int, tuple[datetime, float]] = {}
         self._carried: dict[int, tuple[datetime, float]] = {}
+        #: Starts a claim statement is writing right now (``taken``): a job that finishes
+        #: meanwhile still gives its batch the time it started.
+        self._writing: dict[int, tuple[datetime, float]] = {}
 
     def note(self, token: int) -> None:
         when = datetime.now(UTC)
@@ -156,7 +159,10 @@ class StartLog:
         with self._lock:
             entry = self._noted.pop(token, None)
             if entry is None:
-                return None
+                # Being written by a claim (which goes on writing it: both writes agree), or
+                # not noted at all.
+                entry = self._writing.get(token)
+                return None if entry is None else entry[0]
             self._carried[token] = entry
         return entry[0]
 
@@ -180,16 +186,12 @@ class StartLog:
                            **self._noted}
 
     def _oldest_locked(self) -> float | None:
-        """When the oldest unwritten start was noted, near enough: the first of each map.
-        ``_noted`` is in the order of the starts; ``_carried`` in the order the handlers
-        returned, which puts a start first that is younger than one behind it by at most the
-        length of a handler that returned after a shorter one started (a start noted longer
-        ago than ``FLUSH_AFTER`` is written from ``_noted`` before its handler returns)."""
-        oldest = None
-        for entries in (self._noted, self._carried):
-            for _, noted_at in entries.values():
-                oldest = noted_at if oldest is None else min(oldest, noted_at)
-                break
+        """When the oldest unwritten start was noted. ``_noted`` is in the order of the
+        starts, so its first entry will do; ``_carried`` is in the order the handlers returned
+        (and holds only the completions being written: a few hundred at most)."""
+        oldest = min((noted_at for _, noted_at in self._carried.values()), default=None)
+        for _, noted_at in self._noted.values():
+            return noted_at if oldest is None else min(oldest, noted_at)
         return oldest
 
     def due_in(self, limit: float) -> float:
@@ -207,23 +209,28 @@ class StartLog:
         return oldest is not None and time.monotonic() - oldest >= FLUSH_AFTER
 
     @contextmanager
-    def taken(self) -> Iterator[tuple[list[int], list[datetime]]]:
-        """The noted starts, and the carried ones that are due, for one statement to write;
-        noted again if it raises (the retry, or the next claim, writes them then)."""
-        due = time.monotonic() - FLUSH_AFTER
+    def taken(self, everything: bool = False) -> Iterator[tuple[list[int], list[datetime]]]:
+        """The noted starts, and the carried ones that are due (``everything``: all of them,
+        for the runner's last write), for one statement to write; noted again if it raises
+        (the retry, or the next claim, writes them then)."""
+        due = math.inf if everything else time.monotonic() - FLUSH_AFTER
         with self._lock:
             noted, self._noted = self._noted, {}
             carried = self._carried
             late = {token: entry for token, entry in carried.items() if entry[1] <= due}
             for token in late:
                 del carried[token]
-        writing = {**noted, **late}
+            writing = {**noted, **late}
+            self._writing = writing
         try:
             yield list(writing), [when for when, _ in writing.values()]
         except BaseException:
             with self._lock:
                 self._noted = {**writing, **self._noted}
             raise
+        finally:
+            with self._lock:
+                self._writing = {}
 
 
 class _Request:

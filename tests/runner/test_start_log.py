@@ -82,3 +82,29 @@ def test_a_carried_start_falls_due_like_any_other(monkeypatch: pytest.MonkeyPatc
         assert tokens == [1] and times == [began]  # the claim writes it too
     log.carried_done([1])  # the batch, written after all: nothing left
     assert not log.overdue
+
+
+def test_a_job_finishing_while_a_claim_writes_its_start_gives_its_batch_the_time() -> None:
+    """The claim took the start and has not written it yet; the job's batch may commit first,
+    and must not fall back to the claim's time (both writes then agree)."""
+    log = StartLog()
+    log.note(1)
+    with log.taken() as (tokens, times):
+        assert tokens == [1]
+        assert log.take(1) == times[0]
+    assert log.take(1) is None  # written by the claim: nothing more to carry
+    assert not log.overdue
+
+
+def test_the_claim_loops_last_write_takes_every_carried_start() -> None:
+    """At shutdown nobody writes after the claim loop's last write: a batch that may yet fail
+    must not be left holding the only record of a start."""
+    log = StartLog()
+    log.note(1)
+    log.note(2)
+    log.take(1)
+    with log.taken() as (tokens, _):
+        assert tokens == [2]  # 1 is carried and not due
+    log.note(3)
+    with log.taken(everything=True) as (tokens, _):
+        assert sorted(tokens) == [1, 3]

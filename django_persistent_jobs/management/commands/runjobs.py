@@ -91,8 +91,8 @@ class Command(BaseCommand):
                 processes=processes,
                 name=options["name"], database_wait=options["database_wait"],
             )
-            heap.settle()  # this process only runs jobs: see ``runner.heap``
-            code = runner.run(install_signal_handlers=True)
+            with heap.settled():  # this process only runs jobs now: see ``runner.heap``
+                code = runner.run(install_signal_handlers=True)
         except (ConfigurationError, DatabaseUnreachable) as exc:
             raise CommandError(str(exc)) from exc
         if code:

@@ -95,8 +95,8 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
             "%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
         package_logger.addHandler(handler)
     worker = Worker(conn, options)
-    heap.settle()  # after start-up: see ``heap``
-    worker.serve()
+    with heap.settled():  # after start-up: see ``heap``
+        worker.serve()
 
 
 
