@@ -28,13 +28,17 @@ YOUNG_THRESHOLD = 10_000
 @contextmanager
 def settled() -> Iterator[None]:
     """Collect once, then freeze what survived and raise the young generation's threshold;
-    undone on the way out."""
+    undone on the way out. (A process that froze objects itself keeps its own arrangement:
+    ``gc.unfreeze`` cannot tell its objects from ours.)"""
     thresholds = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.collect()
+        gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
     try:
         yield
     finally:
         gc.set_threshold(*thresholds)
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
