@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: How much lower the sidecar's CPU priority is than its runner's (``os.nice``).
+SIDECAR_NICENESS = 10
 #: A parent state in which it is not running code: stopped (SIGSTOP, a debugger) or dead.
 _NOT_RUNNING = frozenset("TtZX")
 #: Runs this file as ``__main__`` without putting its directory (the runner package, whose
@@ -134,6 +136,11 @@ def _parent_state(pid: int) -> str | None:
 def main() -> int:  # pragma: no cover - runs in the child process; tested through runners
     import signal
 
+    # Its start (an interpreter, psycopg, a connection: about 0.2 s of CPU) must not take a
+    # core from the runner it serves, which starts draining at the same moment. A lower
+    # priority still runs it within a fraction of a second; its deadlines are seconds.
+    with contextlib.suppress(OSError):
+        os.nice(SIDECAR_NICENESS)
     import psycopg
 
     # The sidecar lives exactly as long as its runner: a Ctrl-C or a SIGTERM sent to the whole
