@@ -74,8 +74,11 @@ def test_runner_picks_up_jobs_behind_its_resume_point_while_draining(
     """Jobs that appear behind where the runner's claims resume without any wake-up (every
     insert NOTIFYs, these do not: a job another session had locked while the claims passed it,
     a job whose priority is raised) are still run while the backlog drains, not only once it is
-    empty: the periodic full scan finds them."""
-    enqueue_many([("test.noop", {"i": i}) for i in range(1500)])
+    empty: the periodic full scan finds them. The jobs take a millisecond or two each (a sleep
+    and a write), so the backlog lasts a few seconds: no-op jobs drained it in about as long as
+    one rescan interval, with up to 0.1 s of them claimed ahead, so whether the test passed
+    depended on how fast the runner drained."""
+    enqueue_many([("test.ledger", {"i": i, "sleep": 0.001}) for i in range(1500)])
     order = list(PersistentJob.objects.claimable().values_list("id", flat=True))
     with psycopg.connect(**conninfo()) as locker:
         locker.execute("SELECT id FROM persistent_jobs WHERE id = %s FOR UPDATE", [order[0]])
