@@ -7,7 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from django_persistent_jobs.runner.claimer import LOOKAHEAD_SECONDS, RAMP_MIN_SECONDS, WaitingRoom
+import pytest
+
+from django_persistent_jobs.runner import Runner
+from django_persistent_jobs.runner.claimer import (
+    ADAPTIVE_PREFETCH_FACTOR,
+    ADAPTIVE_PREFETCH_FLOOR,
+    LOOKAHEAD_SECONDS,
+    RAMP_MIN_SECONDS,
+    WaitingRoom,
+)
+from tests.core_support import pj_settings
 
 
 @dataclass
@@ -58,3 +68,13 @@ def test_a_runner_that_just_started_waits_for_no_full_lookahead_to_claim_in_batc
     executor.finished = 141
     room.adjust(now=100.0 + 2 * LOOKAHEAD_SECONDS)
     assert executor.waiting_room == 1  # a whole lookahead of history: counted, not scaled
+
+
+@pytest.mark.django_db
+def test_the_adaptive_cap_is_16_per_slot_or_the_floor_whichever_is_more() -> None:
+    """A runner at a small concurrency still claims tiny jobs in batches of hundreds (the cap
+    the claim loop's waiting room works under; the pace decides how much of it is used)."""
+    assert Runner(concurrency=2).pool.waiting_room == ADAPTIVE_PREFETCH_FLOOR
+    assert Runner(concurrency=64).pool.waiting_room == ADAPTIVE_PREFETCH_FACTOR * 64
+    with pj_settings(PREFETCH=7):
+        assert Runner(concurrency=2).pool.waiting_room == 7  # a number: that many
