@@ -14,14 +14,21 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .completer import MAX_BATCH
 from .execute import InFlight
 
 
-def held_back(completing: int, slots: int) -> int:
-    """Slots that completions still being written take back: those beyond one per slot. If
-    completions stop landing (a row lock, a slow disk), the runner stops claiming instead of
-    piling up jobs that ran but are not completed."""
-    return max(0, completing - slots)
+def held_back(completing: int, slots: int, batches: int = 0) -> int:
+    """Slots that completions still being written take back: those beyond one per slot (and
+    one full batch per worker process, ``batches``). If completions stop landing (a row lock, a
+    slow disk), the runner stops claiming instead of piling up jobs that ran but are not
+    completed.
+
+    A worker process's completions count as being written until its ``DONE`` for their batch
+    reaches the supervisor, after the batch's commit: a worker keeps up to a batch in that state
+    in normal flow, and counting it against the slots made the supervisor stop claiming (and
+    the worker's lanes wait) about once in five reports of returned jobs."""
+    return max(0, completing - slots - batches * MAX_BATCH)
 
 
 class SlotWaits:
