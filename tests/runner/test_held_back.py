@@ -1,9 +1,10 @@
 """How many slots completions still being written take back (``executor.held_back``).
 
 The rule both executors claim by: one completion per slot rides free (a handler that returned
-is not running), and a worker process may also have one whole batch on its way (its ``DONE``
-comes after the batch's commit). Beyond that, every completion not landed is a slot less, so a
-runner whose completions stop landing stops claiming.
+is not running), and so does one whole batch per completion writer (the one being written while
+the next fills; a worker process's ``DONE`` comes after its batch's commit). Beyond that, every
+completion not landed is a slot less, so a runner whose completions stop landing stops
+claiming.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from django_persistent_jobs.runner.executor import held_back
 @pytest.mark.parametrize(("completing", "slots", "expected"), [
     (0, 10, 0), (10, 10, 0), (11, 10, 1), (60, 10, 50),
 ])
-def test_threads_get_one_completion_per_slot(completing: int, slots: int, expected: int) -> None:
+def test_without_a_batch_allowance_one_completion_per_slot(
+        completing: int, slots: int, expected: int) -> None:
     assert held_back(completing, slots) == expected
 
 
