@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from django.db import connections
 
-from .completer import MAX_BATCH, Completer
+from .completer import Completer
 from .execute import InFlight, JobInterrupted
 from .executor import SlotWaits, held_back
 from .starts import StartGate
@@ -222,7 +222,7 @@ class WorkerPool(SlotWaits):
         record its outcome, a failure to record it stops the runner (``crashed``)."""
         if failure is not None:
             self.crashed(item, failure)
-        if self.completer.pending() >= self.size + MAX_BATCH:
+        if held_back(self.completer.pending() + 1, self.size, batches=1):
             # It was held back until now (see ``held_back``): the claim loop may go on. Only
             # then, so that the claim loop is not woken once per completed job.
             with self.lock:

@@ -147,9 +147,11 @@ def test_slots_are_free_while_completions_are_written(fleet: Fleet, tmp_path: Pa
     completions land, instead of running jobs it cannot complete."""
     # No waiting jobs (PREFETCH 0): those would start as slots free up whatever the pending
     # completions, up to PREFETCH more than shown here.
+    if int(PROCESSES) > 1:
+        pytest.skip("the bound is per worker; with several, which worker holds the blocked "
+                    "completions decides what the others run")
     runner, ids, _, blocker = _hold_completions(fleet, tmp_path, "busy", {"PREFETCH": 0})
-    workers = int(PROCESSES)
-    extra = (JOBS + MAX_BATCH) * max(1, workers)
+    extra = JOBS + MAX_BATCH  # one per slot (or lane) and one batch, for the one completer
     more_runs = tmp_path / "more-runs"
     with blocker:
         more = [str(job.id) for job in enqueue_many(
