@@ -18,18 +18,19 @@ from .completer import MAX_BATCH
 from .execute import InFlight
 
 
-def held_back(completing: int, slots: int, batches: int = 0) -> int:
-    """Slots that completions still being written take back: those beyond one per slot and one
-    full batch per completion writer (``batches``: the runner's, or one per worker process). If
-    completions stop landing (a row lock, a slow disk), the runner stops claiming instead of
-    piling up jobs that ran but are not completed.
+def held_back(completing: int, slots: int) -> int:
+    """Slots that one completer's completions still being written take back: those beyond one
+    per slot and one full batch. If completions stop landing (a row lock, a slow disk), the
+    runner stops claiming instead of piling up jobs that ran but are not completed. The thread
+    runner has one completer; worker processes have one each, so their supervisor sums this
+    over its workers (one stuck worker does not borrow another's allowance).
 
-    A writer has up to a batch in flight in normal flow: the one being written while the next
-    fills. Counting those against the slots made the claim loop wait while handlers were idle:
-    a worker process's supervisor (which hears a batch landed only from the worker's ``DONE``,
-    after the commit) had nothing to send about once in five reports of returned jobs, and the
-    thread runner drained ``atomic=False`` no-op jobs about 8% slower."""
-    return max(0, completing - slots - batches * MAX_BATCH)
+    A completer has up to a batch in flight in normal flow: the one being written while the
+    next fills. Counting those against the slots made the claim loop wait while handlers were
+    idle: a worker process's supervisor (which hears a batch landed only from the worker's
+    ``DONE``, after the commit) had nothing to send about once in five reports of returned
+    jobs, and the thread runner drained ``atomic=False`` no-op jobs about 8% slower."""
+    return max(0, completing - slots - MAX_BATCH)
 
 
 class SlotWaits:

@@ -163,7 +163,7 @@ class WorkerPool(SlotWaits):
 
     def _free_locked(self) -> int:
         return (self.size + self.waiting_room - len(self.in_flight)
-                - held_back(self.completer.pending(), self.size, batches=1))
+                - held_back(self.completer.pending(), self.size))
 
     def free_slots(self) -> int:
         with self.lock:
@@ -222,7 +222,7 @@ class WorkerPool(SlotWaits):
         record its outcome, a failure to record it stops the runner (``crashed``)."""
         if failure is not None:
             self.crashed(item, failure)
-        if held_back(self.completer.pending() + 1, self.size, batches=1):
+        if held_back(self.completer.pending() + 1, self.size):
             # It was held back until now (see ``held_back``): the claim loop may go on. Only
             # then, so that the claim loop is not woken once per completed job.
             with self.lock:

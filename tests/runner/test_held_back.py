@@ -1,10 +1,11 @@
-"""How many slots completions still being written take back (``executor.held_back``).
+"""How many slots one completer's completions still being written take back
+(``executor.held_back``).
 
 The rule both executors claim by: one completion per slot rides free (a handler that returned
-is not running), and so does one whole batch per completion writer (the one being written while
-the next fills; a worker process's ``DONE`` comes after its batch's commit). Beyond that, every
-completion not landed is a slot less, so a runner whose completions stop landing stops
-claiming.
+is not running), and so does one whole batch (the one being written while the next fills; a
+worker process's ``DONE`` comes after its batch's commit). Beyond that, every completion not
+landed is a slot less, so a runner whose completions stop landing stops claiming. The thread
+runner has one completer; a worker process's supervisor applies the rule to each worker.
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ from django_persistent_jobs.runner.executor import held_back
 
 
 @pytest.mark.parametrize(("completing", "slots", "expected"), [
-    (0, 10, 0), (10, 10, 0), (11, 10, 1), (60, 10, 50),
+    (0, 10, 0), (10, 10, 0), (10 + MAX_BATCH, 10, 0), (11 + MAX_BATCH, 10, 1),
+    (60 + MAX_BATCH, 10, 50),
 ])
-def test_without_a_batch_allowance_one_completion_per_slot(
+def test_one_completion_per_slot_and_one_batch_ride_free(
         completing: int, slots: int, expected: int) -> None:
     assert held_back(completing, slots) == expected
 
 
-def test_each_worker_process_may_have_a_batch_being_written() -> None:
+def test_a_worker_process_may_have_a_batch_being_written() -> None:
     lanes = 4
-    assert held_back(lanes + MAX_BATCH, lanes, batches=1) == 0
-    assert held_back(lanes + MAX_BATCH + 1, lanes, batches=1) == 1
-    assert held_back(2 * (lanes + MAX_BATCH), 2 * lanes, batches=2) == 0
+    assert held_back(lanes + MAX_BATCH, lanes) == 0
+    assert held_back(lanes + MAX_BATCH + 1, lanes) == 1
 
 
 def test_completions_that_stop_landing_end_up_taking_every_slot_back() -> None:
@@ -35,4 +36,4 @@ def test_completions_that_stop_landing_end_up_taking_every_slot_back() -> None:
     # a slot less, without bound, so the claim loop stops.
     lanes, waiting_room = 4, 512
     stuck = lanes + MAX_BATCH + lanes + waiting_room
-    assert held_back(stuck, lanes, batches=1) >= lanes + waiting_room
+    assert held_back(stuck, lanes) >= lanes + waiting_room

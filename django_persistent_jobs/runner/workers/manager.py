@@ -25,9 +25,8 @@ worker, and a worker's reader takes every message waiting on its pipe in one rea
 block (``channel.Writer``): a worker whose handler holds its GIL reads nothing, and the
 supervisor must not wait for it. ``PREFETCH`` claimed jobs wait for a lane: while jobs are fast,
 up to ``AHEAD_PER_LANE`` per lane of them in each worker's queue (``_ahead_locked``), the rest
-here. A
-worker that dies takes none of them with it: the ones in its queue had not started, and go to
-another worker.
+here. A worker that dies takes none of them with it: the ones in its queue had not started, and
+go to another worker.
 """
 
 from __future__ import annotations
@@ -264,8 +263,7 @@ class ProcessExecutor(SlotWaits):
         room = sum(self._room(w) for w in self.workers if w.ready and not w.draining)
         # Per worker: one worker whose completions stopped landing must not borrow another's
         # allowance (its jobs would be charged ``WORKER_LOST`` if it then died).
-        held = sum(held_back(len(w.completing), self.concurrency, batches=1)
-                   for w in self.workers)
+        held = sum(held_back(len(w.completing), self.concurrency) for w in self.workers)
         return max(0, room + self.waiting_room - len(self.pending) - held)
 
     def free_slots(self) -> int:
