@@ -92,8 +92,8 @@ RETURNED = "F"
 UNSTARTED = "U"
 CRASHED = "X"
 
-_job_values: Callable[[ClaimedJob], tuple[Any, ...]] | None = None
-_DUE_AT = 11  # ClaimedJob.due_at's position (checked when the getter is built)
+_codec: tuple[type[ClaimedJob], Callable[[ClaimedJob], tuple[Any, ...]]] | None = None
+_DUE_AT = 11  # ClaimedJob.due_at's position (checked by ``_load_codec``)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 
@@ -108,35 +108,32 @@ def pack_job(job: ClaimedJob) -> tuple[Any, ...]:
     microseconds since the epoch (exact, unlike a float timestamp): a ``UUID``, and an aware
     ``datetime`` (its ``timezone`` goes through ``copyreg``), pickle several times slower than
     numbers, on both sides of the pipe. A naive ``due_at`` (``USE_TZ = False``) goes as is."""
-    global _job_values
-    if _job_values is None:
-        from ..store import ClaimedJob
-
-        names = [f.name for f in dataclasses.fields(ClaimedJob)]
-        if names[_DUE_AT] != "due_at":
-            raise RuntimeError(f"ClaimedJob's fields moved: {names}")
-        _job_values = operator.attrgetter(*names)
-    values = _job_values(job)
+    values = (_codec or _load_codec())[1](job)
     due_at = values[_DUE_AT]
     if due_at is not None and due_at.tzinfo is not None:  # (naive with USE_TZ = False: as is)
         due_at = (due_at - _EPOCH) // _MICROSECOND
     return (wire_id(values[0]), *values[1:_DUE_AT], due_at, *values[_DUE_AT + 1:])
 
 
-_claimed_job: type[ClaimedJob] | None = None
-
-
 def unpack_job(values: tuple[Any, ...]) -> ClaimedJob:
-    """The ``ClaimedJob`` that ``pack_job`` packed. Runs once per job in a worker's lane: the
-    class is looked up once (an ``import`` statement here cost a third of the call)."""
-    global _claimed_job
-    if _claimed_job is None:
-        from ..store import ClaimedJob
-
-        _claimed_job = ClaimedJob
+    """The ``ClaimedJob`` that ``pack_job`` packed. Runs once per job in a worker's lane."""
     fields = list(values)
     if isinstance(fields[0], int):
         fields[0] = uuid.UUID(int=fields[0])
     if isinstance(fields[_DUE_AT], int):
         fields[_DUE_AT] = _EPOCH + timedelta(microseconds=fields[_DUE_AT])
-    return _claimed_job(*fields)
+    return (_codec or _load_codec())[0](*fields)
+
+
+def _load_codec() -> tuple[type[ClaimedJob], Callable[[ClaimedJob], tuple[Any, ...]]]:
+    """``ClaimedJob`` and a getter of its fields in order, looked up once (not on import: a
+    worker imports this module before Django is set up; and an ``import`` statement in
+    ``pack_job`` or ``unpack_job`` cost a third of the call)."""
+    global _codec
+    from ..store import ClaimedJob
+
+    names = [f.name for f in dataclasses.fields(ClaimedJob)]
+    if names[_DUE_AT] != "due_at":
+        raise RuntimeError(f"ClaimedJob's fields moved: {names}")
+    _codec = (ClaimedJob, operator.attrgetter(*names))
+    return _codec
