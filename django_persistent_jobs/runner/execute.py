@@ -224,7 +224,7 @@ def _settle(
             cursor, job.id, job.token, kind=outcome.kind, code=outcome.code,
             message=outcome.message, traceback=outcome.traceback, delay=outcome.delay,
             outcome=attempt_outcome, charge_delay=charge_delay,
-            error_class=outcome.error_class,
+            error_class=outcome.error_class, began=job.began,
         )
 
     error: Exception | None = None

@@ -148,10 +148,14 @@ class StartLog:
         #: meanwhile still gives its batch the time it started.
         self._writing: dict[int, tuple[datetime, float]] = {}
 
-    def note(self, token: int) -> None:
-        when = datetime.now(UTC)
+    def note(self, token: int, when: datetime | None = None) -> datetime:
+        """Note that the attempt ``token`` started at ``when`` (default: now); returns that
+        time, which the job carries (``ClaimedJob.began``) for its settling statement."""
+        if when is None:
+            when = datetime.now(UTC)
         with self._lock:
             self._noted[token] = (when, time.monotonic())
+        return when
 
     def take(self, token: int) -> datetime | None:
         """The start of this attempt, for the batch carrying its completion to write (None if

@@ -73,6 +73,10 @@ class ClaimedJob:
     #: if the lease was not held then: a waiting job starts on the fast path only in the same
     #: period.
     lease_period: int | None = None
+    #: When it started, if it waited and started on the fast path (``starts``): that start may
+    #: not be on record yet, so the statement that settles the attempt records it too, and
+    #: the attempt's ``started_at`` and ``duration`` are the run's, not the claim's.
+    began: datetime | None = None
 
 
 @contextmanager
@@ -434,8 +438,12 @@ WITH done AS (
     WHERE id = %s AND lock_token = %s
     RETURNING id
 )
-UPDATE persistent_jobs_attempts a SET finished_at = clock_timestamp(),
-    duration = clock_timestamp() - a.started_at, outcome = 'completed'
+UPDATE persistent_jobs_attempts a SET started = true,
+    started_at = CASE WHEN a.started THEN a.started_at ELSE coalesce(%s, a.started_at) END,
+    finished_at = clock_timestamp(),
+    duration = clock_timestamp()
+        - CASE WHEN a.started THEN a.started_at ELSE coalesce(%s, a.started_at) END,
+    outcome = 'completed'
 FROM done WHERE a.id = %s
 RETURNING a.id
 """
@@ -448,9 +456,13 @@ def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool
     Planned at each execution, not prepared: it runs on the handler's connection, where the
     planner settings ``index_only_session`` uses are not ours to change, and a generic plan made
     while the attempts table was nearly empty would scan that whole table for every job.
+
+    A job that waited and started on the fast path (``job.began``) has its start recorded
+    here if no claim has written it yet: a completed attempt is started.
     """
     with prepared(cursor) as fast:
-        fast.execute(_COMPLETE, [result, job.id, job.token, job.token], prepare=False)
+        fast.execute(_COMPLETE, [result, job.id, job.token, job.began, job.began, job.token],
+                     prepare=False)
         return fast.fetchone() is not None
 
 
@@ -495,7 +507,8 @@ def complete_many(
     ordered = sorted(jobs, key=lambda pair: str(pair[0].id))
     began = started or {}
     params = [[job.id for job, _ in ordered], [job.token for job, _ in ordered],
-              [result for _, result in ordered], [began.get(job.token) for job, _ in ordered]]
+              [result for _, result in ordered],
+              [began.get(job.token, job.began) for job, _ in ordered]]
     with prepared(cursor) as fast:
         fast.execute(_COMPLETE_MANY, params, prepare=False)
         return {int(row[0]) for row in fast.fetchall()}
@@ -599,7 +612,12 @@ WITH cur AS (
     FROM settled s WHERE p.id = s.id
     RETURNING p.status, s.code, s.message, s.charged_handback
 )
-UPDATE persistent_jobs_attempts a SET finished_at = now(), duration = now() - a.started_at,
+UPDATE persistent_jobs_attempts a SET finished_at = now(),
+    started = a.started OR %(began)s::timestamptz IS NOT NULL,
+    started_at = CASE WHEN a.started THEN a.started_at
+        ELSE coalesce(%(began)s::timestamptz, a.started_at) END,
+    duration = now() - CASE WHEN a.started THEN a.started_at
+        ELSE coalesce(%(began)s::timestamptz, a.started_at) END,
     outcome = CASE WHEN moved.charged_handback THEN moved.status
         ELSE COALESCE(%(outcome)s, CASE moved.status
             WHEN 'failed' THEN 'failed' WHEN 'dead_lettered' THEN 'dead_lettered'
@@ -621,7 +639,7 @@ def transition(
     cursor: Cursor, job_id: uuid.UUID, token: int, *, kind: TransitionKind, code: str, message: str,
     traceback: str = "", delay: float = 0.0, outcome: str | None = None,
     handback_limit: int | None = None, charge_delay: float = 0.0,
-    error_class: str = "",
+    error_class: str = "", began: datetime | None = None,
 ) -> str | None:
     """Move a running job out of ``running``; return its new status, or None if not ours.
 
@@ -638,9 +656,12 @@ def transition(
     cancelled as ``REPLACED`` instead.
 
     Text is made storable (see ``storable_text``) and the delay bounded here, so nothing a
-    handler raises can make the settling statement itself fail.
+    handler raises can make the settling statement itself fail. ``began``: when a job that
+    waited started on the fast path (``ClaimedJob.began``), recorded here if no claim has
+    written it yet, so the attempt is started and its duration is the run's.
     """
     params: dict[str, Any] = {
+        "began": began,
         "id": job_id, "token": token, "kind": kind,
         "code": storable_text(code, CODE_MAX_LENGTH),
         "message": storable_text(message, MESSAGE_MAX_LENGTH),

@@ -642,7 +642,7 @@ class Runner:
         was claimed, else through the gate."""
         if self.lease.fresh(item.job.lease_period):
             item.job.waiting = False
-            self.starts.note(item.job.token)
+            item.job.began = self.starts.note(item.job.token)
 
     def _worker_crashed(self, item: InFlight, exc: BaseException) -> None:
         """A job's outcome could not be recorded (not a transient database condition: those

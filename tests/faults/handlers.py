@@ -18,6 +18,8 @@ Payload keys (all optional):
 ``sync_commit``   make this transaction's COMMIT wait for a synchronous standby (with the private
                   cluster's ghost standby this is how a commit is made to outlive its connection)
 ``work``          sleep this many seconds on every attempt (a job's normal duration)
+``fail``          raise after the fault (the attempt fails and is retried; its ledger row is
+                  rolled back with the job's transaction)
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def faults_ledger(payload: dict[str, Any], ctx: JobContext) -> None:
             end = time.monotonic() + float(spin)
             while spin < 0 or time.monotonic() < end:
                 pass
+        if payload.get("fail"):
+            raise RuntimeError("asked to fail")
     with connection.cursor() as cursor:
         cursor.execute(
             "INSERT INTO faults_ledger (job_id, attempt, runner_id, pid) VALUES (%s, %s, %s, %s)",

@@ -18,6 +18,7 @@ Those jobs never ran, so:
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
 STALE = 10.0
 SETTINGS = {"STALE_LOCK_TIMEOUT": STALE, "HEARTBEAT_INTERVAL": 1.0}
 WAITING = 3
+LEEWAY = timedelta(seconds=0.5)
 
 
 
@@ -204,3 +206,46 @@ def test_a_runner_frozen_until_reaped_does_not_start_the_jobs_handed_back(
             assert attempt.outcome == "completed", attempt
         else:
             assert attempt.outcome != "completed", attempt
+
+
+
+def test_attempts_that_waited_for_a_worker_record_when_they_ran_not_when_they_were_claimed(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """Jobs claimed together behind a 1.5-second job on the only worker slot wait for it, then
+    start one after the other on the fast path (their starts noted, for a later claim to
+    write) and settle at once. With ``PREFETCH`` jobs waiting, the claim loop waits for half
+    of them to leave before it claims again, so most of them settle before any claim writes
+    their start. The settling statement records the start itself, whichever way the job
+    settles: completed in its handler's transaction (a handler that ran SQL), completed in a
+    batch (one that ran none), or failed. So every attempt is started, and its ``started_at``
+    and ``duration`` are its run's, not the time it waited after its claim."""
+    count = 12
+    runner = fleet.spawn(concurrency=1, settings={**SETTINGS, "PREFETCH": count},
+                         args=["--queues", "timed"])
+    kinds = [("faults.ledger", {}, "completed"),  # SQL in its handler: completed in its transaction
+             ("faults.solo", {"runs": str(tmp_path / "runs")}, "completed"),  # none: batched
+             ("faults.ledger", {"fail": True, "upto": 1}, "failed")]  # fails once, then completes
+    plan = [kinds[i % len(kinds)] for i in range(count)]
+    blocker, *waiting = [str(job.id) for job in enqueue_many(
+        [("faults.ledger", {"work": 1.5})]  # (enqueued first: claimed first, runs at once)
+        + [(job_type, payload) for job_type, payload, _ in plan], queue="timed")]
+    wait_all_terminal([blocker, *waiting], timeout=30)
+    rows = sql("SELECT job_id::text, attempt, outcome, started, started_at, duration "
+               "FROM persistent_jobs_attempts WHERE job_id = ANY(%s::uuid[])",
+               [[blocker, *waiting]])
+    first = {job_id: (outcome, started, started_at, duration)
+             for job_id, attempt, outcome, started, started_at, duration in rows if attempt == 1}
+    _, _, blocker_start, blocker_took = first[blocker]
+    assert blocker_took.total_seconds() >= 1.5
+    wrong = []
+    for job_id, (_, _, expected) in zip(waiting, plan, strict=True):
+        outcome, started, started_at, duration = first[job_id]
+        # Started after the blocker ran, and its duration is not the wait: measured from its
+        # claim it would be longer than the blocker's run. (Half a second of slack for a
+        # database that stalls a commit on a loaded machine.)
+        if not (outcome == expected and started and duration < blocker_took - LEEWAY
+                and started_at >= blocker_start + blocker_took * 0.9):
+            wrong.append((job_id, expected, outcome, started, started_at, duration))
+    assert not wrong, (f"attempts recorded wrongly (the blocker ran from {blocker_start} for "
+                       f"{blocker_took}): {wrong}")
+    assert runner.alive

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from .. import heap, syscalls
@@ -260,6 +261,9 @@ class Worker:
         fast = job.waiting and time.monotonic() < fresh_until
         if fast:
             job.waiting = False
+            # Its start is written by the supervisor's next claim, or by the statement that
+            # settles it here if that comes first (``ClaimedJob.began``).
+            job.began = datetime.now(UTC)
         ctx = self._context(
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,

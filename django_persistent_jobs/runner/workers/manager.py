@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ..execute import InFlight
@@ -160,7 +161,7 @@ class ProcessExecutor(SlotWaits):
         max_jobs: int | None = None, max_memory_mib: float | None = None, grace: float = 5.0,
         log_levels: dict[str, int] | None = None, log_to_stderr: bool = False,
         prefetch: int = 0, lease: Lease | None = None,
-        note_start: Callable[[int], None] | None = None,
+        note_start: Callable[[int, datetime], datetime] | None = None,
     ) -> None:
         self.processes = processes
         self.concurrency = concurrency
@@ -461,7 +462,10 @@ class ProcessExecutor(SlotWaits):
         if fast and item.job.waiting:
             item.job.waiting = False
             if self.note_start is not None:
-                self.note_start(item.job.token)
+                # When it started (the lane's clock is ours), not when we read of it: the
+                # attempt's ``started_at`` is written from this if its settling comes first.
+                item.job.began = self.note_start(
+                    item.job.token, datetime.now(UTC) - timedelta(seconds=now - started))
         session = worker.sessions.get(lane)
         if session is not None:
             item.backend_pid, item.backend_start = session
