@@ -18,8 +18,8 @@ Payload keys (all optional):
 ``sync_commit``   make this transaction's COMMIT wait for a synchronous standby (with the private
                   cluster's ghost standby this is how a commit is made to outlive its connection)
 ``work``          sleep this many seconds on every attempt (a job's normal duration)
-``fail``          raise after the fault (the attempt fails and is retried; its ledger row is
-                  rolled back with the job's transaction)
+``fail``          raise after the fault, before the ledger row is written (the attempt fails
+                  and is retried)
 """
 
 from __future__ import annotations

@@ -169,3 +169,36 @@ def test_recording_starts_skips_an_attempt_another_transaction_holds() -> None:
         completing.rollback()
     flags = started_flags()
     assert flags[second.token] and not flags[first.token]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_settling_statement_records_a_fast_path_start_no_claim_wrote() -> None:
+    """A waiting job started on the fast path carries its start (``ClaimedJob.began``); the
+    statement that settles it before any claim wrote that start records it: in the handler's
+    transaction, in a batch, or as a failure. A start already on record is kept, and a job
+    released unstarted (no ``began``) stays unstarted."""
+    for i in range(5):
+        enqueue("test.noop", {"i": i}, priority=10 - i)
+    with connection.cursor() as cursor:
+        jobs = claim_as(cursor, "wait-began", 5, None, direct=0)
+    assert all(job.waiting for job in jobs)
+    claimed_at = {job.token: JobAttempt.objects.get(id=job.token).started_at for job in jobs}
+    in_transaction, batched, failed, on_record, released = jobs
+    for job in (in_transaction, batched, failed, on_record):
+        job.waiting, job.began = False, datetime.now(UTC)
+    with connection.cursor() as cursor:
+        store.mark_started(cursor, [on_record.token], [on_record.began])  # a claim got there
+        with transaction.atomic():
+            assert store.complete(cursor, in_transaction)
+        assert store.complete_many(cursor, [(batched, None), (on_record, None)]) == {
+            batched.token, on_record.token}
+        for job, kind in ((failed, "retry"), (released, "release")):
+            assert store.transition(cursor, job.id, job.token, kind=kind, code="X",
+                                    message="settled", began=job.began) is not None
+    attempts = {a.id: a for a in JobAttempt.objects.filter(id__in=[j.token for j in jobs])}
+    for job in (in_transaction, batched, failed, on_record):
+        attempt = attempts[job.token]
+        assert attempt.started and attempt.started_at == job.began > claimed_at[job.token]
+        assert attempt.duration == attempt.finished_at - job.began
+    assert not attempts[released.token].started
+    assert attempts[released.token].started_at == claimed_at[released.token]
