@@ -495,7 +495,8 @@ class ProcessExecutor(SlotWaits):
                     freed = self._started_locked(worker, *message[1:]) or freed
             if freed:
                 self._assign_pending_locked()
-            if freed or self._sealed:  # (``await_recalls`` waits for the queues to empty)
+            # (``await_recalls`` waits for the queues to empty once sealed.)
+            if self._sealed or (freed and self._worth_waking_locked()):
                 self.changed.notify_all()
 
     def _recall_locked(self, worker: WorkerHandle) -> None:
@@ -731,7 +732,8 @@ class ProcessExecutor(SlotWaits):
                     if item is not None:  # (None: taken over, or its DONE came first)
                         worker.completing[wire_id] = item
                 self._assign_pending_locked()
-                self.changed.notify_all()
+                if self._worth_waking_locked():  # (see ``SlotWaits``: not once per report)
+                    self.changed.notify_all()
         elif tag == protocol.DONE:
             with self.lock:
                 for wire_id in message[1]:
@@ -741,7 +743,8 @@ class ProcessExecutor(SlotWaits):
                     worker.recalled.pop(wire_id, None)
                     self._release_locked(worker, wire_id)  # (None: taken over, lane retired)
                 self._assign_pending_locked()
-                self.changed.notify_all()
+                if self._worth_waking_locked():
+                    self.changed.notify_all()
         elif tag == protocol.UNSTARTED:
             with self.lock:
                 self._unstarted_locked(worker, message[1])
