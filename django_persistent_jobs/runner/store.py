@@ -430,19 +430,25 @@ def _decode_payload(raw: Any) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-_COMPLETE = """
+def _settled_start(began: str, now: str) -> str:
+    """The attempt row's ``started_at`` and ``duration`` as a settling statement writes them:
+    the start on record, else ``began`` (a fast-path start no claim has written yet,
+    ``ClaimedJob.began``), else the claim's time. One definition for every settling statement
+    (an UPDATE's SET sees the row as it was, so the start is spelled out in both items)."""
+    start = f"CASE WHEN a.started THEN a.started_at ELSE coalesce({began}, a.started_at) END"
+    return f"started_at = {start},\n    duration = {now} - {start}"
+
+
+_COMPLETE = f"""
 WITH done AS (
     UPDATE persistent_jobs SET status = 'completed', locked_by = NULL, locked_at = NULL,
         lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
         result = %s::jsonb
     WHERE id = %s AND lock_token = %s
-    RETURNING id
+    RETURNING id, %s::timestamptz AS began
 )
-UPDATE persistent_jobs_attempts a SET started = true,
-    started_at = CASE WHEN a.started THEN a.started_at ELSE coalesce(%s, a.started_at) END,
-    finished_at = clock_timestamp(),
-    duration = clock_timestamp()
-        - CASE WHEN a.started THEN a.started_at ELSE coalesce(%s, a.started_at) END,
+UPDATE persistent_jobs_attempts a SET started = true, finished_at = clock_timestamp(),
+    {_settled_start("done.began", "clock_timestamp()")},
     outcome = 'completed'
 FROM done WHERE a.id = %s
 RETURNING a.id
@@ -461,12 +467,12 @@ def complete(cursor: Cursor, job: ClaimedJob, result: str | None = None) -> bool
     here if no claim has written it yet: a completed attempt is started.
     """
     with prepared(cursor) as fast:
-        fast.execute(_COMPLETE, [result, job.id, job.token, job.began, job.began, job.token],
+        fast.execute(_COMPLETE, [result, job.id, job.token, job.began, job.token],
                      prepare=False)
         return fast.fetchone() is not None
 
 
-_COMPLETE_MANY = """
+_COMPLETE_MANY = f"""
 WITH done AS (
     UPDATE persistent_jobs j SET status = 'completed', locked_by = NULL, locked_at = NULL,
         lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
@@ -476,11 +482,8 @@ WITH done AS (
     WHERE j.id = d.id AND j.lock_token = d.token
     RETURNING d.token, d.began
 )
-UPDATE persistent_jobs_attempts a SET started = true,
-    started_at = CASE WHEN a.started THEN a.started_at ELSE coalesce(done.began, a.started_at) END,
-    finished_at = clock_timestamp(),
-    duration = clock_timestamp()
-        - CASE WHEN a.started THEN a.started_at ELSE coalesce(done.began, a.started_at) END,
+UPDATE persistent_jobs_attempts a SET started = true, finished_at = clock_timestamp(),
+    {_settled_start("done.began", "clock_timestamp()")},
     outcome = 'completed'
 FROM done WHERE a.id = done.token
 RETURNING a.id
@@ -614,10 +617,7 @@ WITH cur AS (
 )
 UPDATE persistent_jobs_attempts a SET finished_at = now(),
     started = a.started OR %(began)s::timestamptz IS NOT NULL,
-    started_at = CASE WHEN a.started THEN a.started_at
-        ELSE coalesce(%(began)s::timestamptz, a.started_at) END,
-    duration = now() - CASE WHEN a.started THEN a.started_at
-        ELSE coalesce(%(began)s::timestamptz, a.started_at) END,
+    {settled_start},
     outcome = CASE WHEN moved.charged_handback THEN moved.status
         ELSE COALESCE(%(outcome)s, CASE moved.status
             WHEN 'failed' THEN 'failed' WHEN 'dead_lettered' THEN 'dead_lettered'
@@ -632,7 +632,8 @@ RETURNING moved.status
 @functools.cache
 def transition_sql() -> str:
     """The settling statement, with the dedup predicate compiled from the models."""
-    return _TRANSITION.replace("{waiting_sibling}", waiting_sibling_sql())
+    return _TRANSITION.replace("{waiting_sibling}", waiting_sibling_sql()).replace(
+        "{settled_start}", _settled_start("%(began)s::timestamptz", "now()"))
 
 
 def transition(
