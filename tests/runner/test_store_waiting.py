@@ -187,7 +187,11 @@ def test_a_settling_statement_records_a_fast_path_start_no_claim_wrote() -> None
     for job in (in_transaction, batched, failed, on_record):
         job.waiting, job.began = False, datetime.now(UTC)
     with connection.cursor() as cursor:
-        store.mark_started(cursor, [on_record.token], [on_record.began])  # a claim got there
+        # A claim got there first, with a start earlier than the one the job carries (between
+        # its claim and that): the settling statement keeps the one on record.
+        claimed = claimed_at[on_record.token]
+        recorded = claimed + (on_record.began - claimed) / 2
+        store.mark_started(cursor, [on_record.token], [recorded])
         with transaction.atomic():
             assert store.complete(cursor, in_transaction)
         assert store.complete_many(cursor, [(batched, None), (on_record, None)]) == {
@@ -196,9 +200,10 @@ def test_a_settling_statement_records_a_fast_path_start_no_claim_wrote() -> None
             assert store.transition(cursor, job.id, job.token, kind=kind, code="X",
                                     message="settled", began=job.began) is not None
     attempts = {a.id: a for a in JobAttempt.objects.filter(id__in=[j.token for j in jobs])}
-    for job in (in_transaction, batched, failed, on_record):
+    for job, start in ((in_transaction, in_transaction.began), (batched, batched.began),
+                       (failed, failed.began), (on_record, recorded)):
         attempt = attempts[job.token]
-        assert attempt.started and attempt.started_at == job.began > claimed_at[job.token]
-        assert attempt.duration == attempt.finished_at - job.began
+        assert attempt.started and attempt.started_at == start > claimed_at[job.token]
+        assert attempt.duration == attempt.finished_at - start
     assert not attempts[released.token].started
     assert attempts[released.token].started_at == claimed_at[released.token]
