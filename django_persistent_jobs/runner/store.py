@@ -434,7 +434,11 @@ def _settled_start(began: str, now: str) -> str:
     """The attempt row's ``started_at`` and ``duration`` as a settling statement writes them:
     the start on record, else ``began`` (a fast-path start no claim has written yet,
     ``ClaimedJob.began``), else the claim's time. One definition for every settling statement
-    (an UPDATE's SET sees the row as it was, so the start is spelled out in both items)."""
+    (an UPDATE's SET sees the row as it was, so the start is spelled out in both items).
+    ``now`` is the end the attempt's ``finished_at`` gets too: one clock reading (the job
+    row's ``finished_at``, or the transaction's ``now()``), so that ``duration`` is exactly
+    ``finished_at - started_at`` (two ``clock_timestamp()`` calls could differ by a
+    microsecond)."""
     start = f"CASE WHEN a.started THEN a.started_at ELSE coalesce({began}, a.started_at) END"
     return f"started_at = {start},\n    duration = {now} - {start}"
 
@@ -445,10 +449,10 @@ WITH done AS (
         lock_token = NULL, finished_at = clock_timestamp(), updated_at = clock_timestamp(),
         result = %s::jsonb
     WHERE id = %s AND lock_token = %s
-    RETURNING id, %s::timestamptz AS began
+    RETURNING id, finished_at, %s::timestamptz AS began
 )
-UPDATE persistent_jobs_attempts a SET started = true, finished_at = clock_timestamp(),
-    {_settled_start("done.began", "clock_timestamp()")},
+UPDATE persistent_jobs_attempts a SET started = true, finished_at = done.finished_at,
+    {_settled_start("done.began", "done.finished_at")},
     outcome = 'completed'
 FROM done WHERE a.id = %s
 RETURNING a.id
@@ -480,10 +484,10 @@ WITH done AS (
     FROM unnest(%b::uuid[], %b::bigint[], %b::text[], %b::timestamptz[])
         AS d(id, token, result, began)
     WHERE j.id = d.id AND j.lock_token = d.token
-    RETURNING d.token, d.began
+    RETURNING d.token, d.began, j.finished_at
 )
-UPDATE persistent_jobs_attempts a SET started = true, finished_at = clock_timestamp(),
-    {_settled_start("done.began", "clock_timestamp()")},
+UPDATE persistent_jobs_attempts a SET started = true, finished_at = done.finished_at,
+    {_settled_start("done.began", "done.finished_at")},
     outcome = 'completed'
 FROM done WHERE a.id = done.token
 RETURNING a.id
