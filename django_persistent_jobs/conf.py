@@ -402,9 +402,10 @@ class Settings:
     #: Seconds between scheduler passes.
     SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
     #: A server-side prepared statement for ``enqueue()``'s insert (the runner's claim is always
-    #: prepared). Off by default: web processes often reach the database through a pooler that
-    #: cannot keep prepared statements (PgBouncer before 1.21 in transaction mode).
-    PREPARED_STATEMENTS = Setting[bool](False, _boolean, bool)
+    #: prepared). On by default, as asyncpg and PgBouncer (1.24+: ``max_prepared_statements``
+    #: 200) have it; a pooler that loses them turns it off in the process at the first loss
+    #: (``enqueuing._stop_preparing``). False: the insert always goes as text.
+    PREPARED_STATEMENTS = Setting[bool](True, _boolean, bool)
     #: Free hand-backs of one job at shutdown; later ones are charged as attempts.
     HANDBACK_LIMIT = Setting[int](3, _non_negative_int, int)
     #: Worker processes ``runjobs`` runs handlers in (0: threads of the runjobs process);

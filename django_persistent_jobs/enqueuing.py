@@ -17,13 +17,19 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections, transaction
 from django.db.models import Q
 from django.db.models.base import ModelState
 from django.db.models.sql import Query
 
 from . import bounds, conf, signals
-from .errors import ConfigurationError, EnqueueError, PayloadError, UnknownJobTypeError
+from .errors import (
+    ConfigurationError,
+    EnqueueError,
+    PayloadError,
+    PreparedStatementLostError,
+    UnknownJobTypeError,
+)
 from .handlers import HandlerSpec, registry
 from .ids import UUID7Batch, uuid7
 from .models import JOB_COLUMNS_SQL, WAITING_DEDUP, PersistentJob, job_from_row
@@ -226,15 +232,63 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
     else:
         sql = (f"INSERT INTO persistent_jobs ({columns}) VALUES ({_values_sql()}) "
                f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}")
-    if not conf.settings.PREPARED_STATEMENTS:
-        cursor.execute(sql, job.params())
-        row: tuple[Any, ...] | None = cursor.fetchone()
-        return row
-    # A prepared statement: PostgreSQL parses and plans the insert once per connection
-    # instead of on every call, a fifth of what a lone enqueue costs the server.
-    with prepared(cursor) as fast:
-        fast.execute(sql, job.params(), prepare=True)
-        return fast.fetchone()
+    if conf.settings.PREPARED_STATEMENTS and cursor.db.alias not in _UNPREPARED:
+        # A prepared statement: PostgreSQL parses and plans the insert once per connection
+        # instead of on every call, a fifth of what a lone enqueue costs the server.
+        try:
+            with prepared(cursor) as fast:
+                fast.execute(sql, job.params(), prepare=True)
+                return fast.fetchone()
+        except DatabaseError as exc:
+            if not _statement_lost(exc):
+                raise
+            _stop_preparing(cursor.db, exc)
+    cursor.execute(sql, job.params())
+    row: tuple[Any, ...] | None = cursor.fetchone()
+    return row
+
+
+#: Database aliases whose connections lost a prepared insert (see ``_stop_preparing``): their
+#: ``enqueue()`` sends the insert as text from then on, in this process.
+_UNPREPARED: set[str] = set()
+#: SQLSTATEs of a prepared statement the session does not have, or has from someone else:
+#: what a pooler that moves a client between server sessions causes.
+_LOST_STATEMENT = frozenset({"26000", "42P05"})
+
+
+def _statement_lost(exc: BaseException) -> bool:
+    return getattr(exc.__cause__, "sqlstate", None) in _LOST_STATEMENT
+
+
+def _stop_preparing(db: BaseDatabaseWrapper, exc: DatabaseError) -> None:
+    """The connection lost the prepared insert: a pooler in transaction mode that does not keep
+    prepared statements moved it to another server session (PgBouncer before 1.21, or with
+    ``max_prepared_statements = 0``). Stop preparing on this alias, in this process.
+
+    In autocommit the failed statement took nothing with it, so the caller's insert is simply
+    sent again as text. Inside the caller's transaction the error aborted that transaction: it
+    is raised, with what to change, and the caller's retry (a new transaction) goes as text.
+    """
+    first = db.alias not in _UNPREPARED
+    _UNPREPARED.add(db.alias)
+    if first:
+        logger.warning(
+            "enqueue(): the database connection %r lost its prepared insert (%s); a connection "
+            "pooler in transaction mode that does not keep prepared statements does this. "
+            "Inserts go as text from now on in this process; set "
+            "PERSISTENT_JOBS['PREPARED_STATEMENTS'] = False to say so up front.", db.alias,
+            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            extra={"event": "prepared_statements_off", "alias": db.alias},
+        )
+    if db.in_atomic_block:
+        raise PreparedStatementLostError(
+            f"enqueue() could not run its prepared insert on database {db.alias!r} ({exc}), "
+            "and the error aborted the surrounding transaction: nothing it wrote is kept. A "
+            "connection pooler in transaction mode that does not keep prepared statements "
+            "(PgBouncer before 1.21, or with max_prepared_statements = 0) causes this. "
+            "Retry the transaction (this process now sends the insert as text), and set "
+            "PERSISTENT_JOBS['PREPARED_STATEMENTS'] = False for this database."
+        ) from exc
 
 
 def _cancel_waiting_duplicates(cursor: Cursor, job_type: str, keys: list[str]) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.db import ProgrammingError
+
 from . import bounds
 from .conf import ConfigurationError
 
@@ -23,6 +25,7 @@ __all__ = [
     "JobNotFoundError",
     "PayloadError",
     "PermanentJobError",
+    "PreparedStatementLostError",
     "ScheduleError",
     "ScheduleNotFoundError",
     "TransientJobError",
@@ -141,3 +144,11 @@ class InvalidJobIdError(EnqueueError, JobNotFoundError):
     any query. Also a ``JobNotFoundError``, since no job can have that id."""
 
     code = "INVALID_JOB_ID"
+
+
+class PreparedStatementLostError(ProgrammingError):
+    """``enqueue()``'s prepared insert was gone from the server session inside the caller's
+    transaction (a pooler in transaction mode that does not keep prepared statements), which
+    aborted that transaction. A ``django.db.ProgrammingError``, so code that handles database
+    errors handles it; its message says what to set. Later enqueues in the process send the
+    insert as text."""

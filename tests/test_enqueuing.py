@@ -9,16 +9,19 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
+from django.db import ProgrammingError as DjangoProgrammingError
 from django.test.utils import CaptureQueriesContext
 
 from django_persistent_jobs import (
     ConfigurationError,
     Dedup,
     EnqueueError,
+    PreparedStatementLostError,
     UnknownJobTypeError,
     enqueue,
     enqueue_many,
+    enqueuing,
     job_handler,
 )
 from django_persistent_jobs.handlers import registry
@@ -297,9 +300,9 @@ def test_enqueue_many_inserts_the_batch_in_one_statement(
 
 @pytest.mark.django_db
 def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
-    """With ``PREPARED_STATEMENTS`` PostgreSQL parses and plans a lone enqueue's insert once per
-    connection; without it (the default, safe behind any pooler) the insert goes as text every
-    time. The job is the same either way."""
+    """With ``PREPARED_STATEMENTS`` (the default) PostgreSQL parses and plans a lone enqueue's
+    insert once per connection; with it off the insert goes as text every time. The job is the
+    same either way."""
 
     def prepared_inserts() -> int:
         with connection.cursor() as cursor:
@@ -312,8 +315,7 @@ def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
     with pj_settings(PREPARED_STATEMENTS=False):
         plain = enqueue("core.enq.configured", {"n": 1}, delay=5)
     assert prepared_inserts() == 0
-    with pj_settings(PREPARED_STATEMENTS=True):
-        fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]
+    fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]  # the default
     assert prepared_inserts() == 1  # one statement, prepared once, used three times
     stored = PersistentJob.objects.in_bulk([plain.id, *(j.id for j in fast)])
     for job in (plain, *fast):
@@ -323,6 +325,93 @@ def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
         assert (job.created_at, job.next_run_at) == (row.created_at, row.next_run_at)
         assert job.next_run_at == db_now() + timedelta(seconds=5)
         assert job.payload == row.payload
+
+
+def _lose_prepared_insert() -> None:
+    """What a pooler in transaction mode does to a client it moves to another server session:
+    the prepared insert psycopg believes it has is not there (``DEALLOCATE`` by name, which
+    psycopg does not notice, unlike ``DEALLOCATE ALL``)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements "
+                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
+        names = [name for (name,) in cursor.fetchall()]
+        assert names, "no prepared insert to lose"
+        for name in names:
+            cursor.execute(f'DEALLOCATE "{name}"')
+
+
+@pytest.fixture
+def preparing_again() -> Iterator[None]:
+    """The process-wide "this alias lost its prepared insert" memory, forgotten afterwards."""
+    yield
+    enqueuing._UNPREPARED.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lost_prepared_insert_in_autocommit_is_sent_as_text_and_loses_nothing(
+    preparing_again: None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In autocommit the failed prepared insert wrote nothing and aborted nothing: the same
+    insert goes again as text, the caller gets its job, and the process stops preparing (one
+    warning naming the setting)."""
+    first = enqueue("test.noop", {"n": 1})
+    _lose_prepared_insert()
+    with caplog.at_level("WARNING", logger="django_persistent_jobs.enqueue"):
+        second = enqueue("test.noop", {"n": 2})
+        third = enqueue("test.noop", {"n": 3})
+    stored = PersistentJob.objects.in_bulk([first.id, second.id, third.id])
+    assert [stored[j.id].payload for j in (first, second, third)] == [{"n": 1}, {"n": 2}, {"n": 3}]
+    warnings = [r for r in caplog.records if getattr(r, "event", "") == "prepared_statements_off"]
+    assert len(warnings) == 1
+    assert "PREPARED_STATEMENTS" in warnings[0].getMessage()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements "
+                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
+        assert cursor.fetchone()[0] == 0  # nothing prepared again after the loss
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lost_prepared_insert_inside_a_transaction_raises_a_clear_error_and_the_retry_works(
+    preparing_again: None,
+) -> None:
+    """Inside the caller's transaction the error has aborted it: ``enqueue()`` raises a
+    ``ProgrammingError`` that says what to set, the whole transaction rolls back (nothing of
+    it half-kept), and the caller's retry commits, sent as text."""
+    enqueue("test.noop", {"n": 0})
+    _lose_prepared_insert()
+    with pytest.raises(PreparedStatementLostError) as caught, transaction.atomic():
+        PersistentJob.objects.filter(payload={"n": 0}).update(priority=9)
+        enqueue("test.noop", {"n": 1})
+    assert isinstance(caught.value, DjangoProgrammingError)
+    assert "PREPARED_STATEMENTS" in str(caught.value)
+    assert "pooler" in str(caught.value)
+    assert PersistentJob.objects.get(payload={"n": 0}).priority == 0  # rolled back as a whole
+    assert not PersistentJob.objects.filter(payload={"n": 1}).exists()
+    with transaction.atomic():
+        PersistentJob.objects.filter(payload={"n": 0}).update(priority=9)
+        retried = enqueue("test.noop", {"n": 1})
+    assert PersistentJob.objects.get(id=retried.id).payload == {"n": 1}
+    assert PersistentJob.objects.get(payload={"n": 0}).priority == 9
+
+
+@pytest.mark.django_db(transaction=True)
+def test_other_database_errors_of_the_prepared_insert_are_not_taken_for_a_lost_statement(
+    preparing_again: None,
+) -> None:
+    """Only a missing (or foreign) prepared statement turns preparing off: a constraint
+    violation is the caller's error and goes up unchanged, preparing stays on."""
+    job = enqueue("test.noop", {"n": 1})
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE persistent_jobs ADD CONSTRAINT pj_test_no_n2 "
+                       "CHECK (payload <> '{\"n\": 2}'::jsonb) NOT VALID")
+    try:
+        with pytest.raises(IntegrityError):
+            enqueue("test.noop", {"n": 2})
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE persistent_jobs DROP CONSTRAINT pj_test_no_n2")
+    assert not enqueuing._UNPREPARED
+    assert PersistentJob.objects.filter(id=job.id).exists()
 
 
 @pytest.mark.django_db
