@@ -266,8 +266,9 @@ def _stop_preparing(db: BaseDatabaseWrapper, exc: DatabaseError) -> None:
     ``max_prepared_statements = 0``). Stop preparing on this alias, in this process.
 
     In autocommit the failed statement took nothing with it, so the caller's insert is simply
-    sent again as text. Inside the caller's transaction the error aborted that transaction: it
-    is raised, with what to change, and the caller's retry (a new transaction) goes as text.
+    sent again as text. Inside a transaction the error aborted it, so it is raised, saying what
+    to change: ``enqueue()`` retries when that transaction was its own (a dedup round's, the
+    caller being in autocommit); in the caller's, the caller's retry goes as text.
     """
     first = db.alias not in _UNPREPARED
     _UNPREPARED.add(db.alias)
@@ -434,7 +435,15 @@ def enqueue(
         job_type, payload, run_at=run_at, delay=delay, dedup_key=dedup_key, dedup=dedup,
         max_retries=max_retries, timeout=timeout, queue=queue, priority=priority, tenant=tenant,
     )
-    result, created = _enqueue_prepared(job, alias)
+    in_callers_transaction = connections[alias].in_atomic_block
+    try:
+        result, created = _enqueue_prepared(job, alias)
+    except PreparedStatementLostError:
+        if in_callers_transaction:
+            raise
+        # The caller runs in autocommit: the transaction the error aborted was our own (a
+        # dedup round's), rolled back whole. Again, now with the insert sent as text.
+        result, created = _enqueue_prepared(job, alias)
     result._pj_created = created  # type: ignore[attr-defined]  # the HTTP API: 201 or 200
     if created:
         signals.enqueued(result, alias)

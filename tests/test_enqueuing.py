@@ -371,6 +371,26 @@ def test_a_lost_prepared_insert_in_autocommit_is_sent_as_text_and_loses_nothing(
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("dedup", [Dedup.REPLACE, Dedup.SKIP])
+def test_a_lost_prepared_insert_of_a_keyed_enqueue_in_autocommit_is_sent_as_text(
+    preparing_again: None, dedup: Dedup,
+) -> None:
+    """A keyed enqueue in autocommit may run its insert in a transaction of its own (Replace's
+    cancel-and-insert): the loss aborts only that one, and the call still returns its job."""
+    first = enqueue("test.noop", {"n": 1}, dedup_key="k1", dedup=dedup)
+    _lose_prepared_insert()
+    second = enqueue("test.noop", {"n": 2}, dedup_key="k2", dedup=dedup)
+    third = enqueue("test.noop", {"n": 3}, dedup_key="k1", dedup=dedup)
+    assert enqueuing._UNPREPARED  # the loss was met, not dodged
+    assert PersistentJob.objects.get(id=second.id).payload == {"n": 2}
+    if dedup is Dedup.REPLACE:
+        assert PersistentJob.objects.get(id=first.id).status == JobStatus.CANCELLED
+        assert PersistentJob.objects.get(id=third.id).payload == {"n": 3}
+    else:
+        assert third.id == first.id
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_lost_prepared_insert_inside_a_transaction_raises_a_clear_error_and_the_retry_works(
     preparing_again: None,
 ) -> None:
