@@ -234,10 +234,12 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
                f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}")
     if conf.settings.PREPARED_STATEMENTS and cursor.db.alias not in _UNPREPARED:
         # A prepared statement: PostgreSQL parses and plans the insert once per connection
-        # instead of on every call, a fifth of what a lone enqueue costs the server.
+        # instead of on every call, a fifth of what a lone enqueue costs the server. Not on
+        # its first uses: preparing costs a round trip of its own, a loss for a connection
+        # that enqueues once (Django's default closes it after each request).
         try:
-            with prepared(cursor) as fast:
-                fast.execute(sql, job.params(), prepare=True)
+            with prepared(cursor, after=PREPARE_AFTER) as fast:
+                fast.execute(sql, job.params())
                 return fast.fetchone()
         except DatabaseError as exc:
             if not _statement_lost(exc):
@@ -248,6 +250,9 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
     return row
 
 
+#: ``enqueue()`` prepares its insert on a connection from its third use there (psycopg's
+#: ``prepare_threshold``): the first two go unprepared, in one round trip each.
+PREPARE_AFTER = 2
 #: Database aliases whose connections lost a prepared insert (see ``_stop_preparing``): their
 #: ``enqueue()`` sends the insert as text from then on, in this process.
 _UNPREPARED: set[str] = set()

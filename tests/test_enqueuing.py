@@ -315,8 +315,10 @@ def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
     with pj_settings(PREPARED_STATEMENTS=False):
         plain = enqueue("core.enq.configured", {"n": 1}, delay=5)
     assert prepared_inserts() == 0
-    fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]  # the default
-    assert prepared_inserts() == 1  # one statement, prepared once, used three times
+    fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(2)]  # the default
+    assert prepared_inserts() == 0  # not for a connection's first uses (a round trip of its own)
+    fast += [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]
+    assert prepared_inserts() == 1  # one statement, prepared once, used from its third use
     stored = PersistentJob.objects.in_bulk([plain.id, *(j.id for j in fast)])
     for job in (plain, *fast):
         row = stored[job.id]
@@ -325,6 +327,12 @@ def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
         assert (job.created_at, job.next_run_at) == (row.created_at, row.next_run_at)
         assert job.next_run_at == db_now() + timedelta(seconds=5)
         assert job.payload == row.payload
+
+
+def _prepare_insert(**options: Any) -> PersistentJob:
+    """Enqueue until the insert is prepared on this connection (from its third use)."""
+    jobs = [enqueue("test.noop", {"n": -i}, **options) for i in range(1, 4)]
+    return jobs[-1]
 
 
 def _lose_prepared_insert() -> None:
@@ -354,6 +362,7 @@ def test_a_lost_prepared_insert_in_autocommit_is_sent_as_text_and_loses_nothing(
     """In autocommit the failed prepared insert wrote nothing and aborted nothing: the same
     insert goes again as text, the caller gets its job, and the process stops preparing (one
     warning naming the setting)."""
+    _prepare_insert()
     first = enqueue("test.noop", {"n": 1})
     _lose_prepared_insert()
     with caplog.at_level("WARNING", logger="django_persistent_jobs.enqueue"):
@@ -377,6 +386,8 @@ def test_a_lost_prepared_insert_of_a_keyed_enqueue_in_autocommit_is_sent_as_text
 ) -> None:
     """A keyed enqueue in autocommit may run its insert in a transaction of its own (Replace's
     cancel-and-insert): the loss aborts only that one, and the call still returns its job."""
+    for key in ("k0", "k00", "k000"):  # prepared from its third use
+        enqueue("test.noop", {"n": 0}, dedup_key=key, dedup=dedup)
     first = enqueue("test.noop", {"n": 1}, dedup_key="k1", dedup=dedup)
     _lose_prepared_insert()
     second = enqueue("test.noop", {"n": 2}, dedup_key="k2", dedup=dedup)
@@ -397,6 +408,7 @@ def test_a_lost_prepared_insert_inside_a_transaction_raises_a_clear_error_and_th
     """Inside the caller's transaction the error has aborted it: ``enqueue()`` raises a
     ``ProgrammingError`` that says what to set, the whole transaction rolls back (nothing of
     it half-kept), and the caller's retry commits, sent as text."""
+    _prepare_insert()
     enqueue("test.noop", {"n": 0})
     _lose_prepared_insert()
     with pytest.raises(PreparedStatementLostError) as caught, transaction.atomic():
@@ -420,7 +432,7 @@ def test_other_database_errors_of_the_prepared_insert_are_not_taken_for_a_lost_s
 ) -> None:
     """Only a missing (or foreign) prepared statement turns preparing off: a constraint
     violation is the caller's error and goes up unchanged, preparing stays on."""
-    job = enqueue("test.noop", {"n": 1})
+    job = _prepare_insert()
     with connection.cursor() as cursor:
         cursor.execute("ALTER TABLE persistent_jobs ADD CONSTRAINT pj_test_no_n2 "
                        "CHECK (payload <> '{\"n\": 2}'::jsonb) NOT VALID")
