@@ -402,10 +402,12 @@ class Settings:
     #: Seconds between scheduler passes.
     SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
     #: A server-side prepared statement for ``enqueue()``'s insert (the runner's claim is always
-    #: prepared). On by default, as asyncpg and PgBouncer (1.24+: ``max_prepared_statements``
-    #: 200) have it; a pooler that loses them turns it off in the process at the first loss
-    #: (``enqueuing._stop_preparing``). False: the insert always goes as text.
-    PREPARED_STATEMENTS = Setting[bool](True, _boolean, bool)
+    #: prepared). Off by default: behind a pooler that does not keep prepared statements
+    #: (PgBouncer before 1.21, or ``max_prepared_statements = 0``, in transaction mode) a
+    #: client can meet another client's statement under the same psycopg name (``_pg3_N``),
+    #: which fails, or runs the wrong statement when its parameters fit. A loss that is
+    #: noticed turns it off in the process (``enqueuing._stop_preparing``).
+    PREPARED_STATEMENTS = Setting[bool](False, _boolean, bool)
     #: Free hand-backs of one job at shutdown; later ones are charged as attempts.
     HANDBACK_LIMIT = Setting[int](3, _non_negative_int, int)
     #: Worker processes ``runjobs`` runs handlers in (0: threads of the runjobs process);

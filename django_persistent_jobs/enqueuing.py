@@ -234,12 +234,10 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
                f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}")
     if conf.settings.PREPARED_STATEMENTS and cursor.db.alias not in _UNPREPARED:
         # A prepared statement: PostgreSQL parses and plans the insert once per connection
-        # instead of on every call, a fifth of what a lone enqueue costs the server. Not on
-        # its first uses: preparing costs a round trip of its own, a loss for a connection
-        # that enqueues once (Django's default closes it after each request).
+        # instead of on every call, a fifth of what a lone enqueue costs the server.
         try:
-            with prepared(cursor, after=PREPARE_AFTER) as fast:
-                fast.execute(sql, job.params())
+            with prepared(cursor) as fast:
+                fast.execute(sql, job.params(), prepare=True)
                 return fast.fetchone()
         except DatabaseError as exc:
             if not _statement_lost(exc):
@@ -250,15 +248,14 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
     return row
 
 
-#: ``enqueue()`` prepares its insert on a connection from its third use there (psycopg's
-#: ``prepare_threshold``): the first two go unprepared, in one round trip each.
-PREPARE_AFTER = 2
 #: Database aliases whose connections lost a prepared insert (see ``_stop_preparing``): their
 #: ``enqueue()`` sends the insert as text from then on, in this process.
 _UNPREPARED: set[str] = set()
-#: SQLSTATEs of a prepared statement the session does not have, or has from someone else:
-#: what a pooler that moves a client between server sessions causes.
-_LOST_STATEMENT = frozenset({"26000", "42P05"})
+#: SQLSTATEs of a prepared statement the session does not have (26000), has from someone else
+#: under the same name (42P05 when preparing; 08P01 when binding ours to a statement with
+#: another number of parameters): what a pooler that moves a client between server sessions
+#: causes. Only the prepared insert's own errors are read this way.
+_LOST_STATEMENT = frozenset({"26000", "42P05", "08P01"})
 
 
 def _statement_lost(exc: BaseException) -> bool:
@@ -271,9 +268,11 @@ def _stop_preparing(db: BaseDatabaseWrapper, exc: DatabaseError) -> None:
     ``max_prepared_statements = 0``). Stop preparing on this alias, in this process.
 
     In autocommit the failed statement took nothing with it, so the caller's insert is simply
-    sent again as text. Inside a transaction the error aborted it, so it is raised, saying what
-    to change: ``enqueue()`` retries when that transaction was its own (a dedup round's, the
-    caller being in autocommit); in the caller's, the caller's retry goes as text.
+    sent again as text. Inside a transaction the error aborted it (or the savepoint it runs
+    in), so it is raised, saying what to change: a dedup round (``_round``) and a schedule's
+    run (``schedules.firing.insert_run``) own a savepoint or transaction around their insert
+    and go again once it has rolled back; in the caller's own transaction, the caller's retry
+    goes as text.
     """
     first = db.alias not in _UNPREPARED
     _UNPREPARED.add(db.alias)
@@ -286,10 +285,10 @@ def _stop_preparing(db: BaseDatabaseWrapper, exc: DatabaseError) -> None:
             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
             extra={"event": "prepared_statements_off", "alias": db.alias},
         )
-    if db.in_atomic_block:
+    if not db.get_autocommit():  # (an atomic block, or autocommit turned off by hand)
         raise PreparedStatementLostError(
             f"enqueue() could not run its prepared insert on database {db.alias!r} ({exc}), "
-            "and the error aborted the surrounding transaction: nothing it wrote is kept. A "
+            "and the error aborted the surrounding transaction (or savepoint). A "
             "connection pooler in transaction mode that does not keep prepared statements "
             "(PgBouncer before 1.21, or with max_prepared_statements = 0) causes this. "
             "Retry the transaction (this process now sends the insert as text), and set "
@@ -401,6 +400,10 @@ def _round(cursor: Cursor | None, job: _Prepared, alias: str) -> tuple[Persisten
         return settled
     except _Contended:
         return None
+    except PreparedStatementLostError:
+        # Only the round is lost (its savepoint, or its own transaction, rolled back): again,
+        # with the insert sent as text from now on (``_stop_preparing``).
+        return _round(cursor, job, alias)
     except OperationalError as exc:
         if not _is_deadlock(exc):
             raise
@@ -440,15 +443,7 @@ def enqueue(
         job_type, payload, run_at=run_at, delay=delay, dedup_key=dedup_key, dedup=dedup,
         max_retries=max_retries, timeout=timeout, queue=queue, priority=priority, tenant=tenant,
     )
-    in_callers_transaction = connections[alias].in_atomic_block
-    try:
-        result, created = _enqueue_prepared(job, alias)
-    except PreparedStatementLostError:
-        if in_callers_transaction:
-            raise
-        # The caller runs in autocommit: the transaction the error aborted was our own (a
-        # dedup round's), rolled back whole. Again, now with the insert sent as text.
-        result, created = _enqueue_prepared(job, alias)
+    result, created = _enqueue_prepared(job, alias)
     result._pj_created = created  # type: ignore[attr-defined]  # the HTTP API: 201 or 200
     if created:
         signals.enqueued(result, alias)

@@ -60,6 +60,20 @@ def pj_settings(**overrides: Any) -> override_settings:
     return override_settings(PERSISTENT_JOBS={**settings.PERSISTENT_JOBS, **overrides})
 
 
+def lose_prepared_inserts() -> list[str]:
+    """What a pooler in transaction mode does to a client it moves to another server session:
+    the prepared insert psycopg believes it has is not there (``DEALLOCATE`` by name, which
+    psycopg does not notice, unlike ``DEALLOCATE ALL``). Returns the names lost."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements "
+                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
+        names = [name for (name,) in cursor.fetchall()]
+        assert names, "no prepared insert to lose"
+        for name in names:
+            cursor.execute(f'DEALLOCATE "{name}"')
+    return names
+
+
 def conninfo() -> dict[str, Any]:
     """psycopg connection arguments for the test database (the one Django's connection uses)."""
     s = connection.settings_dict

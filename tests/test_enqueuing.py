@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
@@ -26,7 +27,13 @@ from django_persistent_jobs import (
 )
 from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.models import JobStatus, PersistentJob
-from tests.core_support import db_now, notifications_until_marker, pj_settings, raw_connection
+from tests.core_support import (
+    db_now,
+    lose_prepared_inserts,
+    notifications_until_marker,
+    pj_settings,
+    raw_connection,
+)
 
 
 @job_handler("core.enq.configured", max_retries=5, timeout=12, queue="emails", priority=7,
@@ -298,27 +305,25 @@ def test_enqueue_many_inserts_the_batch_in_one_statement(
     assert insert_statements() == [201, 1]
 
 
+def _prepared_inserts() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements "
+                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
+        return int(cursor.fetchone()[0])
+
+
 @pytest.mark.django_db
-def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
-    """With ``PREPARED_STATEMENTS`` (the default) PostgreSQL parses and plans a lone enqueue's
-    insert once per connection; with it off the insert goes as text every time. The job is the
-    same either way."""
-
-    def prepared_inserts() -> int:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_prepared_statements "
-                           "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
-            return int(cursor.fetchone()[0])
-
+def test_enqueue_prepares_its_insert_when_told_to() -> None:
+    """With ``PREPARED_STATEMENTS`` PostgreSQL parses and plans a lone enqueue's insert once per
+    connection; without it (the default, safe behind any pooler) the insert goes as text every
+    time. The job is the same either way."""
     with connection.cursor() as cursor:
         cursor.execute("DEALLOCATE ALL")  # what earlier tests prepared on this connection
-    with pj_settings(PREPARED_STATEMENTS=False):
-        plain = enqueue("core.enq.configured", {"n": 1}, delay=5)
-    assert prepared_inserts() == 0
-    fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(2)]  # the default
-    assert prepared_inserts() == 0  # not for a connection's first uses (a round trip of its own)
-    fast += [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]
-    assert prepared_inserts() == 1  # one statement, prepared once, used from its third use
+    plain = enqueue("core.enq.configured", {"n": 1}, delay=5)  # the default
+    assert _prepared_inserts() == 0
+    with pj_settings(PREPARED_STATEMENTS=True):
+        fast = [enqueue("core.enq.configured", {"n": 2}, delay=5) for _ in range(3)]
+    assert _prepared_inserts() == 1  # one statement, prepared once, used three times
     stored = PersistentJob.objects.in_bulk([plain.id, *(j.id for j in fast)])
     for job in (plain, *fast):
         row = stored[job.id]
@@ -329,71 +334,71 @@ def test_enqueue_prepares_its_insert_unless_told_not_to() -> None:
         assert job.payload == row.payload
 
 
-def _prepare_insert(**options: Any) -> PersistentJob:
-    """Enqueue until the insert is prepared on this connection (from its third use)."""
-    jobs = [enqueue("test.noop", {"n": -i}, **options) for i in range(1, 4)]
-    return jobs[-1]
-
-
-def _lose_prepared_insert() -> None:
-    """What a pooler in transaction mode does to a client it moves to another server session:
-    the prepared insert psycopg believes it has is not there (``DEALLOCATE`` by name, which
-    psycopg does not notice, unlike ``DEALLOCATE ALL``)."""
+def _foreign_statement_under_our_name() -> list[str]:
+    """The other thing such a pooler does: the server session the client lands on has another
+    client's statement under the name psycopg uses for the insert (``_pg3_N`` is a
+    per-connection counter, the same in every client), with another number of parameters."""
+    names = lose_prepared_inserts()
     with connection.cursor() as cursor:
-        cursor.execute("SELECT name FROM pg_prepared_statements "
-                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
-        names = [name for (name,) in cursor.fetchall()]
-        assert names, "no prepared insert to lose"
         for name in names:
-            cursor.execute(f'DEALLOCATE "{name}"')
+            cursor.execute(f'PREPARE "{name}" (int) AS SELECT $1')
+    return names
 
 
 @pytest.fixture
-def preparing_again() -> Iterator[None]:
-    """The process-wide "this alias lost its prepared insert" memory, forgotten afterwards."""
-    yield
+def prepared_inserts() -> Iterator[None]:
+    """``PREPARED_STATEMENTS`` on, and the process-wide "this alias lost its prepared insert"
+    memory forgotten afterwards."""
+    with pj_settings(PREPARED_STATEMENTS=True):
+        yield
     enqueuing._UNPREPARED.clear()
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("loss", [lose_prepared_inserts, _foreign_statement_under_our_name])
 def test_a_lost_prepared_insert_in_autocommit_is_sent_as_text_and_loses_nothing(
-    preparing_again: None, caplog: pytest.LogCaptureFixture,
+    prepared_inserts: None, caplog: pytest.LogCaptureFixture, loss: Callable[[], list[str]],
 ) -> None:
     """In autocommit the failed prepared insert wrote nothing and aborted nothing: the same
     insert goes again as text, the caller gets its job, and the process stops preparing (one
     warning naming the setting)."""
-    _prepare_insert()
     first = enqueue("test.noop", {"n": 1})
-    _lose_prepared_insert()
+    loss()
     with caplog.at_level("WARNING", logger="django_persistent_jobs.enqueue"):
         second = enqueue("test.noop", {"n": 2})
         third = enqueue("test.noop", {"n": 3})
     stored = PersistentJob.objects.in_bulk([first.id, second.id, third.id])
     assert [stored[j.id].payload for j in (first, second, third)] == [{"n": 1}, {"n": 2}, {"n": 3}]
+    assert PersistentJob.objects.count() == 3  # nothing twice
     warnings = [r for r in caplog.records if getattr(r, "event", "") == "prepared_statements_off"]
     assert len(warnings) == 1
     assert "PREPARED_STATEMENTS" in warnings[0].getMessage()
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_prepared_statements "
-                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
-        assert cursor.fetchone()[0] == 0  # nothing prepared again after the loss
+    if loss is lose_prepared_inserts:
+        assert _prepared_inserts() == 0  # nothing prepared again after the loss
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("dedup", [Dedup.REPLACE, Dedup.SKIP])
-def test_a_lost_prepared_insert_of_a_keyed_enqueue_in_autocommit_is_sent_as_text(
-    preparing_again: None, dedup: Dedup,
+@pytest.mark.parametrize(("dedup", "in_atomic"), [
+    (Dedup.REPLACE, False), (Dedup.REPLACE, True), (Dedup.SKIP, False)])
+def test_a_lost_prepared_insert_of_a_keyed_enqueue_is_sent_as_text(
+    prepared_inserts: None, dedup: Dedup, in_atomic: bool,
 ) -> None:
-    """A keyed enqueue in autocommit may run its insert in a transaction of its own (Replace's
-    cancel-and-insert): the loss aborts only that one, and the call still returns its job."""
-    for key in ("k0", "k00", "k000"):  # prepared from its third use
-        enqueue("test.noop", {"n": 0}, dedup_key=key, dedup=dedup)
+    """A Replace enqueue runs its insert in a savepoint (inside the caller's transaction) or in
+    a transaction of its own (in autocommit): the loss aborts only that, and the call still
+    returns its job; the caller's transaction goes on and commits. (Skip inserts in the
+    caller's transaction itself, where the loss is the caller's to retry, as for an unkeyed
+    enqueue.)"""
+    for key in ("k0", "k00"):
+        enqueue("test.noop", {"n": 0}, dedup_key=key, dedup=dedup)  # prepared, plain and keyed
     first = enqueue("test.noop", {"n": 1}, dedup_key="k1", dedup=dedup)
-    _lose_prepared_insert()
-    second = enqueue("test.noop", {"n": 2}, dedup_key="k2", dedup=dedup)
-    third = enqueue("test.noop", {"n": 3}, dedup_key="k1", dedup=dedup)
+    lose_prepared_inserts()
+    with transaction.atomic() if in_atomic else contextlib.nullcontext():
+        PersistentJob.objects.filter(id=first.id).update(priority=3)
+        second = enqueue("test.noop", {"n": 2}, dedup_key="k2", dedup=dedup)
+        third = enqueue("test.noop", {"n": 3}, dedup_key="k1", dedup=dedup)
     assert enqueuing._UNPREPARED  # the loss was met, not dodged
     assert PersistentJob.objects.get(id=second.id).payload == {"n": 2}
+    assert PersistentJob.objects.get(id=first.id).priority == 3
     if dedup is Dedup.REPLACE:
         assert PersistentJob.objects.get(id=first.id).status == JobStatus.CANCELLED
         assert PersistentJob.objects.get(id=third.id).payload == {"n": 3}
@@ -402,18 +407,29 @@ def test_a_lost_prepared_insert_of_a_keyed_enqueue_in_autocommit_is_sent_as_text
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", ["atomic", "autocommit off"])
 def test_a_lost_prepared_insert_inside_a_transaction_raises_a_clear_error_and_the_retry_works(
-    preparing_again: None,
+    prepared_inserts: None, how: str,
 ) -> None:
     """Inside the caller's transaction the error has aborted it: ``enqueue()`` raises a
     ``ProgrammingError`` that says what to set, the whole transaction rolls back (nothing of
-    it half-kept), and the caller's retry commits, sent as text."""
-    _prepare_insert()
+    it half-kept), and the caller's retry commits, sent as text. Also when the caller turned
+    autocommit off by hand instead of using ``atomic()``."""
     enqueue("test.noop", {"n": 0})
-    _lose_prepared_insert()
-    with pytest.raises(PreparedStatementLostError) as caught, transaction.atomic():
-        PersistentJob.objects.filter(payload={"n": 0}).update(priority=9)
-        enqueue("test.noop", {"n": 1})
+    lose_prepared_inserts()
+    if how == "atomic":
+        with pytest.raises(PreparedStatementLostError) as caught, transaction.atomic():
+            PersistentJob.objects.filter(payload={"n": 0}).update(priority=9)
+            enqueue("test.noop", {"n": 1})
+    else:
+        transaction.set_autocommit(False)
+        try:
+            PersistentJob.objects.filter(payload={"n": 0}).update(priority=9)
+            with pytest.raises(PreparedStatementLostError) as caught:
+                enqueue("test.noop", {"n": 1})
+            transaction.rollback()
+        finally:
+            transaction.set_autocommit(True)
     assert isinstance(caught.value, DjangoProgrammingError)
     assert "PREPARED_STATEMENTS" in str(caught.value)
     assert "pooler" in str(caught.value)
@@ -427,12 +443,38 @@ def test_a_lost_prepared_insert_inside_a_transaction_raises_a_clear_error_and_th
 
 
 @pytest.mark.django_db(transaction=True)
+def test_statements_that_reset_the_session_are_not_taken_for_a_lost_insert(
+    prepared_inserts: None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``DISCARD ALL`` (a pooler's reset between clients in session mode) and DDL on the table
+    are seen by psycopg, which prepares the insert again: no loss, no warning, and a column
+    type change does not leave a stale plan behind."""
+    enqueue("test.noop", {"n": 1})
+    with caplog.at_level("WARNING", logger="django_persistent_jobs.enqueue"):
+        with connection.cursor() as cursor:
+            cursor.execute("DISCARD ALL")
+        enqueue("test.noop", {"n": 2})
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE persistent_jobs ALTER COLUMN priority TYPE integer")
+        try:
+            enqueue("test.noop", {"n": 3})
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("ALTER TABLE persistent_jobs ALTER COLUMN priority TYPE smallint")
+        enqueue("test.noop", {"n": 4})
+    assert not enqueuing._UNPREPARED
+    assert not [r for r in caplog.records if getattr(r, "event", "") == "prepared_statements_off"]
+    assert _prepared_inserts() == 1  # prepared again after each reset
+    assert PersistentJob.objects.count() == 4
+
+
+@pytest.mark.django_db(transaction=True)
 def test_other_database_errors_of_the_prepared_insert_are_not_taken_for_a_lost_statement(
-    preparing_again: None,
+    prepared_inserts: None,
 ) -> None:
     """Only a missing (or foreign) prepared statement turns preparing off: a constraint
     violation is the caller's error and goes up unchanged, preparing stays on."""
-    job = _prepare_insert()
+    job = enqueue("test.noop", {"n": 1})
     with connection.cursor() as cursor:
         cursor.execute("ALTER TABLE persistent_jobs ADD CONSTRAINT pj_test_no_n2 "
                        "CHECK (payload <> '{\"n\": 2}'::jsonb) NOT VALID")

@@ -80,28 +80,20 @@ class ClaimedJob:
 
 
 @contextmanager
-def prepared(cursor: Cursor, after: int | None = None) -> Iterator[psycopg.Cursor[Any]]:
+def prepared(cursor: Cursor) -> Iterator[psycopg.Cursor[Any]]:
     """A server-side-binding cursor on the same connection (so the same transaction).
 
     Django binds parameters client-side, so PostgreSQL parses and plans every statement again;
     for the claim, whose planning costs as much as its execution, a prepared statement halves
     its cost. Errors are translated exactly as Django's own cursor would (``django.db``
     exceptions, the connection marked for a health check), so callers see no difference.
-
-    Without ``after``, statements executed with ``prepare=True`` are prepared at once. With it,
-    a statement executed here without ``prepare`` is prepared from its ``after + 1``-th use on
-    the connection, counted only here: the connection's threshold is set for this block only,
-    so Django's own queries on it are not counted (which costs a little on every query).
     """
     connection = getattr(cursor, "cursor", cursor).connection
-    threshold = connection.prepare_threshold
-    if after is not None:
-        connection.prepare_threshold = after
-    elif threshold is None:
+    if connection.prepare_threshold is None:
         # Django opens connections with prepare_threshold=None, which makes psycopg ignore
         # prepare=True. A threshold no query reaches allows explicit preparation only; Django's
         # own (client-side binding) cursors never prepare anything.
-        connection.prepare_threshold = threshold = 2**31 - 1
+        connection.prepare_threshold = 2**31 - 1
     raw = psycopg.Cursor(connection)
     db = getattr(cursor, "db", None)
     try:
@@ -112,7 +104,6 @@ def prepared(cursor: Cursor, after: int | None = None) -> Iterator[psycopg.Curso
                 yield raw
     finally:
         raw.close()
-        connection.prepare_threshold = threshold
 
 
 class _Placeholder(list[str]):

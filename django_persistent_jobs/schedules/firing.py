@@ -16,7 +16,7 @@ from django.db.models.functions import Now
 
 from .. import conf
 from ..enqueuing import enqueue_scheduled_run
-from ..errors import ConfigurationError, EnqueueError
+from ..errors import ConfigurationError, EnqueueError, PreparedStatementLostError
 from ..handlers import HandlerSpec, registry
 from ..models import InactiveReason, JobSchedule, PersistentJob, ScheduleSource, TickResult
 from ..payload import prepare_payload
@@ -52,12 +52,20 @@ def insert_run(
         "fired_by": fired_by,
     }
     alias = _alias()
-    try:
+
+    def insert() -> tuple[PersistentJob, bool]:
         with transaction.atomic(using=alias):
-            job, created = enqueue_scheduled_run(
+            return enqueue_scheduled_run(
                 schedule.job_type, schedule.payload, schedule=info, dedup_key=schedule.name,
                 queue=schedule.queue, priority=schedule.priority, tenant=schedule.tenant,
             )
+
+    try:
+        try:
+            job, created = insert()
+        except PreparedStatementLostError:
+            # Only the savepoint was lost; the insert now goes as text (``enqueuing``).
+            job, created = insert()
     except IntegrityError as exc:
         if _TICK_INDEX not in str(exc):
             raise

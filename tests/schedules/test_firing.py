@@ -26,6 +26,7 @@ from django_persistent_jobs import (
     ScheduleError,
     ScheduleNotFoundError,
     add_schedule,
+    enqueuing,
     job_handler,
     pause_schedule,
     remove_schedule,
@@ -46,7 +47,7 @@ from django_persistent_jobs.models import (
 from django_persistent_jobs.runner.scheduler import fire_due
 from django_persistent_jobs.schedules.definition import db_now
 from django_persistent_jobs.schedules.firing import insert_run, sync_code_schedules
-from tests.core_support import wait_for
+from tests.core_support import lose_prepared_inserts, pj_settings, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -169,6 +170,25 @@ def test_run_now_enqueues_a_manual_run_and_respects_skip_dedup() -> None:
     schedule = JobSchedule.objects.get(name="now")
     assert schedule.last_result == TickResult.SKIPPED and schedule.last_job_id == job.pk
     assert schedule.next_run_at == before
+
+
+def test_a_run_whose_prepared_insert_was_lost_is_inserted_as_text() -> None:
+    """With ``PREPARED_STATEMENTS``, a run's insert that meets a pooler's lost statement aborts
+    only its savepoint: the run is inserted again, as text, in the same call."""
+    add_schedule("lost", "test.recurring.work", cron="0 2 * * *")
+    try:
+        with pj_settings(PREPARED_STATEMENTS=True):
+            first = run_schedule_now("lost")  # its insert is prepared on this connection
+            PersistentJob.objects.filter(pk=first.pk).update(
+                status=JobStatus.COMPLETED, finished_at=Now())  # so the next run inserts
+            lose_prepared_inserts()
+            second = run_schedule_now("lost")
+        assert second.pk != first.pk
+        assert PersistentJob.objects.get(pk=second.pk).schedule["name"] == "lost"
+        assert enqueuing._UNPREPARED  # the loss was met, and the run inserted anyway
+        assert JobSchedule.objects.get(name="lost").last_job_id == second.pk
+    finally:
+        enqueuing._UNPREPARED.clear()
 
 
 # ----------------------------------------------------------------------------- firing
