@@ -34,6 +34,7 @@ from .handlers import HandlerSpec, registry
 from .ids import UUID7Batch, uuid7
 from .models import JOB_COLUMNS_SQL, WAITING_DEDUP, PersistentJob, job_from_row
 from .payload import PayloadLimits, prepare_payload
+from .runner.db import is_lost_prepared_statement
 from .runner.store import prepared
 from .types import Dedup
 
@@ -240,7 +241,7 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
                 fast.execute(sql, job.params(), prepare=True)
                 return fast.fetchone()
         except DatabaseError as exc:
-            if not _statement_lost(exc):
+            if not is_lost_prepared_statement(exc):
                 raise
             _stop_preparing(cursor.db, exc)
     cursor.execute(sql, job.params())
@@ -251,15 +252,6 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
 #: Database aliases whose connections lost a prepared insert (see ``_stop_preparing``): their
 #: ``enqueue()`` sends the insert as text from then on, in this process.
 _UNPREPARED: set[str] = set()
-#: SQLSTATEs of a prepared statement the session does not have (26000), has from someone else
-#: under the same name (42P05 when preparing; 08P01 when binding ours to a statement with
-#: another number of parameters): what a pooler that moves a client between server sessions
-#: causes. Only the prepared insert's own errors are read this way.
-_LOST_STATEMENT = frozenset({"26000", "42P05", "08P01"})
-
-
-def _statement_lost(exc: BaseException) -> bool:
-    return getattr(exc.__cause__, "sqlstate", None) in _LOST_STATEMENT
 
 
 def _stop_preparing(db: BaseDatabaseWrapper, exc: DatabaseError) -> None:

@@ -68,6 +68,28 @@ def sqlstate(exc: BaseException) -> str | None:
     return None
 
 
+#: A prepared statement the server session does not have (26000), or has from another client
+#: under the same name (42P05 when preparing it; 08P01 when binding ours to one with another
+#: number of parameters): what a connection pooler in transaction mode that does not keep
+#: prepared statements (PgBouncer before 1.21, or ``max_prepared_statements = 0``) causes.
+LOST_STATEMENT_SQLSTATES = frozenset({"26000", "42P05", "08P01"})
+#: What a runner says when one of its loops died of that: the claim and the completions are
+#: prepared statements, and LISTEN needs a session of its own too.
+SESSION_ADVICE = (
+    "its database connection lost a prepared statement: a connection pooler in transaction "
+    "mode sits between the runner and PostgreSQL (PgBouncer before 1.21, or with "
+    "max_prepared_statements = 0). A runner needs a server session of its own (its claim is a "
+    "prepared statement, and LISTEN holds a session): point the DATABASES entry runjobs uses "
+    "at PostgreSQL directly, or at a pool in session mode"
+)
+
+
+def is_lost_prepared_statement(exc: BaseException) -> bool:
+    """``exc`` says a prepared statement was not there, or was someone else's (see
+    ``LOST_STATEMENT_SQLSTATES``)."""
+    return sqlstate(exc) in LOST_STATEMENT_SQLSTATES
+
+
 def is_transient_error(exc: BaseException) -> bool:
     """True if retrying the same statement later is the right response to ``exc``.
 

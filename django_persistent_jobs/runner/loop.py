@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 from django.db import connections
 
+from .db import SESSION_ADVICE, is_lost_prepared_statement
+
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 
@@ -32,6 +34,9 @@ class Loop:
             self.failure = exc
             logger.critical("runner loop %r died: %r", self.name, exc, exc_info=exc,
                             extra={"event": "loop_died", "loop": self.name})
+            if is_lost_prepared_statement(exc):
+                logger.critical("runner loop %r died because %s.", self.name, SESSION_ADVICE,
+                                extra={"event": "runner_needs_session", "loop": self.name})
         finally:
             with contextlib.suppress(Exception):
                 connections.close_all()

@@ -41,3 +41,32 @@ def test_a_locked_row_is_left_for_later_after_the_lock_timeout() -> None:
         return cursor.fetchone()  # type: ignore[attr-defined]
 
     assert run_bounded("default", touch_and_read, what="touching") == (job.id,)
+
+
+def test_a_loop_that_dies_of_a_lost_prepared_statement_says_the_runner_needs_a_session(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Behind a pooler in transaction mode that does not keep prepared statements, the claim
+    (a prepared statement) fails with "prepared statement ... does not exist" and its loop
+    dies: the runner says what is wrong and what to change, not only the SQL error. (The
+    error is PostgreSQL's own, raised through Django's cursor as the claim's would be.)"""
+    from django_persistent_jobs.runner.loop import Loop
+
+    def body() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("EXECUTE pj_no_such_statement")
+
+    def other_failure() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 / 0")
+
+    with caplog.at_level("CRITICAL", logger="django_persistent_jobs.runner"):
+        for name, target in (("claimer", body), ("scheduler", other_failure)):
+            loop = Loop(name, target)
+            loop.start()
+            loop.join(30)
+            assert not loop.alive and loop.failure is not None
+    advice = [r for r in caplog.records if getattr(r, "event", "") == "runner_needs_session"]
+    assert [r.loop for r in advice] == ["claimer"]  # type: ignore[attr-defined]
+    text = advice[0].getMessage()
+    assert "pooler in transaction mode" in text and "session mode" in text
