@@ -74,7 +74,8 @@ def claim_loop(runner: Runner) -> None:
             with starts.taken() as (tokens, times):
                 return scan.claim(cursor, runner.runner_id, limit, settings.queues,
                                   job_types=registry.job_types(), direct=pool.idle(),
-                                  started=tokens, started_at=times)
+                                  started=tokens, started_at=times,
+                                  decode=pool.decode_at_claim)
 
         # Read before the claim: a lease lost and taken again during it starts a new period,
         # and these jobs must not take the fast path then (``starts.Lease``).

@@ -411,6 +411,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
     commits. False when the job is settled on return.
     """
     job = inflight.job
+    job.decode_payload()  # (claimed undecoded: decoded here, where the handler runs)
     signals.started(job, runner_id)
     spec = registry.get(job.job_type)
     if spec is None:

@@ -100,6 +100,10 @@ class Executor(Protocol):
     waiting_room: int
     #: Jobs that have left a slot so far (the claim loop reads the pace from it).
     finished: int
+    #: Whether the claim loop decodes payloads as it claims (``store.ClaimedJob.payload_text``):
+    #: yes for handler threads in this process; no for worker processes, which decode their
+    #: own, so that the supervisor does no per-payload work.
+    decode_at_claim: bool
 
     def start(self) -> None:
         """Start the threads or processes; returns once jobs can be accepted."""

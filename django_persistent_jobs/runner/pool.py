@@ -114,6 +114,11 @@ class WorkerPool(SlotWaits):
     their completion is written, and a stopping runner waits for them).
     """
 
+    #: Payloads are decoded by the claim loop, all of a claim at once: decoded on the handler
+    #: threads instead, a drain of jobs with 900-byte payloads ran 15-25% slower (three
+    #: interleaved pairs).
+    decode_at_claim = True
+
     def __init__(
         self, size: int, execute: Callable[[InFlight], None],
         on_crash: Callable[[InFlight, BaseException], None] | None = None,

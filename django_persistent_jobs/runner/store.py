@@ -77,6 +77,16 @@ class ClaimedJob:
     #: not be on record yet, so the statement that settles the attempt records it too, and
     #: the attempt's ``started_at`` and ``duration`` are the run's, not the claim's.
     began: datetime | None = None
+    #: The stored payload as the claim read it, not decoded yet (``payload`` is None then):
+    #: ``execute`` decodes it where the handler runs, so with worker processes the supervisor
+    #: does no per-payload work (no JSON parsing, and a string to pickle instead of objects).
+    payload_text: str | None = None
+
+    def decode_payload(self) -> None:
+        """Decode ``payload_text`` into ``payload`` (or ``payload_error``), once."""
+        if self.payload_text is not None:
+            self.payload, self.payload_error = decode_payload(self.payload_text)
+            self.payload_text = None
 
 
 @contextmanager
@@ -328,7 +338,7 @@ def claim(
     cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
     job_types: Collection[str] | None = None, after: ClaimKey | None = None,
     direct: int | None = None, started: Sequence[int] = (),
-    started_at: Sequence[datetime] = (),
+    started_at: Sequence[datetime] = (), decode: bool = True,
 ) -> list[ClaimedJob]:
     """Claim up to ``limit`` due jobs: highest priority first, then oldest ``next_run_at``.
 
@@ -339,7 +349,9 @@ def claim(
     dead-lettered as unknown by an old one. ``None`` claims every type. With ``after`` only jobs
     of its priority after it in claim order are considered (see ``ClaimScan``). ``direct`` jobs
     (default: all) start at once, the rest are recorded as waiting; ``started`` and
-    ``started_at`` record the starts of earlier waiting attempts (see ``claim_sql``).
+    ``started_at`` record the starts of earlier waiting attempts (see ``claim_sql``). With
+    ``decode=False`` payloads stay as claimed (``ClaimedJob.payload_text``), for ``execute``
+    to decode (the claim loop: see ``ClaimedJob.payload_text``).
     """
     params: dict[str, Any] = {
         "runner": runner_id, "direct": limit if direct is None else direct,
@@ -358,12 +370,14 @@ def claim(
     rows.sort(key=lambda r: (-r[8], r[10], r[0]))
     jobs = []
     for r in rows:
-        payload, problem = _decode_payload(r[2])
-        jobs.append(ClaimedJob(
-            id=r[0], job_type=r[1], payload=payload, attempt=r[3], max_retries=r[4],
+        job = ClaimedJob(
+            id=r[0], job_type=r[1], payload=None, attempt=r[3], max_retries=r[4],
             timeout=r[5], token=r[6], queue=r[7], priority=r[8], cancel_requested=r[9],
-            tenant=r[11], due_at=r[10], payload_error=problem, waiting=not r[12],
-        ))
+            tenant=r[11], due_at=r[10], waiting=not r[12], payload_text=r[2],
+        )
+        if decode:
+            job.decode_payload()
+        jobs.append(job)
     return jobs
 
 
@@ -394,17 +408,17 @@ class ClaimScan:
     def claim(self, cursor: Cursor, runner_id: str, limit: int, queues: tuple[str, ...] | None,
               job_types: Collection[str] | None = None, direct: int | None = None,
               started: Sequence[int] = (), started_at: Sequence[datetime] = (),
-              ) -> list[ClaimedJob]:
+              decode: bool = True) -> list[ClaimedJob]:
         now = time.monotonic()
         if self.key is not None and now - self.full_at < self.rescan:
             jobs = claim(cursor, runner_id, limit, queues, job_types, after=self.key,
-                         direct=direct, started=started, started_at=started_at)
+                         direct=direct, started=started, started_at=started_at, decode=decode)
             if jobs:
                 self.key = _key(jobs[-1])
                 return jobs
             started, started_at = (), ()  # recorded by the claim that found nothing
         jobs = claim(cursor, runner_id, limit, queues, job_types, direct=direct,
-                     started=started, started_at=started_at)
+                     started=started, started_at=started_at, decode=decode)
         self.full_at = now
         self.key = _key(jobs[-1]) if jobs else None
         return jobs
@@ -414,13 +428,14 @@ def _key(job: ClaimedJob) -> ClaimKey:
     return (job.priority, job.due_at, job.id)
 
 
-def _decode_payload(raw: Any) -> tuple[Any, str | None]:
+def decode_payload(raw: Any) -> tuple[Any, str | None]:
     """The payload, or why it cannot be decoded.
 
-    The claim has committed by now: an exception here would leave every job of the batch claimed
-    by a runner whose claim loop just died. A stored payload Python cannot read (an integer of
-    more digits than ``sys.int_max_str_digits``, nesting deeper than the recursion limit: rows
-    written by raw SQL or an older release) must cost its own job only.
+    The claim has committed by now: an exception here would leave the job (or, decoded in the
+    claim loop, every job of the batch) claimed by a runner that can no longer settle it. A
+    stored payload Python cannot read (an integer of more digits than
+    ``sys.int_max_str_digits``, nesting deeper than the recursion limit: rows written by raw
+    SQL or an older release) must cost its own job only: it is dead-lettered.
     """
     if not isinstance(raw, str):
         return raw, None

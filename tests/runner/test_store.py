@@ -252,6 +252,22 @@ def test_claim_sql_runs_on_a_plain_psycopg_connection() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_claim_loop_s_claim_leaves_payloads_for_the_handler_side_to_decode() -> None:
+    """``decode=False`` (what the claim loop asks for): the payload stays the stored text, for
+    ``execute`` to decode where the handler runs (in a worker process, with ``--processes``);
+    decoding it then gives what a decoding claim gives, once."""
+    payload = {"k": [1, 2.5, None], "s": "ünïcode", "big": 2**70}
+    enqueue("test.noop", payload)
+    with raw_connection() as conn, conn.cursor() as cursor:
+        (raw,) = claim_as(cursor, "raw", 1, None, decode=False)
+        assert raw.payload is None and isinstance(raw.payload_text, str)
+        raw.decode_payload()
+        assert (raw.payload, raw.payload_error, raw.payload_text) == (payload, None, None)
+        raw.decode_payload()  # once: nothing left to decode
+        assert raw.payload == payload
+
+
+@pytest.mark.django_db(transaction=True)
 def test_the_claim_is_prepared_and_the_completion_planned_each_time() -> None:
     """Django opens connections with psycopg's preparation turned off; the store must turn it
     back on for the claim, or every claim pays for planning it again. The completion is not

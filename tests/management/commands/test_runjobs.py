@@ -82,6 +82,32 @@ def test_burst_processes_everything_due_and_exits_zero(spawn_runner: Spawn) -> N
 
 
 @pytest.mark.parametrize("processes", ["0", "1"])
+def test_payloads_are_decoded_where_the_handlers_run_and_an_undecodable_one_costs_its_job(
+    spawn_runner: Spawn, processes: str,
+) -> None:
+    """The claim loop leaves payloads undecoded (with worker processes, the supervisor does no
+    per-payload work); each is decoded where its handler runs. One Python cannot decode (an
+    integer of 5,000 digits: valid jsonb, written by raw SQL) dead-letters its own job only,
+    in the same claim as jobs that run with their payloads intact."""
+    from django.db import connection
+
+    payload = {"note": "ünïcode ✓", "nested": {"list": [1, 2.5, None, True], "big": 2**70}}
+    good = [enqueue("test.ledger", dict(payload, i=i)) for i in range(5)]
+    bad = enqueue("test.ledger", {"note": "placeholder"})
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE persistent_jobs SET payload = ('{\"n\": ' || repeat('7', 5000) "
+                       "|| '}')::jsonb WHERE id = %s", [bad.id])
+    code, output = _finish(spawn_runner("--burst", "--processes", processes, env=LOG_ENV))
+    assert code == 0, output
+    assert {get_job(j.id).status for j in good} == {JobStatus.COMPLETED}
+    assert sorted(LedgerEntry.objects.values_list("note", flat=True)) == [payload["note"]] * 5
+    status, code_, message = PersistentJob.objects.filter(id=bad.id).values_list(
+        "status", "last_error_code", "last_error").get()
+    assert (status, code_) == (JobStatus.DEAD_LETTERED, "PAYLOAD_INVALID")
+    assert "cannot be decoded" in message
+
+
+@pytest.mark.parametrize("processes", ["0", "1"])
 def test_a_line_per_completed_job_only_from_verbosity_2_failures_always(
     spawn_runner: Spawn, processes: str,
 ) -> None:
