@@ -95,6 +95,17 @@ def worker_main(conn: Any, parent_pid: int, options: dict[str, Any]) -> None:
         handler.setFormatter(logging.Formatter(
             "%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
         package_logger.addHandler(handler)
+    expected = options.get("codec")
+    if expected is not None and expected != protocol.codec_signature():
+        # Exits before READY: the supervisor counts a failed start, and stops loudly rather
+        # than hand jobs to a process that would read them wrongly.
+        logger.critical(
+            "worker %s: its code differs from its supervisor's (jobs travel as %s, the "
+            "supervisor sends %s): the package on disk changed while runjobs was running. "
+            "Restart runjobs.", options.get("number"), protocol.codec_signature(), expected,
+            extra={"event": "worker_code_mismatch"})
+        logging.shutdown()
+        os._exit(3)
     worker = Worker(conn, options)
     with heap.settled():  # after start-up: see ``heap``
         worker.serve()

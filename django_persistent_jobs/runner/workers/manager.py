@@ -585,7 +585,7 @@ class ProcessExecutor(SlotWaits):
     def _spawn_locked(self) -> WorkerHandle:
         self._numbers += 1
         options = {"alias": self.alias, "runner_id": self.runner_id, "number": self._numbers,
-                   "concurrency": self.concurrency,
+                   "concurrency": self.concurrency, "codec": protocol.codec_signature(),
                    "log_levels": self.log_levels, "log_to_stderr": self.log_to_stderr}
         process = WorkerProcess(options, label=f"pj-worker:{self.runner_id}:{self._numbers}")
         worker = WorkerHandle(number=self._numbers, process=process, conn=process.conn,

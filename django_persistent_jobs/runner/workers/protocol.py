@@ -29,6 +29,11 @@ knows every running job's session without a message per job, even for a handler 
 worker's GIL from its first instruction. A lane whose job the supervisor took over (timeout,
 shutdown) is retired: its thread may never return, so a fresh lane takes its place.
 
+A job's payload travels as the JSON text the claim read (``ClaimedJob.payload_text``): the
+worker decodes it where the handler runs, so the supervisor never parses a payload. A worker
+checks that it packs jobs as its supervisor does (``codec_signature``, in its start options)
+before it is ready.
+
 Supervisor to worker:
     ``(RUN, [(job, cancel_requested), ...], fresh_until)``  queue these claimed jobs (``job``
                                       from ``pack_job``) for the worker's lanes; a waiting job
@@ -123,6 +128,15 @@ def unpack_job(values: tuple[Any, ...]) -> ClaimedJob:
     if isinstance(fields[_DUE_AT], int):
         fields[_DUE_AT] = _EPOCH + timedelta(microseconds=fields[_DUE_AT])
     return (_codec or _load_codec())[0](*fields)
+
+
+def codec_signature() -> str:
+    """The fields a job travels with, in order. A worker is a fresh interpreter that imports
+    the package from disk: after a deploy that changed the files while ``runjobs`` ran, a
+    replacement worker may run other code than its supervisor and would unpack jobs into the
+    wrong fields (or, with another meaning of a field, run handlers with wrong payloads). The
+    supervisor sends its signature; a worker whose own differs exits before it is ready."""
+    return ",".join(f.name for f in dataclasses.fields((_codec or _load_codec())[0]))
 
 
 def _load_codec() -> tuple[type[ClaimedJob], Callable[[ClaimedJob], tuple[Any, ...]]]:

@@ -98,6 +98,27 @@ def test_a_worker_that_cannot_set_django_up_fails_the_runner_instead_of_restarti
     assert PersistentJob.objects.get(id=jobs[0].id).status == JobStatus.PENDING
 
 
+def test_a_worker_whose_code_differs_from_its_supervisor_s_exits_and_stops_the_runner(
+    tmp_path: Path,
+) -> None:
+    """A deploy changed the package on disk while ``runjobs`` ran: a worker started from it
+    packs jobs differently from its supervisor. It says so and exits before it is ready, and
+    ``runjobs`` exits non-zero instead of handing it jobs it would read into the wrong fields.
+    (Here the supervisor announces an older layout, one field short.)"""
+    with transaction.atomic():
+        jobs = enqueue_many([("test.ledger", {"n": 1})])
+    older = ("from django_persistent_jobs.runner.workers import protocol; "
+             "real = protocol.codec_signature(); "
+             "protocol.codec_signature = lambda: real.rsplit(',', 1)[0]")
+    done = run_script(tmp_path, "--burst", "--processes", "1", after_setup=older)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "its code differs from its supervisor's" in output, output
+    assert "Restart runjobs" in output, output
+    assert "before it was ready" in output, output
+    assert PersistentJob.objects.get(id=jobs[0].id).status == JobStatus.PENDING
+
+
 def test_replacement_workers_that_keep_dying_before_ready_stop_the_runner(
     start_runner: Callable[..., Runner], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
