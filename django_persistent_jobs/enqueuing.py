@@ -34,7 +34,7 @@ from .handlers import HandlerSpec, registry
 from .ids import UUID7Batch, uuid7
 from .models import JOB_COLUMNS_SQL, WAITING_DEDUP, PersistentJob, job_from_row
 from .payload import PayloadLimits, prepare_payload
-from .runner.db import is_lost_prepared_statement
+from .runner.db import error_line, is_lost_prepared_statement
 from .runner.store import prepared
 from .types import Dedup
 
@@ -274,7 +274,7 @@ def _stop_preparing(db: BaseDatabaseWrapper, exc: DatabaseError) -> None:
             "pooler in transaction mode that does not keep prepared statements does this. "
             "Inserts go as text from now on in this process; set "
             "PERSISTENT_JOBS['PREPARED_STATEMENTS'] = False to say so up front.", db.alias,
-            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            error_line(exc),
             extra={"event": "prepared_statements_off", "alias": db.alias},
         )
     if not db.get_autocommit():  # (an atomic block, or autocommit turned off by hand)

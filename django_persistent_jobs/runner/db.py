@@ -68,6 +68,16 @@ def sqlstate(exc: BaseException) -> str | None:
     return None
 
 
+def error_line(exc: BaseException, fallback: str | None = None) -> str:
+    """The first line of ``exc``'s message, for a one-line log: psycopg's messages go on with
+    DETAIL and HINT lines. ``fallback`` (default: the exception's class name) when it has no
+    message."""
+    text = str(exc).strip()
+    if text:
+        return text.splitlines()[0]
+    return type(exc).__name__ if fallback is None else fallback
+
+
 #: A prepared statement the server session does not have (26000), or has from another client
 #: under the same name (42P05 when preparing it; 08P01 when binding ours to one with another
 #: number of parameters): what a connection pooler in transaction mode that does not keep
@@ -165,7 +175,7 @@ def run_with_retry(
                 # The first failure, then a reminder now and then: an outage of minutes must
                 # not flood the log with one line per fast retry.
                 last_logged = now
-                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                first_line = error_line(exc, "")
                 logger.warning(
                     "database unavailable during %s (%s); retrying in %.1fs%s", what,
                     first_line or type(exc).__name__, delay,
@@ -217,6 +227,5 @@ def run_bounded(
         if now - _last_bounded_warning >= LOG_EVERY_SECONDS:  # an outage must not flood the log
             _last_bounded_warning = now
             logger.warning("database unavailable during %s (%s); trying again later", what,
-                           str(exc).strip().splitlines()[0] if str(exc).strip() else
-                           type(exc).__name__, extra={"event": "db_retry", "operation": what})
+                           error_line(exc), extra={"event": "db_retry", "operation": what})
         raise NotNow(what, locked=False) from exc

@@ -26,7 +26,7 @@ from django.db import connections
 
 from ..services import NOTIFY_CHANNEL
 from . import store
-from .db import Backoff, is_connection_error, reset_connection
+from .db import Backoff, error_line, is_connection_error, reset_connection
 from .lifecycle import Lifecycle
 from .starts import Lease
 
@@ -91,7 +91,7 @@ def listen_loop(alias: str, lifecycle: Lifecycle, *, runner_id: str,
             delay = backoff.next()
             logger.warning(
                 "LISTEN connection lost (%s); polling every %.2fs until it is back, "
-                "reconnecting in %.1fs", str(exc).strip().splitlines()[0] if str(exc) else exc,
+                "reconnecting in %.1fs", error_line(exc, ""),
                 poll_interval, delay, extra={"event": "listen_lost", "runner_id": runner_id},
             )
             halt.wait(delay)

@@ -85,7 +85,7 @@ class ClaimedJob:
     def decode_payload(self) -> None:
         """Decode ``payload_text`` into ``payload`` (or ``payload_error``), once."""
         if self.payload_text is not None:
-            self.payload, self.payload_error = decode_payload(self.payload_text)
+            self.payload, self.payload_error = _decode_payload(self.payload_text)
             self.payload_text = None
 
 
@@ -428,7 +428,7 @@ def _key(job: ClaimedJob) -> ClaimKey:
     return (job.priority, job.due_at, job.id)
 
 
-def decode_payload(raw: Any) -> tuple[Any, str | None]:
+def _decode_payload(raw: Any) -> tuple[Any, str | None]:
     """The payload, or why it cannot be decoded.
 
     The claim has committed by now: an exception here would leave the job (or, decoded in the

@@ -39,6 +39,7 @@ from .db import (
     LOCK_NOT_AVAILABLE,
     Backoff,
     DatabaseUnreachable,
+    error_line,
     is_connection_error,
     reset_connection,
     run_with_retry,
@@ -599,7 +600,7 @@ class Runner:
                 if self.stopping.is_set():
                     return
                 delay = backoff.next()
-                last_error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                last_error = error_line(exc, repr(exc))
                 left = ""
                 if deadline is not None:
                     remaining = max(0.0, deadline - time.monotonic())
