@@ -151,4 +151,4 @@ class PreparedStatementLostError(ProgrammingError):
     transaction (a pooler in transaction mode that does not keep prepared statements), which
     aborted that transaction. A ``django.db.ProgrammingError``, so code that handles database
     errors handles it; its message says what to set. Later enqueues in the process send the
-    insert as text."""
+    insert unprepared."""

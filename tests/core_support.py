@@ -66,7 +66,8 @@ def lose_prepared_inserts() -> list[str]:
     psycopg does not notice, unlike ``DEALLOCATE ALL``). Returns the names lost."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT name FROM pg_prepared_statements "
-                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
+                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%' "
+                       "OR statement LIKE 'SELECT persistent_jobs_insert(%%'")
         names = [name for (name,) in cursor.fetchall()]
         assert names, "no prepared insert to lose"
         for name in names:

@@ -124,6 +124,50 @@ def test_enqueue_returns_the_stored_job_with_handler_defaults() -> None:
     assert job.id.version == 7
 
 
+def _fields(job: PersistentJob) -> dict[str, Any]:
+    return {f.attname: getattr(job, f.attname) for f in PersistentJob._meta.concrete_fields}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("use_tz", [True, False])
+@pytest.mark.parametrize("options", [
+    {},
+    {"delay": 90, "tenant": "acme", "priority": -4, "queue": "q", "max_retries": 0},
+    {"run_at": datetime(2031, 5, 17, 12, 30, tzinfo=UTC), "timeout": 2.5},
+    {"dedup_key": "k", "dedup": Dedup.ENQUEUE},  # a key that takes no dedup turn
+])
+def test_a_plain_enqueue_returns_exactly_the_row_it_stored(
+    settings: Any, use_tz: bool, options: dict[str, Any],
+) -> None:
+    """A job without a dedup turn goes in through ``persistent_jobs_insert()`` and comes back
+    built from what was sent plus the server's due and creation times: every field must equal a
+    fresh read of the row (time zone support on or off), and the statement is one call."""
+    settings.USE_TZ = use_tz
+    payload = {"order": 7, "lines": [1.5, "two", None, {"deep": True}], "note": "é ' %s"}
+    with CaptureQueriesContext(connection) as queries:
+        job = enqueue("test.noop", payload, **options)
+    assert [q["sql"].split("(")[0] for q in queries.captured_queries] == [
+        "SELECT persistent_jobs_insert"]
+    stored = PersistentJob.objects.get(id=job.id)
+    assert _fields(job) == _fields(stored)
+    assert job._state.db == stored._state.db and not job._state.adding
+    job.status = JobStatus.CANCELLED
+    job.save(update_fields=["status"])  # an ordinary model instance: it saves as one
+    assert PersistentJob.objects.get(id=job.id).status == JobStatus.CANCELLED
+
+
+@pytest.mark.django_db
+def test_a_plain_enqueue_without_the_insert_function_says_to_migrate() -> None:
+    """Code of this version against a database whose migrations were not run: the error names
+    the command, instead of PostgreSQL's "function does not exist"."""
+    with connection.cursor() as cursor:
+        cursor.execute("DROP FUNCTION persistent_jobs_insert")  # rolled back with the test
+    with pytest.raises(DjangoProgrammingError, match="manage.py migrate django_persistent_jobs"), \
+            transaction.atomic():
+        enqueue("test.noop")
+    assert not PersistentJob.objects.exists()
+
+
 @pytest.mark.django_db
 def test_handler_options_then_settings_then_defaults() -> None:
     job = enqueue("core.enq.configured")
@@ -308,7 +352,8 @@ def test_enqueue_many_inserts_the_batch_in_one_statement(
 def _prepared_inserts() -> int:
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM pg_prepared_statements "
-                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%'")
+                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%' "
+                       "OR statement LIKE 'SELECT persistent_jobs_insert(%%'")
         return int(cursor.fetchone()[0])
 
 

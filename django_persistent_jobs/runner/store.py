@@ -33,16 +33,18 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Self
 
 import psycopg
 from django.db import IntegrityError, transaction
+from django.db.backends.postgresql.psycopg_any import register_tzloader
 from django.db.models import QuerySet
-from psycopg.pq import TransactionStatus
+from psycopg.pq import Format, TransactionStatus
 
 from .. import conf
 
 if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
     from django.db.backends.utils import CursorWrapper as Cursor
 
 TransitionKind = Literal["retry", "dead", "cancel", "handback", "release"]
@@ -89,6 +91,39 @@ class ClaimedJob:
             self.payload_text = None
 
 
+class UnpreparedCursor(psycopg.Cursor[Any]):
+    """Sends parameters apart from the statement and never uses a prepared statement.
+
+    A plain psycopg cursor runs a statement by the name psycopg prepared it under on the
+    connection whenever it believes one exists; after a pooler lost that statement
+    (``enqueuing._stop_preparing``), that would fail again on every call.
+    """
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = False,
+                binary: bool | None = None) -> Self:
+        return super().execute(query, params, prepare=prepare, binary=binary)
+
+
+def server_binding_cursor(
+    db: BaseDatabaseWrapper, factory: type[psycopg.Cursor[Any]] = psycopg.Cursor,
+) -> psycopg.Cursor[Any]:
+    """A psycopg cursor on ``db``'s open connection that sends parameters apart from the
+    statement, reading timestamps as Django's own cursors would.
+
+    Django's psycopg backend sets the time zone on each cursor it makes whenever the
+    connection's disagrees (``USE_TZ`` or ``TIME_ZONE`` changed after it connected, as tests
+    do); a bare ``psycopg.Cursor`` would read aware datetimes where Django reads naive ones.
+    """
+    raw = factory(db.connection)
+    loader = db.connection.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT)
+    if db.timezone != getattr(loader, "timezone", None):
+        register_tzloader(db.timezone, raw)
+    return raw
+
+
+_TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
+
+
 @contextmanager
 def prepared(cursor: Cursor) -> Iterator[psycopg.Cursor[Any]]:
     """A server-side-binding cursor on the same connection (so the same transaction).
@@ -104,8 +139,8 @@ def prepared(cursor: Cursor) -> Iterator[psycopg.Cursor[Any]]:
         # prepare=True. A threshold no query reaches allows explicit preparation only; Django's
         # own (client-side binding) cursors never prepare anything.
         connection.prepare_threshold = 2**31 - 1
-    raw = psycopg.Cursor(connection)
     db = getattr(cursor, "db", None)
+    raw = psycopg.Cursor(connection) if db is None else server_binding_cursor(db)
     try:
         if db is None:
             yield raw
