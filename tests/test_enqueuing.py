@@ -162,8 +162,8 @@ def test_a_plain_enqueue_without_the_insert_function_says_to_migrate() -> None:
     the command, instead of PostgreSQL's "function does not exist"."""
     with connection.cursor() as cursor:
         cursor.execute("DROP FUNCTION persistent_jobs_insert")  # rolled back with the test
-    with pytest.raises(DjangoProgrammingError, match="manage.py migrate django_persistent_jobs"), \
-            transaction.atomic():
+    needs_migrate = r"manage\.py migrate django_persistent_jobs"
+    with pytest.raises(DjangoProgrammingError, match=needs_migrate), transaction.atomic():
         enqueue("test.noop")
     assert not PersistentJob.objects.exists()
 
