@@ -241,6 +241,27 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
         f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}", job.params())
 
 
+@contextmanager
+def _server_bound(alias: str) -> Iterator[Cursor]:
+    """Django's own cursor on the caller's connection (so in the caller's transaction), made to
+    send its parameters apart from the statement.
+
+    Django binds parameters client-side, turning every value into a literal in Python: for
+    ``enqueue()`` that was a sixth of its Python time, measured in a running loop. An unnamed
+    statement with separate parameters is what any pooler handles. The cursor comes from
+    ``connection.cursor()``, so whatever hooks there runs as for any query (a tenant router's
+    ``SET search_path``, the debug toolbar, query logging, ``execute_wrapper``); only the
+    psycopg cursor inside Django's wrapper is swapped. A wrapper this does not recognise is
+    used as it is.
+    """
+    with connections[alias].cursor() as cursor:
+        inner = getattr(cursor, "cursor", None)
+        if isinstance(inner, psycopg.Cursor) and not isinstance(inner, UnpreparedCursor):
+            cursor.cursor = server_binding_cursor(connections[alias], UnpreparedCursor)
+            inner.close()
+        yield cursor
+
+
 #: The insert of a job that takes no dedup turn: one call of the PL/pgSQL function of
 #: migration 0012, whose ``INSERT`` PostgreSQL plans once per server session (a text insert is
 #: parsed and planned on every call). The casts make the call resolve whether parameters are
@@ -250,42 +271,55 @@ _INSERT_CALL = (
     "%s::integer, %s::timestamptz, %s::float8, %s::float8, %s::text, %s::text, %s::jsonb, "
     "%s::text)"
 )
+_INSERT_FUNCTION = (
+    "persistent_jobs_insert(uuid, text, jsonb, text, integer, integer, timestamptz, float8, "
+    "float8, text, text, jsonb, text)"
+)
+#: The same insert as text, returning the same array: for a database without the function
+#: (its migrations were not run, as with pytest-django's ``--nomigrations``).
+_INSERT_TEXT = (
+    f"INSERT INTO persistent_jobs ({', '.join(_INSERT_COLUMNS)}) VALUES ({_values_sql()}) "
+    "RETURNING ARRAY[next_run_at, created_at]"
+)
+#: Whether each database (alias, name) has the function, looked up by this process's first
+#: plain enqueue there.
+_HAS_INSERT_FUNCTION: dict[tuple[str, str], bool] = {}
 
 
-@contextmanager
-def _server_bound(alias: str) -> Iterator[Cursor]:
-    """A cursor on the caller's connection (so in the caller's transaction) that sends its
-    parameters apart from the statement, wrapped as Django wraps its own cursors.
-
-    Django binds parameters client-side, turning every value into a literal in Python: for
-    ``enqueue()`` that was a sixth of its Python time, measured in a running loop. An unnamed
-    statement with separate parameters is what any pooler handles. The wrapper keeps what
-    Django's own cursor gives: query logging (``assertNumQueries``, the debug toolbar),
-    ``execute_wrapper`` instrumentation and Django's exception classes.
-    """
-    db = connections[alias]
-    db.close_if_health_check_failed()
-    db.ensure_connection()
-    db.validate_thread_sharing()
-    # (django-stubs types make_cursor's argument as a wrapper)
-    raw: Any = server_binding_cursor(db, UnpreparedCursor)
-    with db.make_debug_cursor(raw) if db.queries_logged else db.make_cursor(raw) as cursor:
-        yield cursor
+def _has_insert_function(cursor: Cursor, alias: str) -> bool:
+    key = (alias, str(connections[alias].settings_dict.get("NAME")))
+    known = _HAS_INSERT_FUNCTION.get(key)
+    if known is None:
+        cursor.execute("SELECT to_regprocedure(%s) IS NOT NULL", [_INSERT_FUNCTION])
+        row = cursor.fetchone()
+        known = _HAS_INSERT_FUNCTION[key] = bool(row and row[0])
+        if not known:
+            logger.warning(
+                "enqueue(): database %r has no function persistent_jobs_insert() (migration "
+                "0012 of django_persistent_jobs has not run there, for example tests run with "
+                "--nomigrations); this process inserts jobs with a plain INSERT instead, which "
+                "PostgreSQL plans on every call. Run `python manage.py migrate`.", alias,
+                extra={"event": "insert_function_missing", "alias": alias},
+            )
+    return known
 
 
 def _insert_plain(cursor: Cursor, job: _Prepared, alias: str) -> PersistentJob:
     """Insert a job without a dedup turn and return it, built from what was sent plus the two
     values the server chose (the due time and the creation time): fetching the whole row back
-    cost as much client time as the rest of ``enqueue()``."""
+    cost as much client time as the rest of ``enqueue()``. (JSON values are those the payload
+    encodes to, compared equal to a fresh read's; their keys keep the caller's order.)"""
+    sql = _INSERT_CALL if _has_insert_function(cursor, alias) else _INSERT_TEXT
     try:
-        row = _execute_insert(cursor, _INSERT_CALL, job.params())
+        row = _execute_insert(cursor, sql, job.params())
     except ProgrammingError as exc:
         missing = getattr(exc.__cause__, "sqlstate", None) == "42883"
         if missing and "persistent_jobs_insert" in str(exc):
             raise ProgrammingError(
-                f"enqueue() needs the function persistent_jobs_insert() in database {alias!r}: "
-                "run `python manage.py migrate django_persistent_jobs` (migration 0012 adds "
-                "it) before deploying this version."
+                f"enqueue() needs the function persistent_jobs_insert() in database {alias!r}, "
+                "which was there when this process first enqueued: run `python manage.py "
+                "migrate django_persistent_jobs` (migration 0012 adds it), or restart the "
+                "process if it was removed on purpose."
             ) from exc
         raise
     assert row is not None

@@ -144,6 +144,7 @@ def test_a_plain_enqueue_returns_exactly_the_row_it_stored(
     fresh read of the row (time zone support on or off), and the statement is one call."""
     settings.USE_TZ = use_tz
     payload = {"order": 7, "lines": [1.5, "two", None, {"deep": True}], "note": "é ' %s"}
+    enqueue("test.noop")  # (the process's first plain enqueue looks the function up)
     with CaptureQueriesContext(connection) as queries:
         job = enqueue("test.noop", payload, **options)
     assert [q["sql"].split("(")[0] for q in queries.captured_queries] == [
@@ -156,16 +157,67 @@ def test_a_plain_enqueue_returns_exactly_the_row_it_stored(
     assert PersistentJob.objects.get(id=job.id).status == JobStatus.CANCELLED
 
 
+@pytest.fixture
+def insert_function_unknown() -> Iterator[None]:
+    """This process forgets whether the database has ``persistent_jobs_insert()`` (it looks
+    that up on its first plain enqueue there), before and after the test."""
+    enqueuing._HAS_INSERT_FUNCTION.clear()
+    yield
+    enqueuing._HAS_INSERT_FUNCTION.clear()
+
+
 @pytest.mark.django_db
-def test_a_plain_enqueue_without_the_insert_function_says_to_migrate() -> None:
-    """Code of this version against a database whose migrations were not run: the error names
-    the command, instead of PostgreSQL's "function does not exist"."""
+def test_without_the_insert_function_enqueue_inserts_as_text_and_says_so(
+    insert_function_unknown: None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A database whose migrations did not run (pytest-django's ``--nomigrations`` builds the
+    tables from the models, without migration 0012's function): ``enqueue()`` still works, with
+    a plain insert, and one warning says what is missing."""
+    with connection.cursor() as cursor:
+        cursor.execute("DROP FUNCTION persistent_jobs_insert")  # rolled back with the test
+    with caplog.at_level("WARNING", logger="django_persistent_jobs.enqueue"):
+        jobs = [enqueue("test.noop", {"n": n}, delay=n) for n in range(3)]
+    for job in jobs:
+        assert _fields(job) == _fields(PersistentJob.objects.get(id=job.id))
+    warnings = [r for r in caplog.records if getattr(r, "event", "") == "insert_function_missing"]
+    assert len(warnings) == 1 and "migrate" in warnings[0].getMessage()
+
+
+@pytest.mark.django_db
+def test_an_insert_function_dropped_under_a_running_process_says_to_migrate(
+    insert_function_unknown: None,
+) -> None:
+    """The function was there at this process's first enqueue and is gone now (migrated back
+    while the process ran): the error names the command, instead of PostgreSQL's "function
+    does not exist"."""
+    enqueue("test.noop")
     with connection.cursor() as cursor:
         cursor.execute("DROP FUNCTION persistent_jobs_insert")  # rolled back with the test
     needs_migrate = r"manage\.py migrate django_persistent_jobs"
     with pytest.raises(DjangoProgrammingError, match=needs_migrate), transaction.atomic():
         enqueue("test.noop")
-    assert not PersistentJob.objects.exists()
+    assert PersistentJob.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_plain_enqueue_takes_its_cursor_from_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever hooks ``connection.cursor()`` (a tenant router setting ``search_path``, the
+    debug toolbar) sees the insert, as for any query: only the psycopg cursor inside Django's
+    wrapper is swapped for one that binds parameters server-side."""
+    made: list[Any] = []
+    original = connection.cursor
+
+    def cursor() -> Any:
+        made.append(original())
+        return made[-1]
+
+    monkeypatch.setattr(connection, "cursor", cursor)
+    job = enqueue("test.noop", {"n": 1})
+    assert len(made) >= 1
+    assert isinstance(made[-1].cursor, enqueuing.UnpreparedCursor)
+    assert PersistentJob.objects.get(id=job.id).payload == {"n": 1}
 
 
 @pytest.mark.django_db
