@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -43,7 +42,7 @@ from .ids import UUID7Batch, uuid7
 from .models import JOB_COLUMNS, JOB_COLUMNS_SQL, WAITING_DEDUP, PersistentJob, job_from_row
 from .payload import PayloadLimits, prepare_payload
 from .runner.db import error_line, is_lost_prepared_statement
-from .runner.store import UnpreparedCursor, prepared, server_binding_cursor
+from .runner.store import prepared
 from .types import Dedup
 
 if TYPE_CHECKING:
@@ -241,27 +240,6 @@ def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
         f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}", job.params())
 
 
-@contextmanager
-def _server_bound(alias: str) -> Iterator[Cursor]:
-    """Django's own cursor on the caller's connection (so in the caller's transaction), made to
-    send its parameters apart from the statement.
-
-    Django binds parameters client-side, turning every value into a literal in Python: for
-    ``enqueue()`` that was a sixth of its Python time, measured in a running loop. An unnamed
-    statement with separate parameters is what any pooler handles. The cursor comes from
-    ``connection.cursor()``, so whatever hooks there runs as for any query (a tenant router's
-    ``SET search_path``, the debug toolbar, query logging, ``execute_wrapper``); only the
-    psycopg cursor inside Django's wrapper is swapped. A wrapper this does not recognise is
-    used as it is.
-    """
-    with connections[alias].cursor() as cursor:
-        inner = getattr(cursor, "cursor", None)
-        if isinstance(inner, psycopg.Cursor) and not isinstance(inner, UnpreparedCursor):
-            cursor.cursor = server_binding_cursor(connections[alias], UnpreparedCursor)
-            inner.close()
-        yield cursor
-
-
 #: The insert of a job that takes no dedup turn: one call of the PL/pgSQL function of
 #: migration 0012, whose ``INSERT`` PostgreSQL plans once per server session (a text insert is
 #: parsed and planned on every call). The casts make the call resolve whether parameters are
@@ -432,7 +410,7 @@ class _Contended(Exception):
 def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
     """Return ``(job, created)``; ``created`` is False when Skip returned an existing job."""
     if job.dedup_key is None or job.dedup is Dedup.ENQUEUE:
-        with _server_bound(alias) as cursor:
+        with connections[alias].cursor() as cursor:
             return _insert_plain(cursor, job, alias), True
     tried = False
     if job.dedup is Dedup.SKIP:

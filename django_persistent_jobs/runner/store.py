@@ -33,7 +33,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Self
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import psycopg
 from django.db import IntegrityError, transaction
@@ -91,22 +91,7 @@ class ClaimedJob:
             self.payload_text = None
 
 
-class UnpreparedCursor(psycopg.Cursor[Any]):
-    """Sends parameters apart from the statement and never uses a prepared statement.
-
-    A plain psycopg cursor runs a statement by the name psycopg prepared it under on the
-    connection whenever it believes one exists; after a pooler lost that statement
-    (``enqueuing._stop_preparing``), that would fail again on every call.
-    """
-
-    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = False,
-                binary: bool | None = None) -> Self:
-        return super().execute(query, params, prepare=prepare, binary=binary)
-
-
-def server_binding_cursor(
-    db: BaseDatabaseWrapper, factory: type[psycopg.Cursor[Any]] = psycopg.Cursor,
-) -> psycopg.Cursor[Any]:
+def server_binding_cursor(db: BaseDatabaseWrapper) -> psycopg.Cursor[Any]:
     """A psycopg cursor on ``db``'s open connection that sends parameters apart from the
     statement, reading timestamps as Django's own cursors would.
 
@@ -114,7 +99,7 @@ def server_binding_cursor(
     connection's disagrees (``USE_TZ`` or ``TIME_ZONE`` changed after it connected, as tests
     do); a bare ``psycopg.Cursor`` would read aware datetimes where Django reads naive ones.
     """
-    raw = factory(db.connection)
+    raw = psycopg.Cursor(db.connection)
     loader = db.connection.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT)
     if db.timezone != getattr(loader, "timezone", None):
         register_tzloader(db.timezone, raw)
