@@ -55,6 +55,7 @@ _INSERT_COLUMNS = (
     "id", "job_type", "payload", "queue", "priority", "max_retries", "next_run_at",
     "timeout_seconds", "dedup_key", "dedup", "schedule", "tenant",
 )
+_INSERT_COLUMNS_SQL = ", ".join(_INSERT_COLUMNS)
 _NEXT_RUN = "COALESCE(%s::timestamptz, now() + %s::float8 * interval '1 second')"
 
 
@@ -231,34 +232,27 @@ def _select_active(cursor: Cursor, job_type: str, dedup_key: str) -> tuple[Any, 
     return row
 
 
+_INSERT_VALUES = f"INSERT INTO persistent_jobs ({_INSERT_COLUMNS_SQL}) VALUES ({_values_sql()})"
+_INSERT_KEYED = f"{_INSERT_VALUES} {_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}"
+
+
 def _insert_one(cursor: Cursor, job: _Prepared) -> tuple[Any, ...] | None:
     """Insert a keyed job (Skip or Replace); ``None`` means a concurrent waiting duplicate won
     the unique index."""
-    columns = ", ".join(_INSERT_COLUMNS)
-    return _execute_insert(
-        cursor, f"INSERT INTO persistent_jobs ({columns}) VALUES ({_values_sql()}) "
-        f"{_ON_CONFLICT} RETURNING {JOB_COLUMNS_SQL}", job.params())
+    return _execute_insert(cursor, _INSERT_KEYED, job.params())
 
 
 #: The insert of a job that takes no dedup turn: one call of the PL/pgSQL function of
 #: migration 0012, whose ``INSERT`` PostgreSQL plans once per server session (a text insert is
 #: parsed and planned on every call). The casts make the call resolve whether parameters are
 #: bound by Django (as literals) or by the server.
-_INSERT_CALL = (
-    "SELECT persistent_jobs_insert(%s::uuid, %s::text, %s::jsonb, %s::text, %s::integer, "
-    "%s::integer, %s::timestamptz, %s::float8, %s::float8, %s::text, %s::text, %s::jsonb, "
-    "%s::text)"
-)
-_INSERT_FUNCTION = (
-    "persistent_jobs_insert(uuid, text, jsonb, text, integer, integer, timestamptz, float8, "
-    "float8, text, text, jsonb, text)"
-)
+_INSERT_TYPES = ("uuid", "text", "jsonb", "text", "integer", "integer", "timestamptz", "float8",
+                 "float8", "text", "text", "jsonb", "text")  # ``_Prepared.params()``, in order
+_INSERT_CALL = f"SELECT persistent_jobs_insert({', '.join(f'%s::{t}' for t in _INSERT_TYPES)})"
+_INSERT_FUNCTION = f"persistent_jobs_insert({', '.join(_INSERT_TYPES)})"
 #: The same insert as text, returning the same array: for a database without the function
 #: (its migrations were not run, as with pytest-django's ``--nomigrations``).
-_INSERT_TEXT = (
-    f"INSERT INTO persistent_jobs ({', '.join(_INSERT_COLUMNS)}) VALUES ({_values_sql()}) "
-    "RETURNING ARRAY[next_run_at, created_at]"
-)
+_INSERT_TEXT = f"{_INSERT_VALUES} RETURNING ARRAY[next_run_at, created_at]"
 #: Whether each database (alias, name) has the function, looked up by this process's first
 #: plain enqueue there.
 _HAS_INSERT_FUNCTION: dict[tuple[str, str], bool] = {}
@@ -302,17 +296,14 @@ def _insert_plain(cursor: Cursor, job: _Prepared, alias: str) -> PersistentJob:
         raise
     assert row is not None
     due, created = row[0]
-    values = {
-        "id": job.id, "job_type": job.job_type, "payload": json.loads(job.payload_json),
-        "status": "pending", "schedule": None if job.schedule_json is None
-        else json.loads(job.schedule_json), "queue": job.queue, "priority": job.priority,
-        "attempts": 0, "max_retries": job.max_retries, "next_run_at": due, "locked_by": None,
-        "locked_at": None, "lock_token": None, "timeout_seconds": job.timeout,
-        "dedup_key": job.dedup_key, "dedup": job.dedup.value, "last_error": "",
-        "last_error_code": "", "progress": None, "tenant": job.tenant, "handbacks": 0,
+    values = _known_fields(job, json.loads(job.payload_json))
+    values.update({
+        "schedule": None if job.schedule_json is None else json.loads(job.schedule_json),
+        "next_run_at": due, "locked_by": None, "locked_at": None, "lock_token": None,
+        "last_error": "", "last_error_code": "", "progress": None, "handbacks": 0,
         "result": None, "cancel_requested": False, "created_at": created, "updated_at": created,
         "finished_at": None,
-    }
+    })
     return PersistentJob.from_db(alias, JOB_COLUMNS, [values[c] for c in JOB_COLUMNS])
 
 
@@ -655,9 +646,8 @@ def _copy_insert(connection: BaseDatabaseWrapper, jobs: list[_Prepared]) -> None
         row = cursor.fetchone()
         assert row is not None
         db_now: datetime = row[0]
-        columns = ", ".join(_INSERT_COLUMNS)
         now_text = _copy_time(db_now)
-        with cursor.copy(f"COPY persistent_jobs ({columns}) FROM STDIN") as copy:
+        with cursor.copy(f"COPY persistent_jobs ({_INSERT_COLUMNS_SQL}) FROM STDIN") as copy:
             # The rows as COPY's text format, written in chunks: psycopg's ``write_row``
             # adapts every value through its dumpers, which cost more than the rest of a
             # job's preparation.
@@ -710,14 +700,14 @@ def _bulk_insert_deduplicated(cursor: Cursor, jobs: list[_Prepared]) -> set[Any]
 
     (Batches without dedup keys go through ``_copy_insert`` instead.)
     """
-    columns = ", ".join(_INSERT_COLUMNS)
     skip_running = (
         " WHERE NOT (u.dedup = 'skip' AND u.dedup_key IS NOT NULL AND EXISTS (SELECT 1 FROM "
         "persistent_jobs r WHERE r.status = 'running' AND r.job_type = u.job_type AND "
         "r.dedup_key = u.dedup_key AND NOT (r.dedup = 'enqueue')))"
     )
     sql = (
-        f"INSERT INTO persistent_jobs ({columns}) SELECT u.id, u.job_type, u.payload::jsonb, "
+        f"INSERT INTO persistent_jobs ({_INSERT_COLUMNS_SQL}) SELECT u.id, u.job_type, "
+        "u.payload::jsonb, "
         "u.queue, u.priority, u.max_retries, COALESCE(u.run_at, now() + u.delay * interval "
         "'1 second'), u.timeout, u.dedup_key, u.dedup, u.schedule::jsonb, u.tenant FROM unnest("
         "%s::uuid[], %s::text[], %s::text[], %s::text[], %s::int[], %s::int[], "
@@ -813,6 +803,16 @@ def _enqueue_many_dedup(
     return results
 
 
+def _known_fields(job: _Prepared, payload: Any) -> dict[str, Any]:
+    """The fields of a just-inserted job that the caller's side knows (by attribute name)."""
+    return {
+        "id": job.id, "job_type": job.job_type, "payload": payload, "status": "pending",
+        "queue": job.queue, "priority": job.priority, "attempts": 0,
+        "max_retries": job.max_retries, "timeout_seconds": job.timeout,
+        "dedup_key": job.dedup_key, "dedup": job.dedup.value, "tenant": job.tenant,
+    }
+
+
 def _instance(job: _Prepared, alias: str) -> PersistentJob:
     """A model instance for an inserted row; columns the database filled in load on access.
 
@@ -820,12 +820,7 @@ def _instance(job: _Prepared, alias: str) -> PersistentJob:
     regular constructor cost more than the insert itself.
     """
     obj = PersistentJob.__new__(PersistentJob)
-    obj.__dict__.update({
-        "id": job.id, "job_type": job.job_type, "payload": job.payload, "status": "pending",
-        "queue": job.queue, "priority": job.priority, "attempts": 0,
-        "max_retries": job.max_retries, "timeout_seconds": job.timeout,
-        "dedup_key": job.dedup_key, "dedup": job.dedup.value, "tenant": job.tenant,
-    })
+    obj.__dict__.update(_known_fields(job, job.payload))
     state = ModelState()
     state.adding = False
     state.db = alias

@@ -175,10 +175,9 @@ def run_with_retry(
                 # The first failure, then a reminder now and then: an outage of minutes must
                 # not flood the log with one line per fast retry.
                 last_logged = now
-                first_line = error_line(exc, "")
                 logger.warning(
                     "database unavailable during %s (%s); retrying in %.1fs%s", what,
-                    first_line or type(exc).__name__, delay,
+                    error_line(exc), delay,
                     f" (failure {failures})" if failures > 1 else "",
                     extra={"event": "db_retry", "operation": what, "failures": failures},
                 )

@@ -91,6 +91,9 @@ class ClaimedJob:
             self.payload_text = None
 
 
+_TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
+
+
 def server_binding_cursor(db: BaseDatabaseWrapper) -> psycopg.Cursor[Any]:
     """A psycopg cursor on ``db``'s open connection that sends parameters apart from the
     statement, reading timestamps as Django's own cursors would.
@@ -104,9 +107,6 @@ def server_binding_cursor(db: BaseDatabaseWrapper) -> psycopg.Cursor[Any]:
     if db.timezone != getattr(loader, "timezone", None):
         register_tzloader(db.timezone, raw)
     return raw
-
-
-_TIMESTAMPTZ_OID = psycopg.adapters.types["timestamptz"].oid
 
 
 @contextmanager
