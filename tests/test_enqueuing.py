@@ -429,6 +429,20 @@ def test_enqueue_prepares_its_insert_when_told_to() -> None:
         assert job.payload == row.payload
 
 
+@pytest.mark.django_db
+def test_a_prepared_enqueue_reads_times_as_django_does_without_time_zone_support(
+    prepared_inserts: None, settings: Any,
+) -> None:
+    """The prepared statement runs on a psycopg cursor of its own: with ``USE_TZ = False`` set
+    after the connection opened, it must read naive times, as Django's cursors do."""
+    settings.USE_TZ = False
+    job = enqueue("test.noop", {"n": 1}, delay=30)
+    assert _prepared_inserts() >= 1
+    stored = PersistentJob.objects.get(id=job.id)
+    assert job.next_run_at.tzinfo is None
+    assert _fields(job) == _fields(stored)
+
+
 def _foreign_statement_under_our_name() -> list[str]:
     """The other thing such a pooler does: the server session the client lands on has another
     client's statement under the name psycopg uses for the insert (``_pg3_N`` is a
