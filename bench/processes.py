@@ -4,7 +4,7 @@
 Usage (from a clone, with PostgreSQL reachable)::
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres python bench/processes.py
-        [--jobs 4000] [--cpu-jobs 800] [--repeat 2] [--concurrency 4]
+        [--jobs 20000] [--cpu-jobs 800] [--repeat 2] [--concurrency 4]
 
 Like ``bench/run.py`` it (re)creates the ``pj_bench`` database (``PJ_BENCH_DB`` overrides the
 name) on DATABASE_URL's server and works only there. Figures:
@@ -18,6 +18,9 @@ name) on DATABASE_URL's server and works only there. Figures:
   whole process tree (supervisor plus workers).
 * CPU-bound drain: the same with jobs doing ~5 ms of pure-Python work each (a fixed amount of
   work, calibrated here), where one interpreter's GIL is the limit.
+* the machine's ceiling for the CPU-bound 2/1 ratio: the same arithmetic in two processes at
+  once against one, no job system. A 2-core VM does not always give two busy processes two
+  cores' worth; the runner's ratio is printed against it.
 
 Ratios are what to read: the machine this runs on may be shared and busy, so absolute figures
 move a lot between runs, and each configuration is run ``--repeat`` times, interleaved, keeping
@@ -145,6 +148,27 @@ def _tree(pid: int) -> list[int]:
 # --------------------------------------------------------------------------- drains
 
 
+def _spin(loops: int) -> None:
+    """The CPU job's arithmetic (``bench/jobs.py``), outside any job system."""
+    total = 0
+    for i in range(loops):
+        total += i * i % 7
+
+
+def measure_ceiling(loops: int, pool: Any) -> tuple[float, float]:
+    """(seconds for one process to do ``loops`` of the CPU job's arithmetic alone, seconds for
+    two processes to do as much each at once): the machine's own ceiling for the CPU-bound
+    2/1 ratio, measured beside the drains. A 2-core VM does not always give two processes two
+    cores' worth (a host's sibling hyperthreads, a busy neighbour), and then no runner can."""
+    started = time.perf_counter()
+    pool.apply(_spin, (loops,))
+    one = time.perf_counter() - started
+    started = time.perf_counter()
+    for waiting in [pool.apply_async(_spin, (loops,)) for _ in range(2)]:
+        waiting.get()
+    return one, time.perf_counter() - started
+
+
 def calibrate_loops(ms: float) -> int:
     """Loops of the CPU job's arithmetic that take ``ms`` of CPU on this machine (best of
     several; CPU time, not wall time, so a busy machine does not shrink the job)."""
@@ -254,7 +278,7 @@ def drain(label: str, processes: int, concurrency: int, job_type: str, jobs: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=4000, help="no-op jobs per drain")
+    parser.add_argument("--jobs", type=int, default=20000, help="no-op jobs per drain")
     parser.add_argument("--cpu-jobs", type=int, default=800, help="CPU-bound jobs per drain")
     parser.add_argument("--repeat", type=int, default=2, help="runs per configuration")
     parser.add_argument("--concurrency", type=int, default=4, help="threads per process")
@@ -273,7 +297,16 @@ def main(argv: list[str] | None = None) -> int:
     say(f"CPU job: {loops} loops ~ {CPU_MS:g} ms")
     configs = [("threads", 0), ("1 process", 1), ("2 processes", 2)]
     results: dict[tuple[str, str], list[Drain]] = {}
+    ceilings: list[tuple[float, float]] = []
+    import multiprocessing
+
+    spinners = multiprocessing.get_context("spawn").Pool(2)
+    spinners.map(_spin, [1, 1])  # both started before anything is timed
     for round_ in range(args.repeat):
+        # A quarter of one CPU-bound drain's work, outside any job system.
+        ceilings.append(measure_ceiling(loops * max(1, args.cpu_jobs // 4), spinners))
+        say(f"round {round_ + 1}: two processes of pure Python / one: "
+            f"{2 * ceilings[-1][0] / ceilings[-1][1]:.2f}x")
         for kind, job_type, jobs, payload in (("no-op", NOOP, args.jobs, {}),
                                               ("cpu", CPU, args.cpu_jobs, {"loops": loops})):
             for label, processes in configs:
@@ -282,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                                workdir)
                 results.setdefault((kind, label), []).append(result)
                 say(f"  {result.rate:,.0f} jobs/s, {result.cpu_ms_per_job:.2f} ms CPU/job")
+
+    spinners.close()
+    spinners.join()
 
     def best(kind: str, label: str) -> Drain:
         return max(results[(kind, label)], key=lambda d: d.rate)
@@ -302,12 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     noop2_ratio = best("no-op", "2 processes").rate / best("no-op", "threads").rate
     cpu_ratio = best("cpu", "2 processes").rate / best("cpu", "1 process").rate
     cpu_vs_threads = best("cpu", "2 processes").rate / best("cpu", "threads").rate
+    # Best of the rounds, as for the drains: the fastest lone run against the fastest pair.
+    ceiling = 2 * min(one for one, _ in ceilings) / min(two for _, two in ceilings)
     extra_cpu = best("no-op", "1 process").cpu_ms_per_job - best("no-op", "threads").cpu_ms_per_job
     print(f"no-op, 1 process / threads:    {noop_ratio:.2f}x  (target >= 0.9)  "
           f"{'OK' if noop_ratio >= 0.9 else 'BELOW'}")
     print(f"no-op, 2 processes / threads:  {noop2_ratio:.2f}x")
     print(f"CPU-bound, 2 / 1 process:      {cpu_ratio:.2f}x  (target >= 1.7)  "
           f"{'OK' if cpu_ratio >= 1.7 else 'BELOW'}")
+    print(f"  the machine's ceiling for it:  {ceiling:.2f}x  (two processes of pure Python, no "
+          f"job system, against one; the drain reaches {cpu_ratio / ceiling:.0%} of it)")
     print(f"CPU-bound, 2 processes / threads: {cpu_vs_threads:.2f}x")
     print(f"process mode's extra CPU per no-op job (whole tree): {extra_cpu:+.2f} ms")
     return 0

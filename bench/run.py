@@ -664,6 +664,16 @@ def section_drain(args: argparse.Namespace, ctx: Context) -> None:
     ratio = d.rate / c.rate
     ctx.report.add("D drain, two runjobs processes, defaults", f"{d.rate:,.0f} jobs/s",
                    ">= 1.6x C", verdict(ratio >= 1.6, f"{ratio:.2f}x C"))
+    if c.server_cpu_ms_per_job is not None:
+        # A second process adds throughput only with CPU to spare: C's jobs cost this much
+        # CPU each (runner plus PostgreSQL, on the same machine), so no number of runners can
+        # drain faster than the machine's cores divided by it.
+        per_job = c.cpu_ms_per_job + c.server_cpu_ms_per_job
+        cores = os.cpu_count() or 1
+        ceiling = cores * 1000 / per_job
+        ctx.report.add("  the machine's CPU ceiling for D", f"{ceiling:,.0f} jobs/s", "",
+                       f"{ceiling / c.rate:.2f}x C: {cores} cores / {per_job:.3f} ms CPU "
+                       f"per job of C (runner + PostgreSQL)")
 
 
 def section_backlog(args: argparse.Namespace, ctx: Context) -> None:

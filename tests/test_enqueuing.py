@@ -443,6 +443,29 @@ def test_a_prepared_enqueue_reads_times_as_django_does_without_time_zone_support
     assert _fields(job) == _fields(stored)
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("prepared", [False, True])
+@pytest.mark.parametrize("dedup_key", [None, "k"])
+def test_an_enqueue_in_a_broken_transaction_says_so_as_django_does(
+    prepared: bool, dedup_key: str | None,
+) -> None:
+    """An ORM error caught inside ``atomic()`` leaves the block broken: Django refuses every
+    later query with ``TransactionManagementError``, which says what happened. A prepared
+    enqueue runs on a cursor of its own and must refuse the same way, not send its statement
+    into the aborted transaction and surface PostgreSQL's "current transaction is aborted"."""
+    existing = enqueue("test.noop", {"n": 0})
+    with pj_settings(PREPARED_STATEMENTS=prepared):
+        try:
+            with transaction.atomic():
+                with pytest.raises(IntegrityError):
+                    PersistentJob.objects.create(id=existing.id, job_type="test.noop")
+                with pytest.raises(transaction.TransactionManagementError):
+                    enqueue("test.noop", {"n": 1}, dedup_key=dedup_key)
+        finally:
+            enqueuing._UNPREPARED.clear()
+    assert list(PersistentJob.objects.values_list("id", flat=True)) == [existing.id]
+
+
 def _foreign_statement_under_our_name() -> list[str]:
     """The other thing such a pooler does: the server session the client lands on has another
     client's statement under the name psycopg uses for the insert (``_pg3_N`` is a

@@ -96,8 +96,13 @@ SESSION_ADVICE = (
 
 def is_lost_prepared_statement(exc: BaseException) -> bool:
     """``exc`` says a prepared statement was not there, or was someone else's (see
-    ``LOST_STATEMENT_SQLSTATES``)."""
-    return sqlstate(exc) in LOST_STATEMENT_SQLSTATES
+    ``LOST_STATEMENT_SQLSTATES``). 08P01 is any protocol violation; only the one about a
+    prepared statement's parameters counts (the server reports it as an ERROR and the session
+    goes on; a real violation of the protocol ends the session, a connection error)."""
+    code = sqlstate(exc)
+    if code == "08P01":
+        return "prepared statement" in str(exc)
+    return code in LOST_STATEMENT_SQLSTATES
 
 
 def is_transient_error(exc: BaseException) -> bool:
@@ -105,7 +110,14 @@ def is_transient_error(exc: BaseException) -> bool:
 
     Connection loss is transient; so are the server conditions listed above, which a runner
     must ride out the way it rides out a restart, instead of leaving a job half-settled.
+
+    A lost prepared statement is not weather, although psycopg raises its 08P01 as an
+    ``OperationalError``: it says a pooler in transaction mode sits in front of the database,
+    and a fresh connection only moves the failure to a later statement. The caller's loop
+    dies of it and the runner says what to change (``SESSION_ADVICE``).
     """
+    if is_lost_prepared_statement(exc):
+        return False
     if is_connection_error(exc):
         return True
     code = sqlstate(exc)

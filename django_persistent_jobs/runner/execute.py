@@ -34,6 +34,7 @@ from . import store, syscalls
 from .db import (
     NotNow,
     is_connection_error,
+    is_lost_prepared_statement,
     is_transient_error,
     reset_connection,
     run_bounded,
@@ -147,7 +148,7 @@ def _classify(exc: BaseException, spec: HandlerSpec | None, attempt: int) -> Out
     if isinstance(exc, JobError):
         kind: TransitionKind = "retry" if exc.transient else "dead"
         return Outcome(kind, exc.code, message, trace, _backoff_for(spec, attempt))
-    if is_transient_error(exc):
+    if is_transient_error(exc) or is_lost_prepared_statement(exc):
         return Outcome("retry", "DB_ERROR", f"database error: {message}", trace,
                        _backoff_for(spec, attempt))
     return Outcome("retry", "HANDLER_ERROR", f"{type(exc).__name__}: {message}", trace,

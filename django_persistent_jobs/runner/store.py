@@ -125,6 +125,11 @@ def prepared(cursor: Cursor) -> Iterator[psycopg.Cursor[Any]]:
         # own (client-side binding) cursors never prepare anything.
         connection.prepare_threshold = 2**31 - 1
     db = getattr(cursor, "db", None)
+    if db is not None:
+        # Django's cursors refuse a query in an ``atomic()`` block an error broke, saying so;
+        # this cursor is not Django's, so it must refuse the same way (otherwise PostgreSQL's
+        # "current transaction is aborted" is what the caller reads).
+        db.validate_no_broken_transaction()
     raw = psycopg.Cursor(connection) if db is None else server_binding_cursor(db)
     try:
         if db is None:

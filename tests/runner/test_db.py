@@ -10,7 +10,13 @@ import pytest
 from django.db import connection, transaction
 
 from django_persistent_jobs import enqueue
-from django_persistent_jobs.runner.db import NotNow, run_bounded
+from django_persistent_jobs.runner import store
+from django_persistent_jobs.runner.db import (
+    NotNow,
+    is_lost_prepared_statement,
+    run_bounded,
+    run_with_retry,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
@@ -70,3 +76,73 @@ def test_a_loop_that_dies_of_a_lost_prepared_statement_says_the_runner_needs_a_s
     assert [r.loop for r in advice] == ["claimer"]  # type: ignore[attr-defined]
     text = advice[0].getMessage()
     assert "pooler in transaction mode" in text and "session mode" in text
+
+
+_SUM = "SELECT %s::int + %s::int"
+
+
+def _prepared_sum(cursor: object) -> int:
+    """A two-parameter statement, prepared by psycopg as the claim is (``store.prepared``)."""
+    with store.prepared(cursor) as fast:  # type: ignore[arg-type]
+        fast.execute(_SUM, [2, 3], prepare=True)
+        row = fast.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _another_clients_statement_under_our_name() -> None:
+    """What a pooler in transaction mode does when it moves this client to a server session
+    where another client prepared a statement under the name psycopg used for ours (its names
+    are a per-connection counter, the same in every client): binding ours to it fails with
+    08P01, "bind message supplies 2 parameters, but prepared statement ... requires 1"."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
+                       ["%::int + %"])
+        names = [name for (name,) in cursor.fetchall()]
+        assert names, "nothing prepared"
+        for name in names:
+            cursor.execute(f'DEALLOCATE "{name}"')
+            cursor.execute(f'PREPARE "{name}" (int) AS SELECT $1')
+
+
+def test_a_statement_bound_to_another_clients_is_not_retried_as_weather(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """psycopg raises that 08P01 as an ``OperationalError``, the class of a lost connection,
+    but it is no outage: a retry on a fresh connection only moves the failure to a later
+    statement. ``run_with_retry`` raises it at once, as it does a statement that is simply
+    gone (26000), so that the loop dies saying the runner needs a session of its own."""
+    assert run_with_retry("default", _prepared_sum, what="adding") == 5
+    _another_clients_statement_under_our_name()
+    with caplog.at_level("WARNING", logger="django_persistent_jobs.runner"), pytest.raises(
+            Exception) as caught:
+        run_with_retry("default", _prepared_sum, what="adding")
+    assert is_lost_prepared_statement(caught.value), caught.value
+    assert not [r for r in caplog.records if getattr(r, "event", "") == "db_retry"]
+
+
+def test_a_loop_that_dies_of_a_statement_bound_to_another_clients_says_the_runner_needs_a_session(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from django_persistent_jobs.runner.loop import Loop
+
+    def body() -> None:
+        run_with_retry("default", _prepared_sum, what="adding")
+        _another_clients_statement_under_our_name()
+        run_with_retry("default", _prepared_sum, what="adding")
+
+    with caplog.at_level("CRITICAL", logger="django_persistent_jobs.runner"):
+        loop = Loop("claimer", body)
+        loop.start()
+        loop.join(30)
+    assert not loop.alive and loop.failure is not None
+    advice = [r for r in caplog.records if getattr(r, "event", "") == "runner_needs_session"]
+    assert [r.loop for r in advice] == ["claimer"]  # type: ignore[attr-defined]
+
+
+def test_a_protocol_violation_that_is_not_about_a_prepared_statement_is_not_taken_for_one(
+) -> None:
+    """08P01 also names real violations of the protocol (the server then ends the session):
+    only the one about a prepared statement's parameters is a lost statement."""
+    violation = psycopg.errors.ProtocolViolation("invalid frontend message type 0")
+    assert not is_lost_prepared_statement(violation)
