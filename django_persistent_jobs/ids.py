@@ -4,9 +4,12 @@ instead of scattering writes across it as random v4 ids would."""
 from __future__ import annotations
 
 import os
+import pickle
+import struct
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 _lock = threading.Lock()
 _last_ms = 0
@@ -28,6 +31,44 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_random)
 
 
+def _checked_uuid(value: int) -> uuid.UUID:
+    return uuid.UUID(int=value)
+
+
+def _unchecked_uuid(value: int) -> uuid.UUID:
+    """``uuid.UUID(int=value)`` for a ``value`` known to fit in 128 bits, without the checks
+    of ``UUID.__init__`` (its keyword handling and range test cost more than half of making an
+    id, the largest share of ``enqueue_many``'s work per job after the payload)."""
+    made = _new_uuid(uuid.UUID)
+    _set_slot(made, "int", value)
+    _set_slot(made, "is_safe", _SAFE_UNKNOWN)
+    return made
+
+
+_new_uuid = object.__new__
+_set_slot = object.__setattr__
+_SAFE_UNKNOWN = uuid.SafeUUID.unknown
+
+
+def _uuid_maker() -> Callable[[int], uuid.UUID]:
+    """The unchecked maker where it makes exactly what ``UUID(int=...)`` makes (this Python's
+    ``UUID`` keeps its value in the ``int`` and ``is_safe`` slots, as CPython's always has),
+    the checked one otherwise."""
+    probe = (0x7 << 76) | (0b10 << 62) | 12345
+    try:
+        made, expected = _unchecked_uuid(probe), uuid.UUID(int=probe)
+        same = (made == expected and hash(made) == hash(expected)
+                and str(made) == str(expected) and made.version == 7
+                and made.is_safe is expected.is_safe
+                and pickle.loads(pickle.dumps(made)) == expected)
+    except Exception:  # pragma: no cover - another Python's UUID
+        same = False
+    return _unchecked_uuid if same else _checked_uuid
+
+
+_make_uuid = _uuid_maker()
+
+
 def uuid7() -> uuid.UUID:
     """Return a UUIDv7 (RFC 9562) that is monotonic within this process.
 
@@ -42,7 +83,7 @@ def uuid7_many(count: int) -> list[uuid.UUID]:
     one clock read (``enqueue_many`` makes one per job)."""
     global _last_ms, _counter, _random, _random_at
     made: list[uuid.UUID] = []
-    make = uuid.UUID
+    make = _make_uuid
     while len(made) < count:
         with _lock:
             ms = time.time_ns() // 1_000_000
@@ -64,9 +105,9 @@ def uuid7_many(count: int) -> list[uuid.UUID]:
             block = _random[_random_at:_random_at + need]
             _random_at += need
         head = (ms & 0xFFFF_FFFF_FFFF) << 80 | 0x7 << 76 | 0b10 << 62
-        for i in range(take):
-            rand_b = int.from_bytes(block[8 * i:8 * i + 8], "big") & 0x3FFF_FFFF_FFFF_FFFF
-            made.append(make(int=head | (first + i) << 64 | rand_b))
+        # The 62 random bits of each id from 8 bytes of the block, read all at once.
+        for i, bits in enumerate(struct.unpack(f">{take}Q", block), first):
+            made.append(make(head | i << 64 | bits & 0x3FFF_FFFF_FFFF_FFFF))
     return made
 
 

@@ -8,7 +8,9 @@ we walk the value ourselves and name the offending key path in the error.
 from __future__ import annotations
 
 import json
+import json.encoder as json_encoder
 import math
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -23,8 +25,18 @@ _SCALARS = (str, int, float, bool, type(None))
 _EXPONENT_FLOAT = 1e16
 
 
-def _path(parts: list[str]) -> str:
-    return "payload" + "".join(parts)
+#: Where a value sits in the payload, built only for an error message: ``None`` for the payload
+#: itself, else ``(parent, key)`` with a dict's key or a list's index. Building the path text
+#: for every key walked cost more than the checks themselves.
+_Where = tuple[Any, Any] | None
+
+
+def _path(where: _Where) -> str:
+    parts: list[str] = []
+    while where is not None:
+        where, key = where
+        parts.append(f"[{key}]" if type(key) is int else f"[{bounds.show(key)}]")
+    return "payload" + "".join(reversed(parts))
 
 
 _text_problem = bounds.text_problem
@@ -33,49 +45,57 @@ _text_problem = bounds.text_problem
 _INT_TOO_LARGE = 10**bounds.PAYLOAD_INT_MAX_DIGITS
 
 
-def _walk(
-    value: Any, parts: list[str], depth: int, limits: tuple[int, int], counter: list[int]
-) -> None:
+def _walk(value: Any, where: _Where, depth: int, limits: tuple[int, int],
+          counter: list[int]) -> None:
     max_depth, max_keys = limits
     if depth > max_depth:
         raise PayloadError(
-            f"{_path(parts)} is nested {depth} levels deep; the limit is {max_depth} "
+            f"{_path(where)} is nested {depth} levels deep; the limit is {max_depth} "
             "(PERSISTENT_JOBS['PAYLOAD_MAX_DEPTH'])."
         )
-    if isinstance(value, dict):
+    kind = type(value)
+    if kind is dict or (kind is not list and isinstance(value, dict)):
+        # Plain strings, ints, True/False and None are checked here rather than by a call of
+        # their own (most payloads are flat): the same checks as below.
+        nested = depth < max_depth
         for key, item in value.items():
-            if not isinstance(key, str):
+            if type(key) is not str and not isinstance(key, str):
                 raise PayloadError(
-                    f"{_path(parts)} has a {type(key).__name__} key {bounds.show(key)}; JSON "
-                    "object keys "
-                    "must be strings (it would come back as a different key)."
+                    f"{_path(where)} has a {type(key).__name__} key {bounds.show(key)}; "
+                    "JSON object keys must be strings (it would come back as a different key)."
                 )
-            problem = _text_problem(key)
-            if problem:
-                raise PayloadError(
-                    f"{_path(parts)} has a key {bounds.show(key)} containing {problem}.")
+            if "\x00" in key or not key.isascii():
+                problem = _text_problem(key)
+                if problem:
+                    raise PayloadError(
+                        f"{_path(where)} has a key {bounds.show(key)} containing {problem}.")
             counter[0] += 1
             if counter[0] > max_keys:
                 raise PayloadError(
                     f"payload has more than {max_keys} keys (PERSISTENT_JOBS['PAYLOAD_MAX_KEYS'])."
                 )
-            _walk(item, [*parts, f"[{bounds.show(key)}]"], depth + 1, limits, counter)
-    elif isinstance(value, list):
+            item_kind = type(item)
+            if nested and (item is None or item_kind is bool or (
+                    item_kind is str and "\x00" not in item and item.isascii()) or (
+                    item_kind is int and -_INT_TOO_LARGE < item < _INT_TOO_LARGE)):
+                continue
+            _walk(item, (where, key), depth + 1, limits, counter)
+    elif kind is list or isinstance(value, list):
         for index, item in enumerate(value):
-            _walk(item, [*parts, f"[{index}]"], depth + 1, limits, counter)
+            _walk(item, (where, index), depth + 1, limits, counter)
     elif isinstance(value, str):
         problem = _text_problem(value)
         if problem:
-            raise PayloadError(f"{_path(parts)} contains {problem}.")
+            raise PayloadError(f"{_path(where)} contains {problem}.")
     elif isinstance(value, int) and not isinstance(value, bool):
         if not -_INT_TOO_LARGE < value < _INT_TOO_LARGE:
             raise PayloadError(
-                f"{_path(parts)} is an integer of more than {bounds.PAYLOAD_INT_MAX_DIGITS} "
+                f"{_path(where)} is an integer of more than {bounds.PAYLOAD_INT_MAX_DIGITS} "
                 "digits, which could not be read back; store it as a string."
             )
     elif isinstance(value, float):
         if not math.isfinite(value):
-            raise PayloadError(f"{_path(parts)} is {value!r}; JSON has no NaN or Infinity.")
+            raise PayloadError(f"{_path(where)} is {value!r}; JSON has no NaN or Infinity.")
         if abs(value) >= _EXPONENT_FLOAT:
             counter[1] = 1  # needs the plain-notation encoder
     elif not isinstance(value, _SCALARS):
@@ -90,7 +110,7 @@ def _walk(
             hint = (" (convert it to a string or number, or configure "
                     "PERSISTENT_JOBS['JSON_ENCODER'])")
         raise PayloadError(
-            f"{_path(parts)} is a {type(value).__name__}, which does not round-trip through "
+            f"{_path(where)} is a {type(value).__name__}, which does not round-trip through "
             f"JSON unchanged{hint}."
         )
 
@@ -124,6 +144,27 @@ def _dumps_plain_floats(value: Any) -> str:
 _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def _compact_encoder() -> Callable[[Any], str]:
+    """``_COMPACT.encode``, but with the C encoder it builds on every call built once: that
+    construction was half of encoding a small payload. No circular-reference markers: ``_walk``
+    has checked the payload first, and a cycle ends there at ``PAYLOAD_MAX_DEPTH``."""
+    make = getattr(json_encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - a Python without the C accelerator
+        return _COMPACT.encode
+    chunks = make(None, _COMPACT.default, json_encoder.encode_basestring, None, ":", ",",
+                  False, False, False)
+
+    def encode(value: Any) -> str:
+        if type(value) is str:
+            return _COMPACT.encode(value)
+        return "".join(chunks(value, 0))
+
+    return encode
+
+
+_encode_compact = _compact_encoder()
+
+
 class PayloadLimits:
     """The payload settings, read once per call of ``enqueue``/``enqueue_many``."""
 
@@ -152,8 +193,8 @@ def prepare_payload(payload: Any, limits: PayloadLimits | None = None) -> tuple[
             raise PayloadError(f"payload cannot be encoded by {encoder.__name__}: {exc}") from exc
     state = [0, 0]  # keys seen, floats needing plain notation
     try:
-        _walk(payload, [], 0, (limits.max_depth, limits.max_keys), state)
-        text = _dumps_plain_floats(payload) if state[1] else _COMPACT.encode(payload)
+        _walk(payload, None, 0, (limits.max_depth, limits.max_keys), state)
+        text = _dumps_plain_floats(payload) if state[1] else _encode_compact(payload)
     except RecursionError:
         # Only reachable with a PAYLOAD_MAX_DEPTH beyond Python's recursion limit.
         raise PayloadError(

@@ -37,3 +37,25 @@ def test_a_forked_child_does_not_reuse_the_parents_random_bits():
     parent = {uuid7().bytes[8:] for _ in range(100)}
     assert len(child) == 100
     assert not child & parent, sys.platform
+
+
+def test_ids_made_without_uuids_checks_are_uuids_in_every_way() -> None:
+    """Ids are built without ``UUID.__init__`` (its checks were most of an id's cost): each one
+    must be what ``UUID(int=...)`` would have made, for every use a caller or Django puts it
+    to (comparison, hashing, text, pickling, the database adapter's ``hex``)."""
+    import copy
+    import pickle
+    import uuid
+
+    from django_persistent_jobs import ids
+
+    assert ids._make_uuid is ids._unchecked_uuid  # CPython: the fast maker is the one in use
+    for made in ids.uuid7_many(300):
+        checked = uuid.UUID(int=made.int)
+        assert type(made) is uuid.UUID
+        assert made == checked and hash(made) == hash(checked)
+        assert (str(made), made.hex, made.bytes, made.version, made.variant) == (
+            str(checked), checked.hex, checked.bytes, 7, uuid.RFC_4122)
+        assert made.is_safe is checked.is_safe
+        assert pickle.loads(pickle.dumps(made)) == checked == copy.deepcopy(made)
+        assert {made: 1}[checked] == 1

@@ -265,3 +265,34 @@ def test_plain_float_encoding_keeps_floats_floats() -> None:
     _, text = prepare_payload({"a": 1e16, "b": [-2.5e30], "c": 1.0, "d": 3})
     assert json.loads(text) == {"a": 1e16, "b": [-2.5e30], "c": 1.0, "d": 3}
     assert '"a":10000000000000000.0' in text and "e+" not in text
+
+
+def test_the_stored_text_is_compact_json_exactly() -> None:
+    """The payload's text is encoded by a C encoder built once (building one per call was half
+    the cost of a small payload): for any mix of values it must be exactly what
+    ``json.dumps`` with the same options writes."""
+    import json
+    import random
+    import string
+
+    from django_persistent_jobs.payload import prepare_payload
+
+    chooser = random.Random(20261128)
+    letters = string.printable + 'éü\u2028"\\\t'
+
+    def value(depth: int = 0) -> Any:
+        roll = chooser.random()
+        if depth > 3 or roll < 0.5:
+            return chooser.choice([
+                None, True, False, chooser.randint(-10**12, 10**12),
+                chooser.uniform(-1e6, 1e6), chooser.random() * 1e-7,
+                "".join(chooser.choice(letters) for _ in range(chooser.randint(0, 12)))])
+        if roll < 0.75:
+            return [value(depth + 1) for _ in range(chooser.randint(0, 4))]
+        return {"".join(chooser.choice(string.ascii_letters + 'é"') for _ in range(
+            chooser.randint(0, 5))): value(depth + 1) for _ in range(chooser.randint(0, 4))}
+
+    for _ in range(3000):
+        payload = {"v": value()}
+        _, text = prepare_payload(payload)
+        assert text == json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
