@@ -114,6 +114,7 @@ def measure_handoff(rounds: int) -> tuple[float, float]:
 
     for _ in range(200):  # warm up
         round_trip()
+    assert worker.pid is not None  # (started)
     cpu_before = time.process_time() + _cpu_of(worker.pid)
     started = time.perf_counter()
     for _ in range(rounds):
@@ -153,6 +154,11 @@ def _spin(loops: int) -> None:
     total = 0
     for i in range(loops):
         total += i * i % 7
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
 
 
 def measure_ceiling(loops: int, pool: Any) -> tuple[float, float]:
@@ -301,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     import multiprocessing
 
     spinners = multiprocessing.get_context("spawn").Pool(2)
-    spinners.map(_spin, [1, 1])  # both started before anything is timed
+    # Both workers up before anything is timed (a worker still starting would take CPU from
+    # the lone run): each answers with its pid while the other holds a job.
+    while len(set(spinners.map(_pid_after, [0.2, 0.2], chunksize=1))) < 2:
+        pass
     for round_ in range(args.repeat):
         # A quarter of one CPU-bound drain's work, outside any job system.
         ceilings.append(measure_ceiling(loops * max(1, args.cpu_jobs // 4), spinners))

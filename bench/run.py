@@ -457,6 +457,7 @@ class MachineBusy:
             fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         except (OSError, ValueError):
             return None
+        fields = fields[:8]  # (guest time is counted in user and nice already)
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
         return sum(fields) - idle, sum(fields)
 

@@ -96,13 +96,22 @@ SESSION_ADVICE = (
 
 def is_lost_prepared_statement(exc: BaseException) -> bool:
     """``exc`` says a prepared statement was not there, or was someone else's (see
-    ``LOST_STATEMENT_SQLSTATES``). 08P01 is any protocol violation; only the one about a
-    prepared statement's parameters counts (the server reports it as an ERROR and the session
-    goes on; a real violation of the protocol ends the session, a connection error)."""
+    ``LOST_STATEMENT_SQLSTATES``). 08P01 is any protocol violation; only one raised while
+    binding parameters to a prepared statement counts (the server reports it as an ERROR and
+    the session goes on; a real violation of the protocol ends the session, a connection
+    error). Told apart by where the server raised it, not by its message, which the server
+    translates (``lc_messages``)."""
     code = sqlstate(exc)
-    if code == "08P01":
-        return "prepared statement" in str(exc)
-    return code in LOST_STATEMENT_SQLSTATES
+    if code != "08P01":
+        return code in LOST_STATEMENT_SQLSTATES
+    for candidate in (exc, exc.__cause__):
+        diag = getattr(candidate, "diag", None)
+        source = getattr(diag, "source_function", None) if diag is not None else None
+        if source is not None:
+            return bool(source == "exec_bind_message"
+                        and getattr(diag, "severity_nonlocalized", None) != "FATAL")
+    # An error without the server's diagnostics (made by the client): its English message.
+    return "prepared statement" in str(exc)
 
 
 def is_transient_error(exc: BaseException) -> bool:

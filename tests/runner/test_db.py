@@ -140,6 +140,24 @@ def test_a_loop_that_dies_of_a_statement_bound_to_another_clients_says_the_runne
     assert [r.loop for r in advice] == ["claimer"]  # type: ignore[attr-defined]
 
 
+def test_a_statement_bound_to_another_clients_is_told_by_where_the_server_raised_it() -> None:
+    """The server translates its messages (``lc_messages``): the 08P01 is recognised by the
+    routine that raised it, which the server reports untranslated, not by its English text.
+    Here the real error, wrapped in one whose text is the German server's."""
+    from django.db import OperationalError
+
+    assert run_with_retry("default", _prepared_sum, what="adding") == 5
+    _another_clients_statement_under_our_name()
+    with pytest.raises(Exception) as caught:
+        run_with_retry("default", _prepared_sum, what="adding")
+    real = caught.value.__cause__ if caught.value.__cause__ is not None else caught.value
+    assert real.diag.source_function == "exec_bind_message"  # type: ignore[union-attr]
+    german = OperationalError("Binden-Nachricht enthält 2 Parameter, aber vorbereitete "
+                              "Anweisung »_pg3_0« erfordert 1")
+    german.__cause__ = real
+    assert is_lost_prepared_statement(german)
+
+
 def test_a_protocol_violation_that_is_not_about_a_prepared_statement_is_not_taken_for_one(
 ) -> None:
     """08P01 also names real violations of the protocol (the server then ends the session):
