@@ -180,9 +180,7 @@ def calibrate_loops(ms: float) -> int:
     several; CPU time, not wall time, so a busy machine does not shrink the job)."""
     def run(loops: int) -> float:
         started = time.process_time()
-        total = 0
-        for i in range(loops):
-            total += i * i % 7
+        _spin(loops)
         return time.process_time() - started
 
     probe = 2_000_000

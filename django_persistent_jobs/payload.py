@@ -64,11 +64,10 @@ def _walk(value: Any, where: _Where, depth: int, limits: tuple[int, int],
                     f"{_path(where)} has a {type(key).__name__} key {bounds.show(key)}; "
                     "JSON object keys must be strings (it would come back as a different key)."
                 )
-            if "\x00" in key or not key.isascii():
-                problem = _text_problem(key)
-                if problem:
-                    raise PayloadError(
-                        f"{_path(where)} has a key {bounds.show(key)} containing {problem}.")
+            problem = _text_problem(key)
+            if problem:
+                raise PayloadError(
+                    f"{_path(where)} has a key {bounds.show(key)} containing {problem}.")
             counter[0] += 1
             if counter[0] > max_keys:
                 raise PayloadError(
@@ -76,7 +75,7 @@ def _walk(value: Any, where: _Where, depth: int, limits: tuple[int, int],
                 )
             item_kind = type(item)
             if nested and (item is None or item_kind is bool or (
-                    item_kind is str and "\x00" not in item and item.isascii()) or (
+                    item_kind is str and not _text_problem(item)) or (
                     item_kind is int and -_INT_TOO_LARGE < item < _INT_TOO_LARGE)):
                 continue
             _walk(item, (where, key), depth + 1, limits, counter)
@@ -155,8 +154,6 @@ def _compact_encoder() -> Callable[[Any], str]:
                   False, False, False)
 
     def encode(value: Any) -> str:
-        if type(value) is str:
-            return _COMPACT.encode(value)
         return "".join(chunks(value, 0))
 
     return encode

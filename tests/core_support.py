@@ -60,19 +60,39 @@ def pj_settings(**overrides: Any) -> override_settings:
     return override_settings(PERSISTENT_JOBS={**settings.PERSISTENT_JOBS, **overrides})
 
 
-def lose_prepared_inserts() -> list[str]:
+#: The statements ``enqueue()`` prepares, as ``pg_prepared_statements`` shows them.
+PREPARED_INSERTS = ("statement LIKE 'INSERT INTO persistent_jobs %%' "
+                    "OR statement LIKE 'SELECT persistent_jobs_insert(%%'")
+
+
+def lose_prepared(where: str, params: list[Any] | None = None) -> list[str]:
     """What a pooler in transaction mode does to a client it moves to another server session:
-    the prepared insert psycopg believes it has is not there (``DEALLOCATE`` by name, which
-    psycopg does not notice, unlike ``DEALLOCATE ALL``). Returns the names lost."""
+    the prepared statements psycopg believes it has (those ``where`` selects in
+    ``pg_prepared_statements``) are not there (``DEALLOCATE`` by name, which psycopg does not
+    notice, unlike ``DEALLOCATE ALL``). Returns the names lost."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT name FROM pg_prepared_statements "
-                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%' "
-                       "OR statement LIKE 'SELECT persistent_jobs_insert(%%'")
+        cursor.execute(f"SELECT name FROM pg_prepared_statements WHERE {where}", params)
         names = [name for (name,) in cursor.fetchall()]
-        assert names, "no prepared insert to lose"
+        assert names, "no prepared statement to lose"
         for name in names:
             cursor.execute(f'DEALLOCATE "{name}"')
     return names
+
+
+def lose_prepared_inserts() -> list[str]:
+    """``lose_prepared`` for the statements ``enqueue()`` prepared."""
+    return lose_prepared(PREPARED_INSERTS)
+
+
+def prepare_foreign_statements(names: list[str]) -> None:
+    """The other thing such a pooler does: the server session the client lands on has another
+    client's statement under the names psycopg used for ours (``_pg3_N`` is a per-connection
+    counter, the same in every client), with another number of parameters: binding ours to it
+    fails with 08P01, "bind message supplies N parameters, but prepared statement ... requires
+    1"."""
+    with connection.cursor() as cursor:
+        for name in names:
+            cursor.execute(f'PREPARE "{name}" (int) AS SELECT $1')
 
 
 def conninfo() -> dict[str, Any]:

@@ -28,10 +28,12 @@ from django_persistent_jobs import (
 from django_persistent_jobs.handlers import registry
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from tests.core_support import (
+    PREPARED_INSERTS,
     db_now,
     lose_prepared_inserts,
     notifications_until_marker,
     pj_settings,
+    prepare_foreign_statements,
     raw_connection,
 )
 
@@ -401,9 +403,7 @@ def test_enqueue_many_inserts_the_batch_in_one_statement(
 
 def _prepared_inserts() -> int:
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_prepared_statements "
-                       "WHERE statement LIKE 'INSERT INTO persistent_jobs %%' "
-                       "OR statement LIKE 'SELECT persistent_jobs_insert(%%'")
+        cursor.execute(f"SELECT count(*) FROM pg_prepared_statements WHERE {PREPARED_INSERTS}")
         return int(cursor.fetchone()[0])
 
 
@@ -467,13 +467,9 @@ def test_an_enqueue_in_a_broken_transaction_says_so_as_django_does(
 
 
 def _foreign_statement_under_our_name() -> list[str]:
-    """The other thing such a pooler does: the server session the client lands on has another
-    client's statement under the name psycopg uses for the insert (``_pg3_N`` is a
-    per-connection counter, the same in every client), with another number of parameters."""
+    """Another client's statement under the name psycopg uses for the insert."""
     names = lose_prepared_inserts()
-    with connection.cursor() as cursor:
-        for name in names:
-            cursor.execute(f'PREPARE "{name}" (int) AS SELECT $1')
+    prepare_foreign_statements(names)
     return names
 
 

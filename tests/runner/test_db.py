@@ -17,6 +17,7 @@ from django_persistent_jobs.runner.db import (
     run_bounded,
     run_with_retry,
 )
+from tests.core_support import lose_prepared, prepare_foreign_statements
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
@@ -91,18 +92,8 @@ def _prepared_sum(cursor: object) -> int:
 
 
 def _another_clients_statement_under_our_name() -> None:
-    """What a pooler in transaction mode does when it moves this client to a server session
-    where another client prepared a statement under the name psycopg used for ours (its names
-    are a per-connection counter, the same in every client): binding ours to it fails with
-    08P01, "bind message supplies 2 parameters, but prepared statement ... requires 1"."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
-                       ["%::int + %"])
-        names = [name for (name,) in cursor.fetchall()]
-        assert names, "nothing prepared"
-        for name in names:
-            cursor.execute(f'DEALLOCATE "{name}"')
-            cursor.execute(f'PREPARE "{name}" (int) AS SELECT $1')
+    """Another client's one-parameter statement under the name psycopg used for ours."""
+    prepare_foreign_statements(lose_prepared("statement LIKE %s", ["%::int + %"]))
 
 
 def test_a_statement_bound_to_another_clients_is_not_retried_as_weather(
