@@ -28,6 +28,11 @@ Sections (the workload letters are those of the shared peer harness, ``shared/be
 * peers - when the shared harness and its venv (``PEERS_VENV``, default ~/.cache/peers-venv, with
   pgqueuer and procrastinate) exist, their runners are run with the same job count, and the
   table shows their figures with our ratio to them.
+* rounds - the contested comparisons again, head to head: ``--rounds`` rounds, each measuring
+  ours and then PgQueuer back to back (C default drain against its default, our best
+  one-process drain against its batch 500, ``enqueue()`` p99 against its single enqueue). A
+  verdict is the median of the rounds' ratios, each ratio taken between measurements seconds
+  apart, so a machine that slows down for a minute moves both sides of it.
 * optional: drain rate with many finished rows in the table, and the runner's RSS over repeated
   drains.
 """
@@ -76,7 +81,7 @@ PICKUP_CHANNEL = "pj_bench_pickup"
 ENQUEUE_BATCH = 5000
 PGBENCH_CLIENTS = 4
 ACTIVE = "status IN ('pending', 'failed', 'running')"
-SECTIONS = ("reference", "drain", "backlog", "pickup", "enqueue", "peers")
+SECTIONS = ("reference", "drain", "backlog", "pickup", "enqueue", "peers", "rounds")
 
 
 # --------------------------------------------------------------------------- output
@@ -176,6 +181,27 @@ def scalar(query: str, params: list[Any] | None = None) -> Any:
 def reset_jobs() -> None:
     """Empty the job tables (not the runners table: a live runner's registration stays)."""
     execute("TRUNCATE persistent_jobs, persistent_jobs_attempts")
+
+
+def settle(threshold: float = 0.25, longest: float = 30.0) -> float:
+    """CHECKPOINT, then wait (at most ``longest`` seconds) until the machine's CPUs were less
+    than ``threshold`` busy over a second; returns the last reading.
+
+    The peer harness does exactly this before each of its measurements (``quiet_gate``), so the
+    head-to-head rounds do it before ours too: both sides then start from written-out buffers
+    and a quiet machine, and neither pays for the other's leftovers.
+    """
+    execute("CHECKPOINT")
+    deadline = time.monotonic() + longest
+    while True:
+        before = MachineBusy._read()
+        time.sleep(1.0)
+        after = MachineBusy._read()
+        if before is None or after is None or after[1] == before[1]:
+            return 0.0
+        busy = (after[0] - before[0]) / (after[1] - before[1])
+        if busy < threshold or time.monotonic() > deadline:
+            return busy
 
 
 def analyze() -> None:
@@ -543,11 +569,15 @@ def drain_once(procs: list[RunnerProcess], jobs: int, *, hold_snapshot: bool = F
 
 
 def measure_drain(concurrency: int | None, jobs: int, workdir: Path, *, processes: int = 1,
-                  hold_snapshot: bool = False, job_type: str = NOOP) -> Drain:
-    """A drain by ``processes`` separate ``runjobs`` processes, started on empty tables."""
+                  hold_snapshot: bool = False, job_type: str = NOOP,
+                  quiet: bool = False) -> Drain:
+    """A drain by ``processes`` separate ``runjobs`` processes, started on empty tables
+    (``quiet``: once the runners are up, ``settle`` before the jobs are committed)."""
     reset_jobs()
     with contextlib.ExitStack() as stack:
         procs = [stack.enter_context(runner(concurrency, workdir)) for _ in range(processes)]
+        if quiet:
+            settle()
         return drain_once(procs, jobs, hold_snapshot=hold_snapshot, job_type=job_type)
 
 
@@ -588,13 +618,16 @@ def measure_pickup(bench_url: str, samples: int, workdir: Path) -> tuple[list[fl
 # --------------------------------------------------------------------------- enqueue
 
 
-def measure_enqueue(samples: int) -> list[float]:
-    """``enqueue()`` wall time in ms, each call its own autocommit transaction (commit included)."""
+def measure_enqueue(samples: int, *, quiet: bool = False) -> list[float]:
+    """``enqueue()`` wall time in ms, each call its own autocommit transaction (commit included;
+    ``quiet``: ``settle`` after the warm-up)."""
     from django_persistent_jobs import enqueue
 
     reset_jobs()
     for i in range(50):  # warm the connection, the plan cache and the code paths
         enqueue(NOOP, {"n": i})
+    if quiet:
+        settle()
     durations = []
     for i in range(samples):
         started = time.perf_counter()
@@ -854,16 +887,17 @@ def section_peers(args: argparse.Namespace, ctx: Context) -> None:
     pgq_d = rec("pgqueuer", "D", "default: batch_size=10")
     pgq_big = rec("pgqueuer", "C", "default: batch_size=10 backlog")
     ours_c = ctx.drain_c.rate if ctx.drain_c else None
+    judge = _one_shot_verdict(args)
     if pgq_c:
         rate = pgq_c["jobs_per_s"]
         ctx.report.add("PgQueuer C drain, default (batch 10)", f"{rate:,.0f} jobs/s",
-                       "ours >= 1.0x", verdict(bool(ours_c and ours_c >= rate),
-                                               f"ours {ours_c / rate:.2f}x") if ours_c else "")
+                       "ours >= 1.0x", judge(bool(ours_c and ours_c >= rate),
+                                             f"ours {ours_c / rate:.2f}x") if ours_c else "")
     if pgq_c500:
         rate = pgq_c500["jobs_per_s"]
         ours_best, best_text = ctx.drain_best, ""
         if ours_best is not None:
-            best_text = verdict(ours_best.rate >= rate,
+            best_text = judge(ours_best.rate >= rate,
                                 f"ours at its best ({ours_best.how}) "
                                 f"{ours_best.rate / rate:.2f}x")
         ctx.report.add("PgQueuer C drain, batch 500", f"{rate:,.0f} jobs/s",
@@ -889,7 +923,7 @@ def section_peers(args: argparse.Namespace, ctx: Context) -> None:
         ours_a = ctx.ours.get("A")
         ctx.report.add("PgQueuer A enqueue p50 / p99",
                        f"{pgq_a['p50_ms']:.2f} / {pgq_a['p99_ms']:.2f} ms", "ours p99 <= it",
-                       verdict(ours_a <= pgq_a["p99_ms"], f"ours p99 {ours_a:.2f} ms")
+                       judge(ours_a <= pgq_a["p99_ms"], f"ours p99 {ours_a:.2f} ms")
                        if ours_a is not None else "")
     if pgq_b:
         ours_b = ctx.ours.get("B")
@@ -908,6 +942,112 @@ def section_peers(args: argparse.Namespace, ctx: Context) -> None:
     if busy:
         ctx.report.notes.append(f"{len(busy)} peer measurements ran while other processes used "
                                 ">10% of the CPU; raw records in " + str(out / "raw"))
+
+
+def _one_shot_verdict(args: argparse.Namespace) -> Any:
+    """``verdict``, or only the ratio when the rounds section will judge the same comparison
+    from the median of several head-to-head rounds (one pair minutes apart is not evidence)."""
+    if "rounds" in args.only and args.rounds > 0:
+        return lambda ok, text: f"{text} (one shot; see the rounds)"
+    return verdict
+
+
+@dataclass
+class Round:
+    """One head-to-head round: our figures and PgQueuer's, measured back to back."""
+
+    ours_c: float
+    ours_best: Drain
+    ours_enqueue_p99: float
+    pgq_c: float | None
+    pgq_c500: float | None
+    pgq_enqueue_p99: float | None
+
+
+def _median_ratio(pairs: list[tuple[float, float | None]]) -> tuple[float, list[float]] | None:
+    ratios = [ours / theirs for ours, theirs in pairs if theirs]
+    return (statistics.median(ratios), ratios) if ratios else None
+
+
+def section_rounds(args: argparse.Namespace, ctx: Context) -> None:
+    """Ours and PgQueuer back to back, ``--rounds`` times: C default, best one-process drain
+    against batch 500, and ``enqueue()`` p99 against PgQueuer's single enqueue."""
+    harness, python = peers_dir(), peers_python()
+    if args.rounds <= 0 or harness is None or python is None:
+        if args.rounds > 0:
+            ctx.report.notes.append("no head-to-head rounds: peer harness or venv not found")
+        return
+    n = str(args.jobs)
+    rounds: list[Round] = []
+    for number in range(1, args.rounds + 1):
+        out = ctx.workdir / f"round-{number}"
+        out.mkdir(exist_ok=True)
+
+        def theirs(number: int = number, out: Path = out) -> None:
+            say(f"round {number}/{args.rounds}: PgQueuer (C default and batch 500, A)")
+            run_peer("run_pgqueuer.py", "C", {"BENCH_N": n, "BENCH_PGQ_BATCHES": "500"},
+                     harness, python, out)
+            run_peer("run_pgqueuer.py", "A", {"BENCH_N": str(args.enqueue_samples),
+                                              "BENCH_PGQ_BATCHES": ""}, harness, python, out)
+
+        # ABBA order (ours first in odd rounds, PgQueuer first in even ones): a machine that
+        # drifts slower or faster through the run does not favour whoever always goes first.
+        if number % 2 == 0:
+            theirs()
+        say(f"round {number}/{args.rounds}: ours (C defaults, atomic=False drains, enqueue())")
+        c = measure_drain(None, args.jobs, ctx.workdir, quiet=True)
+        drains = [c, *(measure_drain(concurrency, args.jobs, ctx.workdir,
+                                     job_type=NOOP_AUTOCOMMIT, quiet=True)
+                       for concurrency in [None, *args.concurrency])]
+        e99 = pct(measure_enqueue(args.enqueue_samples, quiet=True), 99)
+        if number % 2 == 1:
+            theirs()
+        recs = peer_records(out)
+
+        def value(workload: str, variant: str, key: str, recs: dict[Any, Any] = recs) -> Any:
+            rec = recs.get(("pgqueuer", workload, variant))
+            return rec[key] if rec else None
+
+        rounds.append(Round(
+            ours_c=c.rate, ours_best=max(drains, key=lambda d: d.rate), ours_enqueue_p99=e99,
+            pgq_c=value("C", "default: batch_size=10", "jobs_per_s"),
+            pgq_c500=value("C", "batch_size=500", "jobs_per_s"),
+            pgq_enqueue_p99=value("A", "default", "p99_ms"),
+        ))
+    label = f"median of {len(rounds)} rounds"
+    c_ratio = _median_ratio([(r.ours_c, r.pgq_c) for r in rounds])
+    if c_ratio:
+        ctx.report.add(f"head to head: C defaults vs PgQueuer default, {label}",
+                       f"{c_ratio[0]:.2f}x", "ours >= 1.0x",
+                       verdict(c_ratio[0] >= 1.0, _each(c_ratio[1])))
+    best_ratio = _median_ratio([(r.ours_best.rate, r.pgq_c500) for r in rounds])
+    if best_ratio:
+        hows = sorted({r.ours_best.how for r in rounds})
+        ctx.report.add(f"head to head: best one-process drain vs PgQueuer batch 500, {label}",
+                       f"{best_ratio[0]:.2f}x", "throughput mode >= 1.0x",
+                       verdict(best_ratio[0] >= 1.0,
+                               f"{_each(best_ratio[1])}; ours best at {' / '.join(hows)}"))
+    # For latency the ratio is theirs / ours, so that >= 1.0 means ours is at most theirs.
+    a_ratio = _median_ratio([(r.pgq_enqueue_p99 or 0.0, r.ours_enqueue_p99) for r in rounds
+                             if r.pgq_enqueue_p99])
+    if a_ratio:
+        ctx.report.add(f"head to head: PgQueuer enqueue p99 / ours, {label}",
+                       f"{a_ratio[0]:.2f}x", "ours p99 <= it (>= 1.0x)",
+                       verdict(a_ratio[0] >= 1.0, _each(a_ratio[1])))
+    for number, r in enumerate(rounds, 1):
+        ctx.report.add(
+            f"  round {number}: ours C / best / enqueue p99",
+            f"{r.ours_c:,.0f} / {r.ours_best.rate:,.0f} / {r.ours_enqueue_p99:.2f} ms", "",
+            f"PgQueuer C {_num(r.pgq_c)} / batch 500 {_num(r.pgq_c500)} / enqueue p99 "
+            + (f"{r.pgq_enqueue_p99:.2f} ms" if r.pgq_enqueue_p99 else "-"))
+
+
+def _each(ratios: list[float]) -> str:
+    return "rounds " + ", ".join(f"{x:.2f}x" for x in ratios)
+
+
+def _num(rate: float | None) -> str:
+    return f"{rate:,.0f}" if rate else "-"
 
 
 def section_history(args: argparse.Namespace, ctx: Context) -> None:
@@ -976,7 +1116,8 @@ def run(args: argparse.Namespace) -> int:
     started = datetime.now(UTC)
     sections = {"reference": section_reference, "drain": section_drain,
                 "backlog": section_backlog, "pickup": section_pickup,
-                "enqueue": section_enqueue, "peers": section_peers}
+                "enqueue": section_enqueue, "peers": section_peers,
+                "rounds": section_rounds}
     for name, section in sections.items():
         if name in args.only:
             section(args, ctx)
@@ -1025,6 +1166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-workloads", default=None,
                         help="harness workloads for the peers (default ABCDE; C quick)")
     parser.add_argument("--peer-pickup-samples", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="head-to-head rounds against PgQueuer (default 3; 0 with --quick)")
     parser.add_argument("--no-procrastinate", dest="procrastinate", action="store_false",
                         default=None, help="skip Procrastinate (skipped by --quick)")
     parser.add_argument("--finished-rows", type=int, default=0,
@@ -1044,6 +1187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "peer_workloads": "C" if quick else "ABCDE",
         "peer_pickup_samples": 10 if quick else 50,
         "procrastinate": not quick,
+        "rounds": 0 if quick else 3,
     }
     for key, value in defaults.items():
         if getattr(args, key) is None:
