@@ -29,8 +29,8 @@ Sections (the workload letters are those of the shared peer harness, ``shared/be
   pgqueuer and procrastinate) exist, their runners are run with the same job count, and the
   table shows their figures with our ratio to them.
 * rounds - the contested comparisons again, head to head: ``--rounds`` rounds, each measuring
-  ours and then PgQueuer back to back (C default drain against its default, our best
-  one-process drain against its batch 500, ``enqueue()`` p99 against its single enqueue). A
+  ours and then PgQueuer back to back (C default drain against its default, the throughput
+  mode at defaults against its batch 500, ``enqueue()`` p99 against its single enqueue). A
   verdict is the median of the rounds' ratios, each ratio taken between measurements seconds
   apart, so a machine that slows down for a minute moves both sides of it.
 * optional: drain rate with many finished rows in the table, and the runner's RSS over repeated
@@ -957,7 +957,11 @@ class Round:
     """One head-to-head round: our figures and PgQueuer's, measured back to back."""
 
     ours_c: float
-    ours_best: Drain
+    #: The throughput mode at defaults: the one configuration set against batch 500, chosen
+    #: before the run (the best of several noisy drains would be biased upwards).
+    ours_fast: float
+    #: The throughput mode at each extra ``--concurrency``, printed for information.
+    ours_fast_other: list[Drain]
     ours_enqueue_p99: float
     pgq_c: float | None
     pgq_c500: float | None
@@ -970,8 +974,8 @@ def _median_ratio(pairs: list[tuple[float, float | None]]) -> tuple[float, list[
 
 
 def section_rounds(args: argparse.Namespace, ctx: Context) -> None:
-    """Ours and PgQueuer back to back, ``--rounds`` times: C default, best one-process drain
-    against batch 500, and ``enqueue()`` p99 against PgQueuer's single enqueue."""
+    """Ours and PgQueuer back to back, ``--rounds`` times: C default, the throughput mode at
+    defaults against batch 500, and ``enqueue()`` p99 against PgQueuer's single enqueue."""
     harness, python = peers_dir(), peers_python()
     if args.rounds <= 0 or harness is None or python is None:
         if args.rounds > 0:
@@ -996,9 +1000,9 @@ def section_rounds(args: argparse.Namespace, ctx: Context) -> None:
             theirs()
         say(f"round {number}/{args.rounds}: ours (C defaults, atomic=False drains, enqueue())")
         c = measure_drain(None, args.jobs, ctx.workdir, quiet=True)
-        drains = [c, *(measure_drain(concurrency, args.jobs, ctx.workdir,
-                                     job_type=NOOP_AUTOCOMMIT, quiet=True)
-                       for concurrency in [None, *args.concurrency])]
+        fast, *others = [measure_drain(concurrency, args.jobs, ctx.workdir,
+                                       job_type=NOOP_AUTOCOMMIT, quiet=True)
+                         for concurrency in [None, *args.concurrency]]
         e99 = pct(measure_enqueue(args.enqueue_samples, quiet=True), 99)
         if number % 2 == 1:
             theirs()
@@ -1009,7 +1013,7 @@ def section_rounds(args: argparse.Namespace, ctx: Context) -> None:
             return rec[key] if rec else None
 
         rounds.append(Round(
-            ours_c=c.rate, ours_best=max(drains, key=lambda d: d.rate), ours_enqueue_p99=e99,
+            ours_c=c.rate, ours_fast=fast.rate, ours_fast_other=others, ours_enqueue_p99=e99,
             pgq_c=value("C", "default: batch_size=10", "jobs_per_s"),
             pgq_c500=value("C", "batch_size=500", "jobs_per_s"),
             pgq_enqueue_p99=value("A", "default", "p99_ms"),
@@ -1020,13 +1024,11 @@ def section_rounds(args: argparse.Namespace, ctx: Context) -> None:
         ctx.report.add(f"head to head: C defaults vs PgQueuer default, {label}",
                        f"{c_ratio[0]:.2f}x", "ours >= 1.0x",
                        verdict(c_ratio[0] >= 1.0, _each(c_ratio[1])))
-    best_ratio = _median_ratio([(r.ours_best.rate, r.pgq_c500) for r in rounds])
-    if best_ratio:
-        hows = sorted({r.ours_best.how for r in rounds})
-        ctx.report.add(f"head to head: best one-process drain vs PgQueuer batch 500, {label}",
-                       f"{best_ratio[0]:.2f}x", "throughput mode >= 1.0x",
-                       verdict(best_ratio[0] >= 1.0,
-                               f"{_each(best_ratio[1])}; ours best at {' / '.join(hows)}"))
+    fast_ratio = _median_ratio([(r.ours_fast, r.pgq_c500) for r in rounds])
+    if fast_ratio:
+        ctx.report.add(f"head to head: atomic=False at defaults vs PgQueuer batch 500, {label}",
+                       f"{fast_ratio[0]:.2f}x", "throughput mode >= 1.0x",
+                       verdict(fast_ratio[0] >= 1.0, _each(fast_ratio[1])))
     # For latency the ratio is theirs / ours, so that >= 1.0 means ours is at most theirs.
     a_ratio = _median_ratio([(r.pgq_enqueue_p99 or 0.0, r.ours_enqueue_p99) for r in rounds
                              if r.pgq_enqueue_p99])
@@ -1035,11 +1037,13 @@ def section_rounds(args: argparse.Namespace, ctx: Context) -> None:
                        f"{a_ratio[0]:.2f}x", "ours p99 <= it (>= 1.0x)",
                        verdict(a_ratio[0] >= 1.0, _each(a_ratio[1])))
     for number, r in enumerate(rounds, 1):
+        extra = "".join(f"; atomic=False {d.how.split(', ', 1)[1]} {d.rate:,.0f}"
+                        for d in r.ours_fast_other)
         ctx.report.add(
-            f"  round {number}: ours C / best / enqueue p99",
-            f"{r.ours_c:,.0f} / {r.ours_best.rate:,.0f} / {r.ours_enqueue_p99:.2f} ms", "",
+            f"  round {number}: ours C / atomic=False / enqueue p99",
+            f"{r.ours_c:,.0f} / {r.ours_fast:,.0f} / {r.ours_enqueue_p99:.2f} ms", "",
             f"PgQueuer C {_num(r.pgq_c)} / batch 500 {_num(r.pgq_c500)} / enqueue p99 "
-            + (f"{r.pgq_enqueue_p99:.2f} ms" if r.pgq_enqueue_p99 else "-"))
+            + (f"{r.pgq_enqueue_p99:.2f} ms" if r.pgq_enqueue_p99 else "-") + extra)
 
 
 def _each(ratios: list[float]) -> str:
