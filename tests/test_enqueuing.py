@@ -159,6 +159,38 @@ def test_a_plain_enqueue_returns_exactly_the_row_it_stored(
     assert PersistentJob.objects.get(id=job.id).status == JobStatus.CANCELLED
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("signal_name", ["pre_init", "post_init"])
+def test_init_receivers_of_the_job_model_see_every_job_enqueue_returns(signal_name: str) -> None:
+    """The returned jobs are built without ``Model.__init__`` (it was most of ``enqueue()``'s
+    own Python), which would skip the init signals: with a receiver connected for the job model,
+    they are built the regular way, so the receiver sees each one, and they still equal a fresh
+    read (``enqueue_many`` leaves the columns the database filled in deferred)."""
+    from django.db.models import signals as model_signals
+
+    signal = getattr(model_signals, signal_name)
+    seen: list[Any] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        seen.append(kwargs.get("instance"))
+
+    signal.connect(receiver, sender=PersistentJob)
+    try:
+        one = enqueue("test.noop", {"n": 1})
+        many = enqueue_many([("test.noop", {"n": 2}), ("test.noop", {"n": 3})])
+    finally:
+        signal.disconnect(receiver, sender=PersistentJob)
+    assert len(seen) == 3
+    if signal_name == "post_init":
+        assert [job.pk for job in seen] == [one.pk, *(job.pk for job in many)]
+    for job in [one, *many]:
+        assert type(job) is PersistentJob and not job._state.adding
+        assert _fields(job) == _fields(PersistentJob.objects.get(id=job.id))
+    seen.clear()
+    enqueue("test.noop")  # disconnected: the fast path again, unseen
+    assert seen == []
+
+
 @pytest.fixture
 def insert_function_unknown() -> Iterator[None]:
     """This process forgets whether the database has ``persistent_jobs_insert()`` (it looks
