@@ -824,11 +824,10 @@ def _loaded(values: dict[str, Any], alias: str) -> PersistentJob:
 
     Built without ``Model.__init__``, which costs more than the rest of building the job (5 µs
     against 2 for the 26 fields, on the 2-core VM) and, for large batches, more than the insert
-    itself. What it
-    would add is ``pre_init`` and ``post_init``: when a receiver listens for this model, the
-    regular constructor runs (through ``from_db``, as a query would load the row), so those
-    receivers see every job this module returns. Attributes left out are deferred: they load
-    on access, as with ``only()``.
+    itself. What it would add is ``pre_init`` and ``post_init``: when a receiver listens for
+    this model, the regular constructor runs (through ``from_db``, as a query would load the
+    row), so those receivers see every job this module returns. Attributes left out are
+    deferred: they load on access, as with ``only()``.
     """
     if pre_init.has_listeners(PersistentJob) or post_init.has_listeners(PersistentJob):
         return PersistentJob.from_db(
