@@ -61,7 +61,7 @@ def _walk(value: Any, where: _Where, depth: int, limits: tuple[int, int],
         for key, item in value.items():
             if type(key) is not str and not isinstance(key, str):
                 raise PayloadError(
-                    f"{_path(where)} has a {type(key).__name__} key {bounds.show(key)}; "
+                    f"{_path(where)} has a key {bounds.show(key)} of type {type(key).__name__}; "
                     "JSON object keys must be strings (it would come back as a different key)."
                 )
             problem = _text_problem(key)

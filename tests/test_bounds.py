@@ -71,7 +71,7 @@ BAD_ENQUEUES: list[tuple[dict[str, Any], str]] = [
     ({"priority": 10**30}, "priority must be an integer in -32768..32767"),
     ({"payload": {"n": HUGE_INT}}, "payload['n'] is an integer of more than 4300 digits"),
     ({"payload": {"n": [-(10**4300)]}}, "payload['n'][0] is an integer of more than 4300"),
-    ({"payload": {HUGE_INT: 1}}, "has a int key <int>"),
+    ({"payload": {HUGE_INT: 1}}, "has a key <int> of type int"),
     ({"job_type": "test.noop" + NUL}, "job_type 'test.noop\\x00' contains a NUL character"),
     ({"job_type": "x" + SURROGATE}, "contains a lone surrogate"),
     ({"job_type": "x" * 201}, "job_type must be a string of 1..200 characters"),

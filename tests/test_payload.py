@@ -109,8 +109,9 @@ REFUSED: list[tuple[Any, str]] = [
     ({"frozen": frozenset()}, "payload['frozen'] is a frozenset"),
     ({"point": (1, 2)}, "payload['point'] is a tuple, which does not round-trip through JSON "
                         "unchanged (a tuple would come back as a list; pass a list)"),
-    ({"m": {"ok": 1, 7: "x"}}, "payload['m'] has a int key 7; JSON object keys must be strings"),
-    ({True: 1}, "payload has a bool key True"),
+    ({"m": {"ok": 1, 7: "x"}},
+     "payload['m'] has a key 7 of type int; JSON object keys must be strings"),
+    ({True: 1}, "payload has a key True of type bool"),
     ({"x": [1.0, float("nan")]}, "payload['x'][1] is nan; JSON has no NaN or Infinity"),
     ({"x": float("-inf")}, "payload['x'] is -inf; JSON has no NaN or Infinity"),
     ({"s": "a\x00b"}, "payload['s'] contains a NUL character"),

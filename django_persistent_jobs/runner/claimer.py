@@ -59,8 +59,11 @@ def claim_loop(runner: Runner) -> None:
         # Burst mode may believe "nothing is due" only from a claim that began with none of our
         # jobs in flight or completing. A job finishing *during* the claim commits after the
         # claim's snapshot (its follow-ups, or a waiting job its dedup key held back, stay
-        # unseen), and a SQL-less job leaves its slot before its batched completion commits.
-        idle_before_claim = pool.busy == 0 and pool.completing == 0
+        # unseen), and a SQL-less job leaves its slot before its batched completion commits;
+        # a job taken over (timeout, lost worker) leaves its slot before its retry is written.
+        # (``settling`` is read last: a take-over counts there before it frees the slot.)
+        idle_before_claim = (pool.busy == 0 and pool.completing == 0
+                             and runner.timeouts.settling == 0)
 
         def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(runner):
@@ -113,10 +116,9 @@ def claim_loop(runner: Runner) -> None:
                 break
             # Wait for a running job to finish (it may enqueue more) or a wake-up, then look again
             # (at once if they all finished meanwhile: that claim decides).
-            busy_now = pool.busy + pool.completing
+            busy_now = _outstanding(runner)
             if busy_now:
-                _wait_for(runner, lambda busy_now=busy_now: pool.busy + pool.completing < busy_now,
-                          0.01)
+                _wait_for(runner, lambda busy_now=busy_now: _outstanding(runner) < busy_now, 0.01)
             continue
         runner.wake.wait(starts.due_in(poll))
     _write_starts(runner, last=True)  # the last starts, before the runner settles what it holds
@@ -204,6 +206,12 @@ def claim_limit(wanted: int) -> int:
     if wanted >= CLAIM_SIZES[-1]:
         return CLAIM_SIZES[-1]
     return CLAIM_SIZES[bisect.bisect_right(CLAIM_SIZES, wanted) - 1]
+
+
+def _outstanding(runner: Runner) -> int:
+    """Jobs of this runner that may still lead to more due work: running, completing, or
+    taken over and not settled yet."""
+    return runner.pool.busy + runner.pool.completing + runner.timeouts.settling
 
 
 def _wait_for(runner: Runner, condition: Any, step: float) -> None:

@@ -58,6 +58,18 @@ class TimeoutEnforcer:
         self.forced = forced
         self.unsettled: list[Unsettled] = []
         self._lost: queue.SimpleQueue[tuple[InFlight, str]] = queue.SimpleQueue()
+        #: Take-overs between freeing the job's slot and listing it in ``unsettled``.
+        self._taking = 0
+        self._taking_lock = threading.Lock()
+
+    @property
+    def settling(self) -> int:
+        """Jobs taken from the executor (or about to be: lost ones) whose outcome is not
+        written yet. Their slots are free already, so the executor looks idle, but a retry
+        due at once may yet be written: burst mode must not decide "nothing is due" before
+        it is. Counted before the executor frees the slot (``take_over``), so a reader that
+        looks at the executor first and at this second never misses a job in between."""
+        return self._taking + len(self.unsettled) + self._lost.qsize()
 
     def lost(self, item: InFlight, why: str) -> None:
         """A worker process died under this job. Called from the executor's thread: the job
@@ -90,9 +102,15 @@ class TimeoutEnforcer:
     def take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str | None) -> None:
         """Take a job from the executor, then settle it: kill the handler's connection (so it
         can commit nothing), interrupt its thread, record the outcome (fenced)."""
-        if not self.executor.take_over(item):
-            return  # it finished on its own
-        self.unsettled.append(Unsettled(item, outcome, attempt_outcome))
+        with self._taking_lock:
+            self._taking += 1
+        try:
+            if not self.executor.take_over(item):
+                return  # it finished on its own
+            self.unsettled.append(Unsettled(item, outcome, attempt_outcome))
+        finally:
+            with self._taking_lock:
+                self._taking -= 1
         self.settle_pending()
 
     def settle_pending(self) -> None:

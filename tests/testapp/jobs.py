@@ -52,6 +52,14 @@ def ledger(payload: dict[str, Any], ctx: JobContext) -> None:
     LedgerEntry.objects.create(job_id=ctx.job_id, note=str(payload.get("note", "")))
 
 
+@job_handler("test.oversleep", max_retries=1, backoff=constant(0), timeout=60)
+def oversleep(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Sleeps ``sleep`` seconds; enqueued with a shorter timeout it times out on every attempt,
+    and its retry is due the moment the timeout is recorded (no backoff)."""
+    SideEffect.objects.create(job_id=ctx.job_id, attempt=ctx.attempt)
+    time.sleep(float(payload["sleep"]))
+
+
 @job_handler("test.hang_first", max_retries=3, backoff=constant(0.1), timeout=120)
 def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
     """Hangs (``sleep`` seconds, default 60) on attempt 1 only, then writes its ledger entry.

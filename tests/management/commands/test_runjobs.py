@@ -149,6 +149,24 @@ def test_burst_runs_a_retry_that_falls_due_while_work_is_running(spawn_runner: S
     assert done.status == JobStatus.COMPLETED and done.attempts == 2
 
 
+@pytest.mark.parametrize("processes", ["0", "1"])
+def test_burst_runs_the_retry_of_a_timed_out_job_that_is_due_at_once(
+    spawn_runner: Spawn, processes: str,
+) -> None:
+    """A timeout frees the job's slot before its retry is written: the burst must not stop in
+    between, on a claim that found nothing due and no job running, while that retry (due at
+    once: no backoff) is being written. Every attempt times out, so the job ends dead-lettered
+    after its one retry, in this one burst."""
+    job = enqueue("test.oversleep", {"sleep": 3}, timeout=0.5)
+    code, output = _finish(spawn_runner("--burst", "--processes", processes, env=LOG_ENV))
+    assert code == 0, output
+    done = get_job(job.id)
+    assert (done.status, done.attempts, done.last_error_code) == (
+        JobStatus.DEAD_LETTERED, 2, "TIMEOUT"), output
+    assert list(JobAttempt.objects.filter(job_id=job.id).order_by("attempt")
+                .values_list("outcome", flat=True)) == ["timed_out", "timed_out"]
+
+
 def test_queues_option_restricts_claiming(spawn_runner: Spawn) -> None:
     jobs = {q: enqueue("test.ledger", {"note": q}, queue=q) for q in ("alpha", "beta", "gamma")}
     code, output = _finish(spawn_runner("--burst", "--queues", "alpha, beta", env=LOG_ENV))
