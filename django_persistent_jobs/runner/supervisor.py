@@ -32,7 +32,7 @@ from .. import bounds, conf
 from ..context import JobContext
 from ..errors import ConfigurationError
 from ..handlers import registry
-from . import store
+from . import budget, store
 from .claimer import ADAPTIVE_PREFETCH_FACTOR, ADAPTIVE_PREFETCH_FLOOR, claim_loop
 from .cleanup import cleanup_loop
 from .db import (
@@ -390,6 +390,9 @@ class Runner:
         self._wait_for_database()
         if self.stopping.is_set():
             return
+        # Before any lane, thread or worker exists: a runner the server can never hold stops
+        # here, saying what to change, instead of taking every free connection and hanging.
+        budget.check(self.alias, self.processes, self.settings.concurrency, self.runner_id)
         # Worker processes take a moment to set Django up: start them before the runner
         # registers, so that a registered runner is one that can run jobs.
         self.pool.start()
