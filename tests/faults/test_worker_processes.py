@@ -130,10 +130,20 @@ def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_repl
                                    [progress["backend"]]), 1.5, "the session to be terminated",
              reconnect=True)
     wait_status(follower, "completed", timeout=10)
+    # The slot was free at the timeout, not at the end of the grace: the follower ran within
+    # about a second of the blocked job's timeout (database clock, both sides).
+    waited = sql_value(
+        "SELECT extract(epoch FROM (SELECT min(created_at) FROM faults_ledger WHERE job_id = %s)"
+        " - (SELECT started_at FROM persistent_jobs_attempts WHERE job_id = %s AND attempt = 1))",
+        [follower, blocked])
+    assert float(waited) <= 1.0 + 1.0 < 1.0 + grace, waited
     # The stuck thread never returns, so its process goes: killed after the grace, replaced.
     runner.wait_line(r"recycling worker 1 .*did not return", timeout=10)
     wait_for(lambda: not _alive(stuck_worker), 10, "the stuck worker to be killed", reconnect=True)
     killed_after = time.monotonic() - started
+    # A planned kill, not a crash: operators alert on ``worker_lost`` ("died").
+    runner.wait_line(r"killed at the end of its recycling grace", timeout=5)
+    assert not runner.find(r"died \(")
     assert killed_after <= 1.0 + 2 * grace + 3.0, killed_after
     wait_for(lambda: len(worker_pids(runner)) == 1, 30, "a replacement worker", reconnect=True)
     assert worker_pids(runner) != [stuck_worker]
@@ -234,6 +244,11 @@ def test_sigkill_of_a_worker_settles_its_jobs_within_a_second_and_draining_goes_
     wait_all_terminal([*ids, *more], timeout=60)
     verdict = verify([*ids, *more])
     assert verdict.statuses["completed"] == 34
+    # Only the dead worker's jobs paid for its death: the other worker's ran on, first attempt.
+    survivors = [job_id for job_id in ids if job_id not in victims]
+    assert survivors
+    assert [(a.attempt, a.outcome) for a in attempts_of(survivors)] == [
+        (1, "completed")] * len(survivors)
     assert runner.alive
     assert len(worker_pids(runner)) == 2 and victim not in worker_pids(runner)
 
@@ -394,11 +409,16 @@ def test_a_stop_without_grace_still_releases_worker_queued_jobs_as_unstarted(
 def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> None:
     runner = fleet.spawn(args=["--processes", "1"], concurrency=2,
                          settings={"MAX_JOBS_PER_WORKER": 5})
-    ids = enqueue_jobs(20)
+    # Jobs long enough to be running when their worker reaches its limit: a graceful recycle
+    # lets them finish there, first attempt (a worker killed at once would have them charged
+    # ``WORKER_LOST`` and run again).
+    ids = enqueue_jobs(20, {"sleep": 0.2})
     wait_all_terminal(ids, timeout=90)
     verify(ids)
     assert len(_ledger_pids(ids)) >= 4  # 5 jobs per process, at most
     assert runner.find("MAX_JOBS_PER_WORKER")
+    assert sql_value("SELECT max(attempts) FROM persistent_jobs WHERE id = ANY(%s)", [ids]) == 1
+    assert not runner.find("died")
     # A replacement worker is the supervisor's like the first: a shutdown gives its job the
     # grace period (it is not killed when the claim loop stops).
     last = enqueue_typed("procs.pid", {"sleep": 1.5})
@@ -410,10 +430,20 @@ def test_workers_are_recycled_after_max_jobs_and_max_memory(fleet: Fleet) -> Non
 
     hungry = fleet.spawn(args=["--processes", "1"], concurrency=1,
                          settings={"MAX_MEMORY_PER_WORKER": 1})  # every worker is over 1 MiB
-    hungry.wait_line("exceeds MAX_MEMORY_PER_WORKER", timeout=30)
-    more = enqueue_jobs(5)
+    # A fresh worker is over the limit before it ran anything: replacing it cannot help, so it
+    # stays, and the runner says the limit is too low (once), instead of starting a process a
+    # second forever.
+    hungry.wait_line("MAX_MEMORY_PER_WORKER .* is below", timeout=30)
+    first_worker = worker_pids(hungry)
+    assert not hungry.find("exceeds MAX_MEMORY_PER_WORKER")
+    # Once it has run jobs it is recycled (each one over the limit after its job), gracefully.
+    more = enqueue_jobs(5, {"sleep": 1.5})
     wait_all_terminal(more, timeout=90)
     verify(more)
+    hungry.wait_line("exceeds MAX_MEMORY_PER_WORKER", timeout=30)
+    assert worker_pids(hungry) != first_worker
+    assert sql_value("SELECT max(attempts) FROM persistent_jobs WHERE id = ANY(%s)", [more]) == 1
+    assert len(hungry.find("is below")) == 1
 
 
 def test_cancel_reaches_a_handler_in_a_worker(fleet: Fleet) -> None:

@@ -93,6 +93,9 @@ class WorkerHandle:
     draining: bool = False
     kill_at: float | None = None
     stop_sent: bool = False
+    #: Killed by the supervisor itself (a recycled worker whose grace ran out): its death is
+    #: planned, not a crash.
+    killed: bool = False
     gone: bool = False
     jobs_run: int = 0
     #: Its running jobs by wire id (``protocol.wire_id``), and the lane each one runs on.
@@ -213,6 +216,7 @@ class ProcessExecutor(SlotWaits):
         self._to_spawn = 0
         self._thread = threading.Thread(target=self._manage, name="pj-workers", daemon=True)
         self._last_housekeeping = 0.0
+        self._memory_warned = False
         self._selector: selectors.BaseSelector | None = None
         self.failure: BaseException | None = None
 
@@ -620,6 +624,20 @@ class ProcessExecutor(SlotWaits):
                            "runner_id": self.runner_id})
         self._wake()
 
+    def _fresh_worker_too_big_locked(self, rss: int) -> None:
+        """A worker that has run nothing is over ``MAX_MEMORY_PER_WORKER``: it leaked nothing,
+        and its replacement would be as big, so it stays (replacing it would start a process a
+        second, forever). Said once, as a warning: the limit is set too low to mean anything."""
+        if self._memory_warned or self.max_memory is None:
+            return
+        self._memory_warned = True
+        logger.warning(
+            "runner %s: MAX_MEMORY_PER_WORKER (%.0f MiB) is below the memory of a worker that "
+            "has not run a job yet (%.0f MiB RSS): each worker is recycled after its first "
+            "job. Set it well above a fresh worker's size.", self.runner_id,
+            self.max_memory / 2**20, rss / 2**20,
+            extra={"event": "worker_memory_limit_low", "runner_id": self.runner_id})
+
     def _kill(self, worker: WorkerHandle) -> None:
         with contextlib.suppress(Exception):
             worker.process.kill()
@@ -824,7 +842,7 @@ class ProcessExecutor(SlotWaits):
                     self.in_flight[item.job.id] = item
                     lost.append(item)
             worker.completing.clear()
-            expected = worker.stop_sent and not lost
+            expected = (worker.stop_sent or worker.killed) and not lost
             if not worker.ready and not worker.stop_sent and not self._closed:
                 self._failed_starts += 1
                 if self._starting or self._failed_starts >= MAX_FAILED_STARTS:
@@ -848,7 +866,16 @@ class ProcessExecutor(SlotWaits):
             if self.on_failure is not None:
                 self.on_failure(failure)
         if expected:
-            logger.debug("worker %d exited", worker.number, extra={"event": "worker_exited"})
+            if worker.killed:
+                # Planned (its recycling's grace ran out), and it took no job down with it:
+                # not a ``worker_lost``, which operators alert on.
+                logger.info("runner %s: worker %d (pid %s) killed at the end of its recycling "
+                            "grace (%s)", self.runner_id, worker.number, worker.pid, how,
+                            extra={"event": "worker_killed", "worker_pid": worker.pid,
+                                   "runner_id": self.runner_id})
+            else:
+                logger.debug("worker %d exited", worker.number,
+                             extra={"event": "worker_exited"})
             return
         logger.warning(
             "runner %s: worker %d (pid %s) died (%s) with %d job(s) in flight%s", self.runner_id,
@@ -888,8 +915,11 @@ class ProcessExecutor(SlotWaits):
                         and worker.pid is not None):
                     rss = rss_bytes(worker.pid)
                     if rss is not None and self.max_memory is not None and rss > self.max_memory:
-                        self._recycle_locked(worker, f"its memory ({rss / 2**20:.0f} MiB RSS) "
-                                             "exceeds MAX_MEMORY_PER_WORKER")
+                        if worker.jobs_run:
+                            self._recycle_locked(worker, f"its memory ({rss / 2**20:.0f} MiB "
+                                                 "RSS) exceeds MAX_MEMORY_PER_WORKER")
+                        else:
+                            self._fresh_worker_too_big_locked(rss)
                 if worker.draining and not worker.stop_sent:
                     if not (worker.in_flight or worker.queued or worker.abandoned
                             or worker.completing):
@@ -899,6 +929,8 @@ class ProcessExecutor(SlotWaits):
                         kills.append(worker)
                 elif worker.stop_sent and worker.kill_at is not None and now >= worker.kill_at:
                     kills.append(worker)
+            for worker in kills:
+                worker.killed = True
         for worker in stops:
             self._send(worker, (protocol.STOP,))
         for worker in kills:
