@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..handlers import registry
@@ -23,39 +26,68 @@ from .heartbeat import heartbeat_fresh
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
 
+    from ..conf import RunnerSettings
     from .executor import Executor
-    from .supervisor import Runner
+    from .heartbeat import Liveness
+    from .starts import Lease, StartLog
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 
-def claim_loop(runner: Runner) -> None:
-    settings = runner.settings
-    pool = runner.pool
+@dataclass(frozen=True, eq=False)
+class Claiming:
+    """Everything the claim loop uses, and nothing else: the supervisor (the composition root)
+    builds it, and this module never sees the runner.
+
+    ``dispatch_many`` hands a claim to the executor (returns how many it took: fewer once the
+    runner is stopping), ``hand_back_unstarted`` releases claimed jobs uncharged, and
+    ``settling`` counts jobs taken over (a timeout, a lost worker process) whose outcome is not
+    written yet: their slots are free already, and burst mode must wait for them."""
+
+    alias: str
+    runner_id: str
+    settings: RunnerSettings
+    pool: Executor
+    starts: StartLog
+    lease: Lease
+    liveness: Liveness
+    stopping: threading.Event
+    wake: threading.Event
+    forced: threading.Event
+    burst: bool
+    dispatch_many: Callable[[list[store.ClaimedJob]], int]
+    hand_back_unstarted: Callable[[list[store.ClaimedJob]], None]
+    burst_done: Callable[[], None]
+    settling: Callable[[], int]
+
+
+def claim_loop(claiming: Claiming) -> None:
+    settings = claiming.settings
+    pool = claiming.pool
     poll = settings.poll_interval
     scan = store.ClaimScan()
     room = WaitingRoom(pool) if settings.prefetch is None else None
-    starts = runner.starts
-    while not runner.stopping.is_set():
+    starts = claiming.starts
+    while not claiming.stopping.is_set():
         if room is not None:
             room.adjust()
         free = pool.wait_for_free_slot(timeout=starts.due_in(poll), at_least=refill_at(pool))
-        if runner.stopping.is_set():
+        if claiming.stopping.is_set():
             break
         if free <= 0:
             if starts.overdue:
-                _write_starts(runner)  # no claim is coming to carry them
+                _write_starts(claiming)  # no claim is coming to carry them
             continue
-        if not heartbeat_fresh(runner):
+        if not heartbeat_fresh(claiming.liveness):
             # Frozen or cut off for a while: others may have declared this runner dead. Let the
             # heartbeat prove it alive (registering again if need be) before claiming more.
-            with runner.beaten:
-                runner.beaten.wait(poll)
+            with claiming.liveness.beaten:
+                claiming.liveness.beaten.wait(poll)
             continue
         limit = claim_limit(min(free, settings.batch_size or free))
-        if runner.wake.is_set():
+        if claiming.wake.is_set():
             scan.forget()  # something was committed: it may sit before where the last claim ended
-        runner.wake.clear()
+        claiming.wake.clear()
         # Burst mode may believe "nothing is due" only from a claim that began with none of our
         # jobs in flight or completing. A job finishing *during* the claim commits after the
         # claim's snapshot (its follow-ups, or a waiting job its dedup key held back, stay
@@ -63,10 +95,10 @@ def claim_loop(runner: Runner) -> None:
         # a job taken over (timeout, lost worker) leaves its slot before its retry is written.
         # (``settling`` is read last: a take-over counts there before it frees the slot.)
         idle_before_claim = (pool.busy == 0 and pool.completing == 0
-                             and runner.timeouts.settling == 0)
+                             and claiming.settling() == 0)
 
         def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
-            if not heartbeat_fresh(runner):
+            if not heartbeat_fresh(claiming.liveness):
                 return []  # the database came back after a long while: beat first (see above)
             store.index_only_session(cursor)
             # Only types this process has handlers for, read at each claim (a sorted list of a
@@ -75,65 +107,66 @@ def claim_loop(runner: Runner) -> None:
             # the idle workers are recorded as waiting; the claim also records the starts of
             # earlier waiting jobs.
             with starts.taken() as (tokens, times):
-                return scan.claim(cursor, runner.runner_id, limit, settings.queues,
+                return scan.claim(cursor, claiming.runner_id, limit, settings.queues,
                                   job_types=registry.job_types(), direct=pool.idle(),
                                   started=tokens, started_at=times,
                                   decode=pool.decode_at_claim)
 
         # Read before the claim: a lease lost and taken again during it starts a new period,
         # and these jobs must not take the fast path then (``starts.Lease``).
-        period = runner.lease.period()
-        jobs = run_with_retry(runner.alias, do_claim, what="claiming jobs",
-                              interrupt=runner.stopping)
+        period = claiming.lease.period()
+        jobs = run_with_retry(claiming.alias, do_claim, what="claiming jobs",
+                              interrupt=claiming.stopping)
         if jobs is None:
             break
         for job in jobs:
             job.lease_period = period
-        if not jobs and not heartbeat_fresh(runner):
+        if not jobs and not heartbeat_fresh(claiming.liveness):
             continue  # skipped, not "nothing due": burst mode must not stop on it
-        if jobs and runner.stopping.is_set():
+        if jobs and claiming.stopping.is_set():
             # SIGTERM arrived while the claim was in flight: these were claimed before we
             # noticed, so hand them straight back rather than start them.
-            runner.hand_back_unstarted(jobs)
+            claiming.hand_back_unstarted(jobs)
             break
         # The whole claim at once: one lock (threads) or one message per worker (processes).
-        accepted = runner.dispatch_many(jobs) if jobs else 0
+        accepted = claiming.dispatch_many(jobs) if jobs else 0
         if accepted < len(jobs):
             # The supervisor sealed the pool for shutdown between the check above and now.
-            runner.hand_back_unstarted(jobs[accepted:])
-            _write_starts(runner, last=True)
+            claiming.hand_back_unstarted(jobs[accepted:])
+            _write_starts(claiming, last=True)
             return
         if logger.isEnabledFor(logging.DEBUG) and jobs:
             logger.debug("claimed %d job(s)", len(jobs),
                          extra={"event": "claim", "count": len(jobs),
                                 "job_ids": [str(j.id) for j in jobs],
-                                "runner_id": runner.runner_id})
+                                "runner_id": claiming.runner_id})
         if len(jobs) == limit:
             continue  # there may be more due right now
-        if runner.burst:
+        if claiming.burst:
             if not jobs and idle_before_claim:
-                runner.burst_done()
+                claiming.burst_done()
                 break
             # Wait for a running job to finish (it may enqueue more) or a wake-up, then look again
             # (at once if they all finished meanwhile: that claim decides).
-            busy_now = _outstanding(runner)
+            busy_now = _outstanding(claiming)
             if busy_now:
-                _wait_for(runner, lambda busy_now=busy_now: _outstanding(runner) < busy_now, 0.01)
+                _wait_for(claiming,
+                          lambda busy_now=busy_now: _outstanding(claiming) < busy_now, 0.01)
             continue
-        runner.wake.wait(starts.due_in(poll))
-    _write_starts(runner, last=True)  # the last starts, before the runner settles what it holds
+        claiming.wake.wait(starts.due_in(poll))
+    _write_starts(claiming, last=True)  # the last starts, before the runner settles what it holds
 
 
-def _write_starts(runner: Runner, last: bool = False) -> None:
+def _write_starts(claiming: Claiming, last: bool = False) -> None:
     """Record the starts noted on the fast path (``starts.StartLog``) on their own (``last``:
     the claim loop's final write, which also takes the starts a completion batch carries, due
     or not: the batch may yet fail, and nobody would write them after this)."""
     def write(cursor: Cursor) -> None:
-        with runner.starts.taken(everything=last) as (tokens, times):
+        with claiming.starts.taken(everything=last) as (tokens, times):
             if tokens:
                 store.mark_started(cursor, tokens, times)
 
-    run_with_retry(runner.alias, write, what="recording job starts", interrupt=runner.forced)
+    run_with_retry(claiming.alias, write, what="recording job starts", interrupt=claiming.forced)
 
 
 #: With the adaptive ``PREFETCH`` (``None``), at most this many claimed jobs per worker slot wait
@@ -208,14 +241,14 @@ def claim_limit(wanted: int) -> int:
     return CLAIM_SIZES[bisect.bisect_right(CLAIM_SIZES, wanted) - 1]
 
 
-def _outstanding(runner: Runner) -> int:
+def _outstanding(claiming: Claiming) -> int:
     """Jobs of this runner that may still lead to more due work: running, completing, or
     taken over and not settled yet."""
-    return runner.pool.busy + runner.pool.completing + runner.timeouts.settling
+    return claiming.pool.busy + claiming.pool.completing + claiming.settling()
 
 
-def _wait_for(runner: Runner, condition: Any, step: float) -> None:
+def _wait_for(claiming: Claiming, condition: Any, step: float) -> None:
     deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and not runner.stopping.is_set():
-        if runner.wake.wait(step) or condition():
+    while time.monotonic() < deadline and not claiming.stopping.is_set():
+        if claiming.wake.wait(step) or condition():
             return

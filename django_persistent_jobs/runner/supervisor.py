@@ -7,7 +7,8 @@ and stops the runner loudly if one dies, instead of limping on without, say, its
 
 Each loop is given only what it uses (the settings it reads, the ``lifecycle`` events, the
 ``liveness`` object, the executor) and none imports this module: see ``_loop_bodies``. The claim
-loop alone still takes the runner, for ``dispatch_many`` and the hand-back of what it claimed late.
+loop gets a ``claimer.Claiming`` with its few services and the runner's three callbacks it needs
+(hand a claim to the executor, hand late claims back, end a burst), built in ``_claiming``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..context import JobContext
 from ..errors import ConfigurationError
 from ..handlers import registry
 from . import budget, store
-from .claimer import ADAPTIVE_PREFETCH_FACTOR, ADAPTIVE_PREFETCH_FLOOR, claim_loop
+from .claimer import ADAPTIVE_PREFETCH_FACTOR, ADAPTIVE_PREFETCH_FLOOR, Claiming, claim_loop
 from .cleanup import cleanup_loop
 from .db import (
     LOCK_NOT_AVAILABLE,
@@ -421,6 +422,16 @@ class Runner:
             extra={"event": "runner_started", "runner_id": self.runner_id},
         )
 
+    def _claiming(self) -> Claiming:
+        """What the claim loop is given."""
+        return Claiming(
+            alias=self.alias, runner_id=self.runner_id, settings=self.settings, pool=self.pool,
+            starts=self.starts, lease=self.lease, liveness=self.liveness,
+            stopping=self.stopping, wake=self.wake, forced=self.forced, burst=self.burst,
+            dispatch_many=self.dispatch_many, hand_back_unstarted=self.hand_back_unstarted,
+            burst_done=self.burst_done, settling=lambda: self.timeouts.settling,
+        )
+
     def _loop_bodies(self) -> list[tuple[str, Callable[[], None]]]:
         """The supervisor's loops, each bound to exactly what it uses."""
         settings, alias, lifecycle = self.settings, self.alias, self.lifecycle
@@ -428,7 +439,7 @@ class Runner:
             ("listener", lambda: listen_loop(alias, lifecycle, runner_id=self.runner_id,
                                              poll_interval=settings.poll_interval,
                                              lease=self.lease)),
-            ("claimer", lambda: claim_loop(self)),
+            ("claimer", lambda: claim_loop(self._claiming())),
             ("heartbeat", lambda: heartbeat_loop(self.liveness, lifecycle.halt)),
             ("rescue", lambda: rescue_loop(self.liveness, self.pool, lifecycle.halt)),
         ]
