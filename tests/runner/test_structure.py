@@ -23,9 +23,9 @@ def _imports_supervisor(path: Path) -> list[int]:
             if module.endswith("supervisor") or (module in ("", "runner", "..runner")
                                                   and "supervisor" in names):
                 lines.append(node.lineno)
-        elif isinstance(node, ast.Import):
-            if any(alias.name.endswith(".supervisor") for alias in node.names):
-                lines.append(node.lineno)
+        elif isinstance(node, ast.Import) and any(
+                alias.name.endswith(".supervisor") for alias in node.names):
+            lines.append(node.lineno)
     return sorted(lines)
 
 
