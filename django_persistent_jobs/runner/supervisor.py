@@ -7,8 +7,9 @@ and stops the runner loudly if one dies, instead of limping on without, say, its
 
 Each loop is given only what it uses (the settings it reads, the ``lifecycle`` events, the
 ``liveness`` object, the executor) and none imports this module: see ``_loop_bodies``. The claim
-loop gets a ``claimer.Claiming`` with its few services and the runner's three callbacks it needs
-(hand a claim to the executor, hand late claims back, end a burst), built in ``_claiming``.
+loop gets a ``claimer.Claiming`` with its few services, the three runner callbacks it needs
+(hand a claim to the executor, hand late claims back, end a burst) and the count of take-overs
+not yet settled, built in ``_claiming``.
 """
 
 from __future__ import annotations
