@@ -93,9 +93,7 @@ def claim_loop(claiming: Claiming) -> None:
         # claim's snapshot (its follow-ups, or a waiting job its dedup key held back, stay
         # unseen), and a SQL-less job leaves its slot before its batched completion commits;
         # a job taken over (timeout, lost worker) leaves its slot before its retry is written.
-        # (``settling`` is read last: a take-over counts there before it frees the slot.)
-        idle_before_claim = (pool.busy == 0 and pool.completing == 0
-                             and claiming.settling() == 0)
+        idle_before_claim = _outstanding(claiming) == 0
 
         def do_claim(cursor: Cursor, limit: int = limit) -> list[store.ClaimedJob]:
             if not heartbeat_fresh(claiming.liveness):
@@ -243,8 +241,11 @@ def claim_limit(wanted: int) -> int:
 
 def _outstanding(claiming: Claiming) -> int:
     """Jobs of this runner that may still lead to more due work: running, completing, or
-    taken over and not settled yet."""
-    return claiming.pool.busy + claiming.pool.completing + claiming.settling()
+    taken over and not settled yet. ``settling`` is read last, on purpose: a take-over counts
+    there before it frees the job's slot, so no job slips between the two reads."""
+    pool = claiming.pool
+    busy = pool.busy + pool.completing
+    return busy + claiming.settling()
 
 
 def _wait_for(claiming: Claiming, condition: Any, step: float) -> None:
