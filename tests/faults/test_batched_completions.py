@@ -30,7 +30,7 @@ import psycopg
 import pytest
 
 from django_persistent_jobs import enqueue_many
-from django_persistent_jobs.runner.completer import MAX_BATCH
+from django_persistent_jobs.runner.executor import COMPLETING_ALLOWANCE
 
 from .batch_handlers import runs_of
 from .harness import (
@@ -151,7 +151,7 @@ def test_slots_are_free_while_completions_are_written(fleet: Fleet, tmp_path: Pa
         pytest.skip("the bound is per worker; with several, which worker holds the blocked "
                     "completions decides what the others run")
     runner, ids, _, blocker = _hold_completions(fleet, tmp_path, "busy", {"PREFETCH": 0})
-    extra = JOBS + MAX_BATCH  # one per slot (or lane) and one batch, for the one completer
+    extra = JOBS + COMPLETING_ALLOWANCE  # one per slot (or lane), and the one completer's allowance
     more_runs = tmp_path / "more-runs"
     with blocker:
         more = [str(job.id) for job in enqueue_many(
