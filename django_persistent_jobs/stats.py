@@ -70,6 +70,7 @@ STUCK_KINDS: dict[str, str] = {
     "stale_runner": "held by a runner whose heartbeat is stale",
     "unclaimed": "due but unclaimed",
     "unserved_queue": "on a queue no live runner serves",
+    "unhandled_type": "of a type no live runner serving its queue has a handler for",
 }
 
 
@@ -158,6 +159,9 @@ class RunnerStats(_Serializable):
     hostname: str
     pid: int | None
     queues: list[str] | None  #: None: every queue
+    #: The job types it has handlers for (it claims only those); None: not known (a row of a
+    #: runner from before runners listed them, or a holder with no row), counted as every type.
+    job_types: list[str] | None
     concurrency: int | None
     version: str
     started_at: datetime | None
@@ -228,6 +232,29 @@ def runner_state(heartbeat_age: timedelta, late_after: timedelta, stale_after: t
 
 def _serves(queues: Any, queue: str) -> bool:
     return queues is None or (isinstance(queues, list) and queue in queues)
+
+
+def _handled(runners: list[RunnerStats]) -> Q | None:
+    """Jobs some live (or late) runner would claim by queue and type. A runner claims only the
+    types it has handlers for (a job of a type only a newer release knows waits for a runner
+    of that release, see concepts.md), so such a job is not late: nobody will claim it until a
+    runner with its handler starts. The queue half is ``unserved_queue``'s business. None: a
+    live runner does not list its types (it may handle any)."""
+    handled = Q(pk__in=[])
+    for runner in runners:
+        if runner.state not in ("live", "late"):
+            continue
+        if runner.job_types is None:
+            return None
+        cond = Q(job_type__in=runner.job_types)
+        handled |= cond if runner.queues is None else cond & Q(queue__in=runner.queues)
+    return handled
+
+
+def _handles(runners: list[RunnerStats], queue: str, job_type: str) -> bool:
+    """``_handled`` for one job, in Python (the list's details)."""
+    return any(_serves(r.queues, queue) and (r.job_types is None or job_type in r.job_types)
+               for r in runners)
 
 
 def _zero_counts() -> dict[str, int]:
@@ -402,9 +429,10 @@ def _runners(
         age = max(now - record.heartbeat_at, timedelta(0))
         state = runner_state(age, late_after, stale_after)
         queues = record.queues if isinstance(record.queues, list) else None
+        types = record.job_types if isinstance(record.job_types, list) else None
         result.append(RunnerStats(
             id=record.id, hostname=record.hostname, pid=record.pid, queues=queues,
-            concurrency=record.concurrency, version=record.version,
+            job_types=types, concurrency=record.concurrency, version=record.version,
             started_at=record.started_at, heartbeat_at=record.heartbeat_at, heartbeat_age=age,
             state=state, stale=state != "live", jobs_held=held.pop(record.id, 0),
         ))
@@ -412,7 +440,8 @@ def _runners(
     # rescue loop of any live runner releases them; show the holder so nobody waits for it.
     for runner_id, n in sorted(held.items()):
         result.append(RunnerStats(
-            id=str(runner_id), hostname="", pid=None, queues=None, concurrency=None, version="",
+            id=str(runner_id), hostname="", pid=None, queues=None, job_types=None,
+            concurrency=None, version="",
             started_at=None, heartbeat_at=None, heartbeat_age=None, state="gone", stale=True,
             jobs_held=n,
         ))
@@ -433,8 +462,11 @@ def _stuck(
     stale_runner = running & Q(locked_by__in=stale_ids)
     unclaimed = due_now & Q(next_run_at__lt=now - unclaimed_after)
     unserved = due_now & ~Q(queue__in=served_queues)
+    handled = _handled(runners)
+    unhandled = Q(pk__in=[]) if handled is None else (
+        due_now & Q(queue__in=served_queues) & ~handled)
     kinds = {"past_timeout": past_timeout, "stale_runner": stale_runner,
-             "unclaimed": unclaimed, "unserved_queue": unserved}
+             "unclaimed": unclaimed, "unserved_queue": unserved, "unhandled_type": unhandled}
     # Every kind concerns running or waiting jobs: the partial indexes hold exactly those, so
     # the cost does not grow with the finished history.
     active = jobs.filter(status__in=JobStatus.active())
@@ -443,11 +475,12 @@ def _stuck(
             **{kind: Count("id", filter=cond) for kind, cond in kinds.items()}
         ).items()
     }
-    any_kind = past_timeout | stale_runner | unclaimed | unserved
+    any_kind = past_timeout | stale_runner | unclaimed | unserved | unhandled
     found = list(active.filter(any_kind).order_by("next_run_at", "id").only(
         "id", "job_type", "queue", "status", "tenant", "locked_by", "locked_at", "next_run_at",
         "timeout_seconds")[:LIST_LIMIT])
     heartbeat = {r.id: r for r in runners}
+    serving = [r for r in runners if r.state in ("live", "late")]
     result = []
     for job in found:
         matched: list[str] = []
@@ -473,6 +506,10 @@ def _stuck(
             if job.queue not in served_queues:
                 matched.append("unserved_queue")
                 details.append(f"no live runner serves queue {job.queue!r}")
+            elif not _handles(serving, job.queue, job.job_type):
+                matched.append("unhandled_type")
+                details.append(f"no live runner serving queue {job.queue!r} has a handler for "
+                               f"{job.job_type!r}")
             since = job.next_run_at
         if not matched:  # the clock moved between the two queries
             continue

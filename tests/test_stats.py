@@ -40,10 +40,11 @@ def attempt(of: PersistentJob, n: int, outcome: str, code: str, finished: dateti
 
 
 def runner(runner_id: str, beat_age: timedelta, now: datetime,
-           queues: list[str] | None = None) -> JobRunnerRecord:
+           queues: list[str] | None = None, job_types: list[str] | None = None
+           ) -> JobRunnerRecord:
     return JobRunnerRecord.objects.create(
-        id=runner_id, hostname="h", pid=1, queues=queues, concurrency=4, version="1.2",
-        heartbeat_at=now - beat_age, started_at=now - timedelta(hours=1))
+        id=runner_id, hostname="h", pid=1, queues=queues, job_types=job_types, concurrency=4,
+        version="1.2", heartbeat_at=now - beat_age, started_at=now - timedelta(hours=1))
 
 
 @pytest.mark.django_db
@@ -180,7 +181,7 @@ def test_stuck_jobs_of_the_four_kinds_and_runner_states() -> None:
     }
     # "late" still serves, so only the dead runner's and the ghost's jobs are stranded.
     assert stats.stuck_counts == {"past_timeout": 1, "stale_runner": 2, "unclaimed": 1,
-                                  "unserved_queue": 1}
+                                  "unserved_queue": 1, "unhandled_type": 0}
     runners = {r.id: r for r in stats.runners}
     assert {k: (r.state, r.stale, r.jobs_held) for k, r in runners.items()} == {
         "live-1": ("live", False, 2), "late-1": ("late", True, 0),
@@ -192,6 +193,57 @@ def test_stuck_jobs_of_the_four_kinds_and_runner_states() -> None:
     # A late runner still serves its queues (it may only be slow); a dead one does not.
     JobRunnerRecord.objects.filter(id="late-1").update(queues=["mail", "reports"])
     assert str(unserved.id) not in {s.id for s in dashboard_stats(now=now).stuck}
+
+
+@pytest.mark.django_db
+def test_a_due_job_no_live_runner_serving_its_queue_handles_is_stuck_at_once() -> None:
+    """Runners claim only the types they have handlers for (rolling deploys): a due job whose
+    type no live runner serving its queue lists will wait until one starts, so the console
+    names it at once rather than after ``unclaimed_after``. Queue and type must meet in one
+    runner: a runner that serves the queue without the handler does not count."""
+    now = db_now()
+    runner("mail-only", timedelta(seconds=0), now, queues=["mail"], job_types=["stats.mail"])
+    runner("reports", timedelta(seconds=0), now, job_types=["stats.report"])  # every queue
+    runner("dead-all", timedelta(minutes=5), now, job_types=["stats.mail", "stats.new"])
+    due_soon = now - timedelta(seconds=1)
+    handled = job("stats.mail", next_run_at=due_soon)  # mail-only
+    report_on_mail = job("stats.report", queue="mail", next_run_at=due_soon)  # "reports"
+    mail_on_reports = job("stats.mail", queue="reports", next_run_at=due_soon)
+    # A type only a newer release has a handler for (enqueued there).
+    newer = job("stats.mail", next_run_at=due_soon)
+    later = job("stats.mail", next_run_at=now + timedelta(hours=1))
+    failed = job("stats.mail", status="failed", next_run_at=due_soon)
+    running = job("stats.mail", status="running", locked_by="mail-only", locked_at=now,
+                  timeout_seconds=300)
+    PersistentJob.objects.filter(pk__in=[newer.pk, later.pk, failed.pk, running.pk]).update(
+        job_type="stats.new")
+
+    stats = dashboard_stats(now=now)
+    by_id = {s.id: s for s in stats.stuck}
+    assert {k: s.kinds for k, s in by_id.items()} == {
+        str(mail_on_reports.id): ["unhandled_type"],
+        str(newer.id): ["unhandled_type"],
+        str(failed.id): ["unhandled_type"],  # a retry that is due waits the same way
+    }
+    assert stats.stuck_counts["unhandled_type"] == 3
+    assert by_id[str(newer.id)].detail == (
+        "no live runner serving queue 'mail' has a handler for 'stats.new'")
+    assert {str(handled.id), str(report_on_mail.id), str(later.id),
+            str(running.id)}.isdisjoint(by_id)
+    runners = {r.id: r for r in stats.runners}
+    assert runners["mail-only"].job_types == ["stats.mail"]
+    assert json.loads(json.dumps(stats.to_dict()))["runners"][0]["job_types"] is not None
+
+    # A live runner that does not list its types (a row from before runners listed them) may
+    # handle any: nothing is called unhandled then.
+    runner("old", timedelta(seconds=0), now, queues=["mail"])
+    assert dashboard_stats(now=now).stuck_counts["unhandled_type"] == 0
+    JobRunnerRecord.objects.filter(id="old").delete()
+    # With no live runner at all, "unserved_queue" says it; "unhandled_type" does not repeat it.
+    JobRunnerRecord.objects.filter(id__in=["mail-only", "reports"]).delete()
+    nobody = dashboard_stats(now=now)
+    assert nobody.stuck_counts["unhandled_type"] == 0
+    assert nobody.stuck_counts["unserved_queue"] == 5
 
 
 @pytest.mark.django_db

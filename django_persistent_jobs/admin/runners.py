@@ -34,7 +34,7 @@ class JobRunnerAdmin(JobViewersMixin, ReadOnlyAdminMixin, _RunnerAdminBase):
     list_display = ("id", "name", "state", "heartbeat", "queue_list", "concurrency", "held",
                     "version", "started")
     readonly_fields = ("id", "name", "state", "heartbeat", "hostname", "pid", "queue_list",
-                       "concurrency", "held", "version", "started")
+                       "type_list", "concurrency", "held", "version", "started")
     fields = readonly_fields
     search_fields = ("id", "name", "hostname")
 
@@ -65,6 +65,14 @@ class JobRunnerAdmin(JobViewersMixin, ReadOnlyAdminMixin, _RunnerAdminBase):
     @admin.display(description="queues")
     def queue_list(self, obj: JobRunnerRecord) -> str:
         return ", ".join(obj.queues) if isinstance(obj.queues, list) else "all"
+
+    @admin.display(description="job types it claims")
+    def type_list(self, obj: JobRunnerRecord) -> str:
+        # A runner claims only the types it has handlers for: the answer to "why does nobody
+        # take this job?" during a rolling deploy.
+        if not isinstance(obj.job_types, list):
+            return "not listed (a runner from before runners listed them)"
+        return ", ".join(obj.job_types) or "none (no handler registered)"
 
     @admin.display(description="jobs held")
     def held(self, obj: JobRunnerRecord) -> SafeString:

@@ -19,6 +19,10 @@ class JobRunnerRecord(models.Model):
     started_at = models.DateTimeField(db_default=Now())
     heartbeat_at = models.DateTimeField(db_default=Now())
     queues = models.JSONField(null=True, blank=True)
+    #: The job types it has handlers for, and so claims (refreshed with each heartbeat): a due
+    #: job whose type no live runner lists waits, and the console says so. Null for a row
+    #: written before the column existed: such a runner counts as handling every type.
+    job_types = models.JSONField(null=True, blank=True)
     concurrency = models.PositiveIntegerField(default=1)
     version = models.CharField(max_length=50, blank=True, default="")
 

@@ -60,11 +60,16 @@ class Liveness:
     """
 
     def __init__(self, alias: str, runner_id: str, settings: RunnerSettings,
-                 register: Callable[[Cursor], None], lease: Lease | None = None) -> None:
+                 register: Callable[[Cursor], None], lease: Lease | None = None,
+                 job_types: Callable[[], list[str]] | None = None) -> None:
         self.alias = alias
         self.runner_id = runner_id
         self.settings = settings
         self.register = register
+        #: The job types to list on the runner's row (``store.heartbeat``): written when they
+        #: differ from what the row was last given, so a beat stays one small update.
+        self.job_types = job_types
+        self._listed: list[str] | None = None
         #: Told of every beat: a waiting job starts on the fast path only while the last beat
         #: keeps this runner's row safe from a reaper (``starts.Lease.beaten``).
         self.lease = lease
@@ -139,10 +144,13 @@ class Liveness:
     def beat(self, interrupt: threading.Event) -> None:
         sent = time.monotonic()
 
+        types = self.job_types() if self.job_types is not None else None
+        changed = types if types is not None and types != self._listed else None
+
         def do(cursor: Cursor) -> bool:
             nonlocal sent
             sent = time.monotonic()
-            alive = store.heartbeat(cursor, self.runner_id)
+            alive = store.heartbeat(cursor, self.runner_id, changed)
             if not alive:
                 self.register(cursor)
             return alive
@@ -152,6 +160,8 @@ class Liveness:
                                backoff=Backoff(first=min(0.05, cap), cap=cap))
         if alive is None:
             return  # halted while the database was away
+        if types is not None:
+            self._listed = types  # (a registration lists them too)
         self.note_beat(reregistered=alive is False, sent=sent)
         if alive is False:
             logger.warning(

@@ -748,14 +748,14 @@ def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
 
 def register_runner(
     cursor: Cursor, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
-    concurrency: int, version: str, name: str = "",
+    concurrency: int, version: str, name: str = "", job_types: Sequence[str] | None = None,
 ) -> None:
     cursor.execute(
         "INSERT INTO persistent_jobs_runners (id, name, hostname, pid, queues, concurrency, "
-        "version) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s) ON CONFLICT (id) DO UPDATE SET "
-        "heartbeat_at = now()",
+        "version, job_types) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s::jsonb) "
+        "ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), job_types = EXCLUDED.job_types",
         [runner_id, name, hostname, pid, json.dumps(list(queues) if queues else None),
-         concurrency, version],
+         concurrency, version, None if job_types is None else json.dumps(list(job_types))],
     )
 
 
@@ -771,11 +771,19 @@ def live_namesakes(
     return [(row[0], row[1], row[2]) for row in cursor.fetchall()]
 
 
-def heartbeat(cursor: Cursor, runner_id: str) -> bool:
-    """Refresh the heartbeat; False means another runner declared us dead and removed our row."""
-    cursor.execute(
-        "UPDATE persistent_jobs_runners SET heartbeat_at = now() WHERE id = %s", [runner_id]
-    )
+def heartbeat(cursor: Cursor, runner_id: str, job_types: Sequence[str] | None = None) -> bool:
+    """Refresh the heartbeat (and, if given, the job types the runner has handlers for: a
+    handler registered after the runner started is claimed from then on, and listed from the
+    next beat); False means another runner declared us dead and removed our row."""
+    if job_types is None:
+        cursor.execute(
+            "UPDATE persistent_jobs_runners SET heartbeat_at = now() WHERE id = %s", [runner_id]
+        )
+    else:
+        cursor.execute(
+            "UPDATE persistent_jobs_runners SET heartbeat_at = now(), job_types = %s::jsonb "
+            "WHERE id = %s", [json.dumps(list(job_types)), runner_id]
+        )
     return bool(cursor.rowcount)
 
 

@@ -197,7 +197,7 @@ class Runner:
         self.timeouts = TimeoutEnforcer(self.alias, self.runner_id, self.pool, self.forced)
         # Liveness as this runner itself knows it (maintained by the heartbeat loop).
         self.liveness = Liveness(self.alias, self.runner_id, self.settings, self.register,
-                                 self.lease)
+                                 self.lease, job_types=registry.job_types)
         self.loops: list[Loop] = []
         self._supervisor: threading.Thread | None = None
         self._launched = False  # run() or start() was called: stop() has something to wait for
@@ -467,7 +467,7 @@ class Runner:
     def register(self, cursor: Cursor) -> None:
         store.register_runner(
             cursor, self.runner_id, socket.gethostname(), os.getpid(), self.settings.queues,
-            self.settings.concurrency, VERSION, self.name,
+            self.settings.concurrency, VERSION, self.name, registry.job_types(),
         )
 
     def _warn_about_namesakes(self) -> None:

@@ -195,6 +195,29 @@ def test_runner_heartbeats_while_idle(start_runner: StartRunner) -> None:
     assert record.concurrency == 1 and record.pid > 0
 
 
+def test_a_runner_lists_the_job_types_it_claims_and_a_handler_added_later(
+    isolated_registry: Registry, start_runner: StartRunner,
+) -> None:
+    """The runner's row says which types it claims (``job_types``), from its registration, and
+    a handler registered while it runs (claimed from the next claim on) appears with a later
+    heartbeat: the console tells "no runner handles this type" from "late"."""
+    runner = start_runner(concurrency=1)
+    listed = JobRunnerRecord.objects.get(pk=runner.runner_id).job_types
+    assert listed == isolated_registry.job_types() and "test.ledger" in listed
+    assert "rt.added_later" not in listed
+
+    @job_handler("rt.added_later")
+    def added_later(payload: Any) -> None:
+        return None
+
+    record = wait_for(lambda: JobRunnerRecord.objects.filter(
+        pk=runner.runner_id, job_types__contains=["rt.added_later"]).first(),
+        message="the new handler's type on the runner's row")
+    assert set(record.job_types) == set(listed) | {"rt.added_later"}
+    job = enqueue("rt.added_later", {})
+    wait_status(job.id, JobStatus.COMPLETED)
+
+
 def test_an_execution_that_lost_its_claim_cannot_commit(
     isolated_registry: Registry, start_runner: StartRunner, caplog: pytest.LogCaptureFixture
 ) -> None:
