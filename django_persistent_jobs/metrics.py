@@ -189,8 +189,14 @@ FROM persistent_jobs WHERE status = 'dead_lettered' GROUP BY queue, status
 # waiting, running and dead-lettered rows however much completed history the table holds.
 
 _RUNNERS_SQL = """
-SELECT queues, count(*), coalesce(sum(concurrency), 0) FROM persistent_jobs_runners
-WHERE heartbeat_at > now() - %s * interval '1 second' GROUP BY queues
+SELECT queues, job_types, count(*), coalesce(sum(concurrency), 0) FROM persistent_jobs_runners
+WHERE heartbeat_at > now() - %s * interval '1 second' GROUP BY queues, job_types
+"""
+# Due waiting jobs per queue and type (the claim index's rows), to tell which of them no live
+# runner will claim: a runner claims only the types it has handlers for.
+_DUE_TYPES_SQL = """
+SELECT queue, job_type, count(*) FROM persistent_jobs
+WHERE status IN ('pending', 'failed') AND next_run_at <= now() GROUP BY queue, job_type
 """
 
 
@@ -214,6 +220,8 @@ class DatabaseCollector:
                 active = cursor.fetchall()
                 cursor.execute(_RUNNERS_SQL, [conf.settings.STALE_LOCK_TIMEOUT])
                 runners = cursor.fetchall()
+                cursor.execute(_DUE_TYPES_SQL)
+                due_types = cursor.fetchall()
         except Exception as exc:
             logger.warning("metrics: cannot read the job tables: %s", exc,
                            extra={"event": "metrics_db_error"})
@@ -249,7 +257,7 @@ class DatabaseCollector:
         total = 0
         all_queue_runners = 0
         dedicated: dict[str, int] = {}
-        for served, count, _slots in runners:
+        for served, _types, count, _slots in runners:
             total += count
             names = _queue_list(served)
             if names is None:
@@ -262,6 +270,36 @@ class DatabaseCollector:
             per_queue.add_metric([queue], all_queue_runners + dedicated.get(queue, 0))
         yield live
         yield per_queue
+        yield _unhandled(runners, due_types)
+
+
+def _unhandled(runners: list[tuple[Any, ...]], due_types: list[tuple[Any, ...]]) -> Any:
+    """Due waiting jobs on a queue some live runner serves, of a type none of the runners
+    serving that queue has a handler for: they wait until a runner with the handler starts
+    (the dashboard's ``unhandled_type``). Unserved queues are ``queue_runners``' business; a
+    runner whose row lists no types (from before runners listed them) may handle any."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily(
+        f"{NAMESPACE}_unhandled_jobs",
+        "Due waiting jobs whose type no live runner serving their queue has a handler for.",
+        labels=["queue", "job_type"])
+    serving = [(_queue_list(queues), _type_list(types)) for queues, types, *_ in runners]
+    for queue, job_type, count in due_types:
+        runners_here = [types for queues, types in serving if queues is None or queue in queues]
+        if runners_here and not any(types is None or job_type in types
+                                    for types in runners_here):
+            family.add_metric([queue, job_type], count)
+    return family
+
+
+def _type_list(value: Any) -> set[str] | None:
+    """The job types a runner's row lists (JSON; null: not listed, so any)."""
+    if isinstance(value, str):
+        import json
+
+        value = json.loads(value)
+    return None if value is None else {str(v) for v in value}
 
 
 def _queue_list(value: Any) -> list[str] | None:

@@ -19,7 +19,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from django_persistent_jobs import enqueue_many
-from django_persistent_jobs.models import JobRunnerRecord
+from django_persistent_jobs.models import JobRunnerRecord, PersistentJob
 from tests.api_support import ALL_PERMS, bearer, make_token, make_user, stage
 
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
@@ -168,6 +168,34 @@ def test_view_exports_queue_state_from_the_database(client: Client, viewer_token
 
 
 @pytest.mark.django_db
+def test_view_counts_due_jobs_no_live_runner_serving_their_queue_handles(
+        client: Client, viewer_token: str):
+    """The alert input for "a job type nobody runs" (runners claim only the types they have
+    handlers for): per queue and type, due waiting jobs whose queue a live runner serves but
+    whose type none of the runners serving it lists."""
+    past = timezone.now() - timedelta(seconds=5)
+    for runner_id, queues, types in [("mail", ["mail"], ["test.noop"]),
+                                     ("any", None, ["test.other"])]:
+        JobRunnerRecord.objects.create(id=runner_id, hostname="h", pid=1, queues=queues,
+                                       job_types=types, concurrency=2)
+    stage(queue="mail", next_run_at=past)  # test.noop on mail: "mail" has it
+    stage(queue="bulk", next_run_at=past)  # test.noop on bulk: only "any" serves it, without
+    stage(queue="bulk", status="failed", next_run_at=past)  # a due retry waits the same way
+    stage(queue="bulk", next_run_at=timezone.now() + timedelta(hours=1))  # not due yet
+    gone = stage(queue="mail", next_run_at=past)
+    PersistentJob.objects.filter(pk=gone.pk).update(job_type="test.gone")  # nobody has it
+    samples = parse(client.get("/metrics", **bearer(viewer_token)).content.decode())
+    unhandled = {dict(labels)["queue"] + "/" + dict(labels)["job_type"]: value
+                 for (name, labels), value in samples.items()
+                 if name == "persistent_jobs_unhandled_jobs"}
+    assert unhandled == {"bulk/test.noop": 2, "mail/test.gone": 1}
+    # A live runner whose row lists no types may handle any.
+    JobRunnerRecord.objects.create(id="old", hostname="h", pid=1, queues=None, concurrency=2)
+    samples = parse(client.get("/metrics", **bearer(viewer_token)).content.decode())
+    assert total(samples, "persistent_jobs_unhandled_jobs") == 0
+
+
+@pytest.mark.django_db
 def test_view_is_authenticated_and_refuses_tenant_bound_tokens(client: Client):
     assert client.get("/metrics").status_code == 401
     nobody = make_token(make_user("nobody"))
@@ -203,6 +231,7 @@ def test_names_follow_prometheus_conventions(client: Client, viewer_token: str):
         "persistent_jobs_queue_wait_seconds": "histogram", "persistent_jobs_jobs": "gauge",
         "persistent_jobs_oldest_job_age_seconds": "gauge", "persistent_jobs_runners": "gauge",
         "persistent_jobs_queue_runners": "gauge", "persistent_jobs_database_up": "gauge",
+        "persistent_jobs_unhandled_jobs": "gauge",
     }
     assert {name: families[name].type for name in expected} == expected
     for family in families.values():
