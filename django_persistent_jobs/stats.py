@@ -234,20 +234,26 @@ def _serves(queues: Any, queue: str) -> bool:
     return queues is None or (isinstance(queues, list) and queue in queues)
 
 
-def _handled(runners: list[RunnerStats]) -> Q | None:
+def _handled(runners: list[RunnerStats]) -> Q:
     """Jobs some live (or late) runner would claim by queue and type. A runner claims only the
     types it has handlers for (a job of a type only a newer release knows waits for a runner
     of that release, see concepts.md), so such a job is not late: nobody will claim it until a
-    runner with its handler starts. The queue half is ``unserved_queue``'s business. None: a
-    live runner does not list its types (it may handle any)."""
+    runner with its handler starts. The queue half is ``unserved_queue``'s business. A runner
+    whose row lists no types (written before runners listed them) counts as handling every
+    type on its own queues. One clause per distinct (queues, types): replicas of one
+    deployment list the same, and the statement must not grow with their number."""
     handled = Q(pk__in=[])
+    seen: set[tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = set()
     for runner in runners:
         if runner.state not in ("live", "late"):
             continue
-        if runner.job_types is None:
-            return None
-        cond = Q(job_type__in=runner.job_types)
-        handled |= cond if runner.queues is None else cond & Q(queue__in=runner.queues)
+        queues = None if runner.queues is None else tuple(sorted(runner.queues))
+        types = None if runner.job_types is None else tuple(sorted(runner.job_types))
+        if (queues, types) in seen:
+            continue
+        seen.add((queues, types))
+        cond = Q(pk__isnull=False) if types is None else Q(job_type__in=types)
+        handled |= cond if queues is None else cond & Q(queue__in=queues)
     return handled
 
 
@@ -462,9 +468,7 @@ def _stuck(
     stale_runner = running & Q(locked_by__in=stale_ids)
     unclaimed = due_now & Q(next_run_at__lt=now - unclaimed_after)
     unserved = due_now & ~Q(queue__in=served_queues)
-    handled = _handled(runners)
-    unhandled = Q(pk__in=[]) if handled is None else (
-        due_now & Q(queue__in=served_queues) & ~handled)
+    unhandled = due_now & Q(queue__in=served_queues) & ~_handled(runners)
     kinds = {"past_timeout": past_timeout, "stale_runner": stale_runner,
              "unclaimed": unclaimed, "unserved_queue": unserved, "unhandled_type": unhandled}
     # Every kind concerns running or waiting jobs: the partial indexes hold exactly those, so

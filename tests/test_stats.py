@@ -235,10 +235,20 @@ def test_a_due_job_no_live_runner_serving_its_queue_handles_is_stuck_at_once() -
     assert json.loads(json.dumps(stats.to_dict()))["runners"][0]["job_types"] is not None
 
     # A live runner that does not list its types (a row from before runners listed them) may
-    # handle any: nothing is called unhandled then.
+    # handle any, on its own queues only: the job on "reports" is still unhandled.
     runner("old", timedelta(seconds=0), now, queues=["mail"])
+    with_old = dashboard_stats(now=now)
+    assert {s.id for s in with_old.stuck} == {str(mail_on_reports.id)}
+    assert with_old.stuck_counts["unhandled_type"] == 1
+    JobRunnerRecord.objects.filter(id="old").update(queues=None)  # every queue: nothing left
     assert dashboard_stats(now=now).stuck_counts["unhandled_type"] == 0
     JobRunnerRecord.objects.filter(id="old").delete()
+    # Replicas listing the same queues and types are one clause; a late runner still counts.
+    for n in range(3):
+        runner(f"replica-{n}", timedelta(seconds=2.5), now, queues=["reports"],
+               job_types=["stats.mail"])
+    assert dashboard_stats(now=now).stuck_counts["unhandled_type"] == 2  # mail_on_reports ok
+    JobRunnerRecord.objects.filter(id__startswith="replica-").delete()
     # With no live runner at all, "unserved_queue" says it; "unhandled_type" does not repeat it.
     JobRunnerRecord.objects.filter(id__in=["mail-only", "reports"]).delete()
     nobody = dashboard_stats(now=now)

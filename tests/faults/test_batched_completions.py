@@ -142,9 +142,9 @@ def test_sigterm_writes_the_completions_being_written_before_exiting(
 
 def test_slots_are_free_while_completions_are_written(fleet: Fleet, tmp_path: Path) -> None:
     """Every slot's job has returned and waits for its completion: the next jobs still run, up
-    to one more per slot and one completion batch more per completion writer (the runner's, or
-    each worker process's: ``executor.held_back``); then the runner stops claiming until
-    completions land, instead of running jobs it cannot complete."""
+    to one more per slot and ``COMPLETING_ALLOWANCE`` (five batches) more per completion writer
+    (the runner's, or each worker process's: ``executor.held_back``); then the runner stops
+    claiming until completions land, instead of running jobs it cannot complete."""
     # No waiting jobs (PREFETCH 0): those would start as slots free up whatever the pending
     # completions, up to PREFETCH more than shown here.
     if int(PROCESSES) > 1:

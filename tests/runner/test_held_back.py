@@ -32,7 +32,7 @@ def test_one_completion_per_slot_and_the_allowance_ride_free(
     assert held_back(completing, slots) == expected
 
 
-def test_a_worker_process_may_have_a_batch_being_written() -> None:
+def test_a_worker_process_may_have_the_allowance_being_written() -> None:
     lanes = 4
     assert held_back(lanes + ALLOWANCE, lanes) == 0
     assert held_back(lanes + ALLOWANCE + 1, lanes) == 1
