@@ -280,34 +280,37 @@ def _unhandled(runners: list[tuple[Any, ...]], due_types: list[tuple[Any, ...]])
     runner whose row lists no types (from before runners listed them) may handle any."""
     from prometheus_client.core import GaugeMetricFamily
 
+    from .stats import type_unhandled
+
     family = GaugeMetricFamily(
         f"{NAMESPACE}_unhandled_jobs",
         "Due waiting jobs whose type no live runner serving their queue has a handler for.",
         labels=["queue", "job_type"])
     serving = [(_queue_list(queues), _type_list(types)) for queues, types, *_ in runners]
     for queue, job_type, count in due_types:
-        runners_here = [types for queues, types in serving if queues is None or queue in queues]
-        if runners_here and not any(types is None or job_type in types
-                                    for types in runners_here):
+        if type_unhandled(serving, queue, job_type):
             family.add_metric([queue, job_type], count)
     return family
 
 
-def _type_list(value: Any) -> set[str] | None:
-    """The job types a runner's row lists (JSON; null: not listed, so any)."""
+def _json_column(value: Any) -> Any:
+    """A jsonb column of the runners table as read here (text on some drivers' paths)."""
     if isinstance(value, str):
         import json
 
-        value = json.loads(value)
+        return json.loads(value)
+    return value
+
+
+def _type_list(value: Any) -> set[str] | None:
+    """The job types a runner's row lists (JSON; null: not listed, so any)."""
+    value = _json_column(value)
     return None if value is None else {str(v) for v in value}
 
 
 def _queue_list(value: Any) -> list[str] | None:
     """The runners table stores served queues as JSON (null: every queue)."""
-    if isinstance(value, str):
-        import json
-
-        value = json.loads(value)
+    value = _json_column(value)
     return [str(v) for v in value] if value else None
 
 

@@ -29,6 +29,7 @@ Definitions, kept here rather than in templates:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -257,10 +258,14 @@ def _handled(runners: list[RunnerStats]) -> Q:
     return handled
 
 
-def _handles(runners: list[RunnerStats], queue: str, job_type: str) -> bool:
-    """``_handled`` for one job, in Python (the list's details)."""
-    return any(_serves(r.queues, queue) and (r.job_types is None or job_type in r.job_types)
-               for r in runners)
+def type_unhandled(serving: Iterable[tuple[Collection[str] | None, Collection[str] | None]],
+                   queue: str, job_type: str) -> bool:
+    """``_handled``'s rule for one job, in Python: some of the live runners ``serving``, as
+    ``(queues, job types)`` with None for every queue or for types not listed, serves
+    ``queue``, and none of those lists ``job_type``. The stuck list's details and the
+    ``unhandled_jobs`` metric both ask this."""
+    here = [types for queues, types in serving if queues is None or queue in queues]
+    return bool(here) and not any(types is None or job_type in types for types in here)
 
 
 def _zero_counts() -> dict[str, int]:
@@ -484,7 +489,7 @@ def _stuck(
         "id", "job_type", "queue", "status", "tenant", "locked_by", "locked_at", "next_run_at",
         "timeout_seconds")[:LIST_LIMIT])
     heartbeat = {r.id: r for r in runners}
-    serving = [r for r in runners if r.state in ("live", "late")]
+    serving = [(r.queues, r.job_types) for r in runners if r.state in ("live", "late")]
     result = []
     for job in found:
         matched: list[str] = []
@@ -510,7 +515,7 @@ def _stuck(
             if job.queue not in served_queues:
                 matched.append("unserved_queue")
                 details.append(f"no live runner serves queue {job.queue!r}")
-            elif not _handles(serving, job.queue, job.job_type):
+            elif type_unhandled(serving, job.queue, job.job_type):
                 matched.append("unhandled_type")
                 details.append(f"no live runner serving queue {job.queue!r} has a handler for "
                                f"{job.job_type!r}")

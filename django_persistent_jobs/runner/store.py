@@ -775,15 +775,11 @@ def heartbeat(cursor: Cursor, runner_id: str, job_types: Sequence[str] | None = 
     """Refresh the heartbeat (and, if given, the job types the runner has handlers for: a
     handler registered after the runner started is claimed from then on, and listed from the
     next beat); False means another runner declared us dead and removed our row."""
-    if job_types is None:
-        cursor.execute(
-            "UPDATE persistent_jobs_runners SET heartbeat_at = now() WHERE id = %s", [runner_id]
-        )
-    else:
-        cursor.execute(
-            "UPDATE persistent_jobs_runners SET heartbeat_at = now(), job_types = %s::jsonb "
-            "WHERE id = %s", [json.dumps(list(job_types)), runner_id]
-        )
+    cursor.execute(
+        "UPDATE persistent_jobs_runners SET heartbeat_at = now(), "
+        "job_types = coalesce(%s::jsonb, job_types) WHERE id = %s",
+        [None if job_types is None else json.dumps(list(job_types)), runner_id],
+    )
     return bool(cursor.rowcount)
 
 
