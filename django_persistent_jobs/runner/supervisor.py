@@ -201,6 +201,8 @@ class Runner:
         self.loops: list[Loop] = []
         self._supervisor: threading.Thread | None = None
         self._launched = False  # run() or start() was called: stop() has something to wait for
+        #: The executor was started (its threads or processes exist): a failed boot stops it.
+        self._pool_started = False
         self.failure: BaseException | None = None  # why run() raised (boot failure), if it did
         self._side_lock = threading.Lock()
         self._side: Any = None
@@ -239,8 +241,7 @@ class Runner:
             if self.exit_code == EXIT_OK:
                 self.exit_code = EXIT_LOOP_DIED
             if not self.started.is_set():
-                self._stop_sidecar()
-                connections.close_all()  # _shutdown, which would close it, never runs
+                self._abandon_boot()
             raise
         finally:
             self.finished.set()
@@ -388,6 +389,19 @@ class Runner:
                 else:
                     self.request_stop()
 
+    def _abandon_boot(self) -> None:
+        """Undo what a boot that failed had started (``_shutdown``, which would, never runs):
+        the handler threads or worker processes, each thread's connection, the sidecar. An
+        embedded runner whose boot fails (tables missing, the database refusing) must not
+        leave them behind: a web process that tries again would gather a thread and a
+        connection per slot per try."""
+        self.halt.set()
+        if self._pool_started:
+            self.pool.close()
+            self.pool.join(timeout=2)
+        self._stop_sidecar()
+        connections.close_all()
+
     def _boot(self) -> None:
         self._wait_for_database()
         if self.stopping.is_set():
@@ -397,6 +411,7 @@ class Runner:
         budget.check(self.alias, self.processes, self.settings.concurrency, self.runner_id)
         # Worker processes take a moment to set Django up: start them before the runner
         # registers, so that a registered runner is one that can run jobs.
+        self._pool_started = True  # (before: a start that fails half way leaves threads too)
         self.pool.start()
         try:
             run_with_retry(self.alias, self.register, what="registering the runner",

@@ -7,6 +7,8 @@ the retry / dead-letter rules and their error codes, and the embeddable API.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from django_persistent_jobs.errors import ConfigurationError
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
+from tests.core_support import raw_connection
 from tests.runner_support import (
     Gate,
     attempts_of,
@@ -656,6 +659,43 @@ def test_embedded_runner_that_cannot_boot_says_so() -> None:
     finally:
         with connection.cursor() as cursor:
             cursor.execute("ALTER TABLE pj_runners_elsewhere RENAME TO persistent_jobs_runners")
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_runner_that_cannot_boot_leaves_no_thread_process_or_session_behind(
+    processes: int,
+) -> None:
+    """An embedded runner whose boot fails after its handler threads (or worker processes)
+    started: they stop, and their connections close. A web process that tries again must not
+    gather a thread and a connection per slot per try."""
+    def ours() -> set[int]:
+        with raw_connection() as probe:
+            rows = probe.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid()").fetchall()
+        return {row[0] for row in rows}
+
+    def children() -> list[str]:
+        found = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True,
+                               text=True, check=False)
+        return found.stdout.split()
+
+    sessions_before, threads_before = ours(), set(threading.enumerate())
+    with connection.cursor() as cursor:  # as if `migrate` had not been run
+        cursor.execute("ALTER TABLE persistent_jobs_runners RENAME TO pj_runners_elsewhere")
+    try:
+        runner = Runner(concurrency=3, processes=processes, cleanup=False).start()
+        assert not runner.wait_until_started(60)
+        assert isinstance(runner.failure, ConfigurationError)
+        runner.stop(timeout=30)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE pj_runners_elsewhere RENAME TO persistent_jobs_runners")
+    left = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    assert left == [], f"threads left running: {left}"
+    assert children() == []
+    wait_for(lambda: ours() <= sessions_before | {connection.connection.info.backend_pid},
+             timeout=5, message="the failed runner's connections to close")
 
 
 def test_stop_on_a_runner_that_never_started_returns() -> None:
