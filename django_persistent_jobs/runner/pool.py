@@ -314,3 +314,5 @@ class WorkerPool(SlotWaits):
         for worker in list(self.workers):
             worker.thread.join(max(0.0, deadline - time.monotonic()))
         self.completer.close(max(0.0, deadline - time.monotonic()))
+        if self.gate is not None:
+            self.gate.close(max(0.0, deadline - time.monotonic()))

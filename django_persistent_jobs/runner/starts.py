@@ -256,6 +256,7 @@ class StartGate:
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
         self._thread: threading.Thread | None = None
+        self._closing = False
         #: Statements written and starts admitted (for tests and benches).
         self.statements = 0
         self.admitted = 0
@@ -268,7 +269,8 @@ class StartGate:
         request = _Request(token)
         with self._cond:
             self._queue.append(request)
-            if self._thread is None or not self._thread.is_alive():
+            self._closing = False
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pj-start-gate",
                                                 daemon=True)
                 self._thread.start()
@@ -276,16 +278,34 @@ class StartGate:
         request.done.wait()
         return request.admitted
 
+    def close(self, timeout: float) -> None:
+        """Let the gate's thread write what it holds and exit now, rather than idle out with
+        its connection open after the runner stopped (a request after this starts a thread
+        again)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(max(0.0, timeout))
+
     def _run(self) -> None:
         try:
             while True:
                 with self._cond:
                     while not self._queue:
-                        if not self._cond.wait(5.0) and not self._queue:
-                            return  # idle: the next request starts a new thread
+                        if self._closing or (not self._cond.wait(5.0) and not self._queue):
+                            # Closed, or idle: the next request starts a new thread. Said
+                            # under the lock, so a request never waits on a thread that is
+                            # leaving.
+                            self._thread = None
+                            return
                     batch, self._queue = self._queue, []
                 self._write(batch)
         finally:
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # (died of an error: the next request starts one)
             connections.close_all()
 
     def _write(self, batch: list[_Request]) -> None:

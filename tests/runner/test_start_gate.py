@@ -1,0 +1,62 @@
+"""The start gate's thread (``starts.StartGate``): it records starts on a connection of its own,
+and when its runner stops it exits with that connection closed, instead of idling on for
+seconds after the runner said it stopped."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_persistent_jobs.runner import Runner
+from django_persistent_jobs.runner.starts import StartGate
+from tests.core_support import raw_connection, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
+
+
+def _sessions() -> set[int]:
+    """The other sessions on the test database."""
+    with raw_connection() as probe:
+        rows = probe.execute("SELECT pid FROM pg_stat_activity WHERE datname = "
+                             "current_database() AND pid <> pg_backend_pid()").fetchall()
+    return {row[0] for row in rows}
+
+
+def _gate_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "pj-start-gate" and t.is_alive()}
+
+
+def test_a_closed_gate_leaves_no_thread_or_session_and_opens_again_on_demand() -> None:
+    connection.ensure_connection()
+    sessions, threads = _sessions(), _gate_threads()
+    gate = StartGate(connection.alias)
+    assert gate.admit(-1) is False  # no such waiting attempt: written, and refused
+    started = _gate_threads() - threads
+    assert len(started) == 1 and _sessions() - sessions, "the gate wrote on a session of its own"
+    gate.close(10)
+    assert not any(t.is_alive() for t in started)
+    wait_for(lambda: _sessions() <= sessions, timeout=5, message="the gate's session to close")
+    # A request after close (a lane still starting a job while the runner stops) is served.
+    assert gate.admit(-2) is False
+    assert gate.statements == 2
+    gate.close(10)
+    assert _gate_threads() <= threads
+
+
+def test_a_stopped_runner_leaves_no_gate_thread_behind(
+    start_runner: Callable[..., Runner],
+) -> None:
+    threads = _gate_threads()
+    runner = start_runner(concurrency=2)
+    gate: Any = runner.pool.gate
+    assert gate is not None
+    assert gate.admit(-1) is False  # as a waiting job starting without a fresh lease would
+    assert _gate_threads() - threads
+    runner.stop(timeout=30)
+    assert runner.finished.is_set()
+    # Idle, the gate's thread would have waited five seconds with its connection open.
+    assert _gate_threads() <= threads
