@@ -155,8 +155,11 @@ class WorkerPool(SlotWaits):
     def _spawn_locked(self) -> None:
         self._numbers += 1
         worker = _Worker(self, self._numbers)
-        self.workers.append(worker)
+        # Started before it is listed: a start that fails (no more threads) must not leave an
+        # unstarted thread for ``join`` to wait on. (A worker that exits at once takes the
+        # lock to say so, which is held here.)
         worker.thread.start()
+        self.workers.append(worker)
 
     @property
     def busy(self) -> int:

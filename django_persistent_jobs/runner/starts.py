@@ -270,10 +270,15 @@ class StartGate:
         with self._cond:
             self._queue.append(request)
             self._closing = False
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pj-start-gate",
-                                                daemon=True)
-                self._thread.start()
+            if self._thread is None or not self._thread.is_alive():
+                thread = threading.Thread(target=self._run, name="pj-start-gate", daemon=True)
+                try:
+                    thread.start()
+                except BaseException:
+                    self._queue.remove(request)  # no thread to answer it: say so here
+                    raise
+                # Listed once running: a thread that failed to start must not stand for one.
+                self._thread = thread
             self._cond.notify()
         request.done.wait()
         return request.admitted

@@ -395,12 +395,22 @@ class Runner:
         embedded runner whose boot fails (tables missing, the database refusing) must not
         leave them behind: a web process that tries again would gather a thread and a
         connection per slot per try."""
+        self.stopping.set()
         self.halt.set()
-        if self._pool_started:
-            self.pool.close()
-            self.pool.join(timeout=2)
-        self._stop_sidecar()
-        connections.close_all()
+        try:
+            if self._pool_started:
+                self.pool.seal()
+                self.pool.close()
+                self.pool.join(timeout=2)
+            for loop in self.loops:
+                loop.join(timeout=5)
+        except Exception:
+            # The boot's own error is the one to raise; this one is only logged.
+            logger.exception("runner %s: stopping what a failed start began failed",
+                             self.runner_id, extra={"event": "boot_cleanup_failed"})
+        finally:
+            self._stop_sidecar()
+            connections.close_all()
 
     def _boot(self) -> None:
         self._wait_for_database()

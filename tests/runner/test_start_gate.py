@@ -22,7 +22,8 @@ def _sessions() -> set[int]:
     """The other sessions on the test database."""
     with raw_connection() as probe:
         rows = probe.execute("SELECT pid FROM pg_stat_activity WHERE datname = "
-                             "current_database() AND pid <> pg_backend_pid()").fetchall()
+                             "current_database() AND pid <> pg_backend_pid() "
+                             "AND backend_type = 'client backend'").fetchall()
     return {row[0] for row in rows}
 
 
@@ -60,3 +61,26 @@ def test_a_stopped_runner_leaves_no_gate_thread_behind(
     assert runner.finished.is_set()
     # Idle, the gate's thread would have waited five seconds with its connection open.
     assert _gate_threads() <= threads
+
+
+def test_a_gate_whose_thread_could_not_start_says_so_and_starts_one_next_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No thread to be had (the process hit its thread limit): the start is refused with the
+    error rather than waiting for ever on a thread that never ran, and the next one works."""
+    connection.ensure_connection()
+    gate = StartGate(connection.alias)
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "pj-start-gate":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="new thread"):
+        gate.admit(-1)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert gate.admit(-2) is False
+    assert gate.statements == 1  # only the second request was written
+    gate.close(10)

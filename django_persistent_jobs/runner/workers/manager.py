@@ -395,6 +395,8 @@ class ProcessExecutor(SlotWaits):
 
     def join(self, timeout: float) -> None:
         """Wait for the workers to exit; kill those that do not within ``timeout``."""
+        if self._thread.ident is None:
+            return  # never started (a stop before the boot got here): no worker exists
         self._thread.join(timeout)
         with self.lock:
             left = list(self.workers)
