@@ -684,6 +684,7 @@ def test_a_runner_that_cannot_boot_leaves_no_thread_process_or_session_behind(
                                                         children())
     with connection.cursor() as cursor:  # as if `migrate` had not been run
         cursor.execute("ALTER TABLE persistent_jobs_runners RENAME TO pj_runners_elsewhere")
+    fds_before = set(os.listdir("/proc/self/fd"))  # (with this test's connection open)
     try:
         runner = Runner(concurrency=3, processes=processes, cleanup=False).start()
         assert not runner.wait_until_started(60)
@@ -697,6 +698,9 @@ def test_a_runner_that_cannot_boot_leaves_no_thread_process_or_session_behind(
     left = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
     assert left == [], f"threads left running: {left}"
     assert set(children()) <= set(children_before)
+    # (Its pipes and selector too: with worker processes, a wake-up pipe and an epoll.)
+    wait_for(lambda: set(os.listdir("/proc/self/fd")) <= fds_before, timeout=5,
+             message="the failed runner's file descriptors to close")
     wait_for(lambda: ours() <= sessions_before | {connection.connection.info.backend_pid},
              timeout=5, message="the failed runner's connections to close")
 

@@ -212,6 +212,7 @@ class ProcessExecutor(SlotWaits):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()
         #: Workers to start: only the manager thread starts them (see ``_manage``).
         self._to_spawn = 0
         self._thread = threading.Thread(target=self._manage, name="pj-workers", daemon=True)
@@ -396,6 +397,7 @@ class ProcessExecutor(SlotWaits):
     def join(self, timeout: float) -> None:
         """Wait for the workers to exit; kill those that do not within ``timeout``."""
         if self._thread.ident is None:
+            self._close_wake_pipe()
             return  # never started (a stop before the boot got here): no worker exists
         self._thread.join(timeout)
         with self.lock:
@@ -404,6 +406,8 @@ class ProcessExecutor(SlotWaits):
             self._kill(worker)
         if left:
             self._thread.join(5)
+        if not self._thread.is_alive():
+            self._close_wake_pipe()
 
     # ------------------------------------------------------------------ placement
     def _ahead_locked(self) -> int:
@@ -645,8 +649,23 @@ class ProcessExecutor(SlotWaits):
             worker.process.kill()
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError):  # a full pipe already means "wake up"
-            os.write(self._wake_w, b"w")
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # joined: nobody is there to wake
+            with contextlib.suppress(OSError):  # a full pipe already means "wake up"
+                os.write(self._wake_w, b"w")
+
+    def _close_wake_pipe(self) -> None:
+        """Close the wake-up pipe once the manager thread is gone (a runner started again in
+        this process must not gather two descriptors per executor). Under its lock, so a late
+        ``_wake`` never writes to a descriptor number reused by something else."""
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     # ------------------------------------------------------------------ the manager thread
     def _manage(self) -> None:
@@ -718,6 +737,8 @@ class ProcessExecutor(SlotWaits):
                 self._kill(worker)
             if self.on_failure is not None:
                 self.on_failure(exc)
+        finally:
+            selector.close()
 
     def _receive(self, worker: WorkerHandle, exited: bool) -> None:
         """Handle what ``worker`` sent; once it has exited, settle its jobs and replace it."""
