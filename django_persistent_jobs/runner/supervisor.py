@@ -201,8 +201,6 @@ class Runner:
         self.loops: list[Loop] = []
         self._supervisor: threading.Thread | None = None
         self._launched = False  # run() or start() was called: stop() has something to wait for
-        #: The executor was started (its threads or processes exist): a failed boot stops it.
-        self._pool_started = False
         self.failure: BaseException | None = None  # why run() raised (boot failure), if it did
         self._side_lock = threading.Lock()
         self._side: Any = None
@@ -396,21 +394,33 @@ class Runner:
         leave them behind: a web process that tries again would gather a thread and a
         connection per slot per try."""
         self.stopping.set()
-        self.halt.set()
         try:
-            if self._pool_started:
-                self.pool.seal()
-                self.pool.close()
-                self.pool.join(timeout=2)
-            for loop in self.loops:
-                loop.join(timeout=5)
+            self.pool.seal()
+            self._stop_services()
         except Exception:
             # The boot's own error is the one to raise; this one is only logged.
             logger.exception("runner %s: stopping what a failed start began failed",
                              self.runner_id, extra={"event": "boot_cleanup_failed"})
         finally:
-            self._stop_sidecar()
-            connections.close_all()
+            self._close_connections()
+
+    def _stop_services(self) -> None:
+        """Stop what ``_boot`` started: no new work (``halt``, the executor closed), the loops,
+        then the executor's threads or processes. ``_shutdown`` calls it once the jobs in
+        flight are settled, a failed boot at once. An executor that never started (a boot that
+        failed or was stopped before it) has nothing to wait for."""
+        self.halt.set()
+        self.pool.close()
+        for loop in self.loops:
+            loop.join(timeout=5)
+        self.pool.join(timeout=2)
+
+    def _close_connections(self) -> None:
+        """The runner's last step: its side connection, the liveness sidecar, and this
+        thread's connections."""
+        self._close_side()
+        self._stop_sidecar()
+        connections.close_all()
 
     def _boot(self) -> None:
         self._wait_for_database()
@@ -421,7 +431,6 @@ class Runner:
         budget.check(self.alias, self.processes, self.settings.concurrency, self.runner_id)
         # Worker processes take a moment to set Django up: start them before the runner
         # registers, so that a registered runner is one that can run jobs.
-        self._pool_started = True  # (before: a start that fails half way leaves threads too)
         self.pool.start()
         try:
             run_with_retry(self.alias, self.register, what="registering the runner",
@@ -824,17 +833,11 @@ class Runner:
                 "job %s: could not record its outcome (%s) before exiting; it will be rescued "
                 "once this runner's row is gone", entry.item.job.id, entry.outcome.code,
                 extra={"event": "unsettled_at_exit", "job_id": str(entry.item.job.id)})
-        self.halt.set()
-        self.pool.close()
-        for loop in self.loops:
-            loop.join(timeout=5)
-        self.pool.join(timeout=2)
+        self._stop_services()
         if self.started.is_set():
             run_with_retry(self.alias, lambda c: store.unregister_runner(c, self.runner_id),
                            what="unregistering the runner", interrupt=self._unregister_interrupt())
-        self._close_side()
-        self._stop_sidecar()
-        connections.close_all()
+        self._close_connections()
         if self.forced.is_set() and self.exit_code == EXIT_OK:
             self.exit_code = EXIT_FORCED
         logger.info("runner %s stopped", self.runner_id,
