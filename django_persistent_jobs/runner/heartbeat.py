@@ -141,6 +141,10 @@ class Liveness:
     def fresh(self) -> bool:
         return heartbeat_fresh(self)
 
+    def note_listed(self, types: list[str]) -> None:
+        """The runner's row lists ``types`` (its registration wrote them)."""
+        self._listed = types
+
     def beat(self, interrupt: threading.Event) -> None:
         sent = time.monotonic()
 

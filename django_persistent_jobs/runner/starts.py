@@ -319,14 +319,19 @@ class StartGate:
         def write(cursor: Cursor) -> set[int]:
             return store.admit(cursor, tokens)
 
+        admitted: set[int] | None = None
         try:
             admitted = run_with_retry(self.alias, write, what=f"recording {len(tokens)} "
                                       "job start(s)", interrupt=self.interrupt)
         except Exception:
             admitted = None
-        if admitted is not None:
-            self.statements += 1
-            self.admitted += len(admitted)
-        for request in batch:
-            request.admitted = None if admitted is None else request.token in admitted
-            request.done.set()
+        finally:
+            # Every request is answered, even when this thread dies of a ``BaseException``:
+            # its lanes would otherwise wait for ever ("gave up" leaves the jobs claimed, to
+            # be handed back or rescued).
+            if admitted is not None:
+                self.statements += 1
+                self.admitted += len(admitted)
+            for request in batch:
+                request.admitted = None if admitted is None else request.token in admitted
+                request.done.set()

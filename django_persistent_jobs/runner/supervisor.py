@@ -172,6 +172,8 @@ class Runner:
         self.use_sidecar = liveness_sidecar
         self.sidecar: Any = None
         self._connected_once = False
+        #: Whether this runner's row was written: a boot that fails after that removes it.
+        self._registered = False
         self._vouched_at = 0.0
         self._vouched_until = 0.0  # monotonic time the sidecar's current horizon runs out
         self._vouch_lock = threading.Lock()
@@ -402,7 +404,21 @@ class Runner:
             logger.exception("runner %s: stopping what a failed start began failed",
                              self.runner_id, extra={"event": "boot_cleanup_failed"})
         finally:
+            if self._registered:
+                # A row with no runner behind it would stand for live capacity (and hold the
+                # name) until another runner found it stale.
+                self._unregister()
             self._close_connections()
+
+    def _unregister(self) -> None:
+        """Remove this runner's row, trying for a few seconds: if the database stays away,
+        another runner's rescue removes it once it is stale."""
+        try:
+            run_with_retry(self.alias, lambda c: store.unregister_runner(c, self.runner_id),
+                           what="unregistering the runner", interrupt=_Deadline(3.0))
+        except Exception:
+            logger.exception("runner %s: could not remove its row; it goes once stale",
+                             self.runner_id, extra={"event": "unregister_failed"})
 
     def _stop_services(self) -> None:
         """Stop what ``_boot`` started: no new work (``halt``, the executor closed), the loops,
@@ -433,7 +449,7 @@ class Runner:
         # registers, so that a registered runner is one that can run jobs.
         self.pool.start()
         try:
-            run_with_retry(self.alias, self.register, what="registering the runner",
+            run_with_retry(self.alias, self._register_once, what="registering the runner",
                            interrupt=self.stopping)
         except ProgrammingError as exc:
             raise ConfigurationError(
@@ -498,10 +514,17 @@ class Runner:
                       for name, body in self._extra_loops)
         return bodies
 
-    def register(self, cursor: Cursor) -> None:
+    def _register_once(self, cursor: Cursor) -> None:
+        types = registry.job_types()
+        self.register(cursor, types)
+        self._registered = True
+        self.liveness.note_listed(types)  # (the first beat need not write them again)
+
+    def register(self, cursor: Cursor, job_types: list[str] | None = None) -> None:
         store.register_runner(
             cursor, self.runner_id, socket.gethostname(), os.getpid(), self.settings.queues,
-            self.settings.concurrency, VERSION, self.name, registry.job_types(),
+            self.settings.concurrency, VERSION, self.name,
+            registry.job_types() if job_types is None else job_types,
         )
 
     def _warn_about_namesakes(self) -> None:
@@ -835,18 +858,26 @@ class Runner:
                 extra={"event": "unsettled_at_exit", "job_id": str(entry.item.job.id)})
         self._stop_services()
         if self.started.is_set():
-            run_with_retry(self.alias, lambda c: store.unregister_runner(c, self.runner_id),
-                           what="unregistering the runner", interrupt=self._unregister_interrupt())
+            self._unregister()
         self._close_connections()
         if self.forced.is_set() and self.exit_code == EXIT_OK:
             self.exit_code = EXIT_FORCED
         logger.info("runner %s stopped", self.runner_id,
                     extra={"event": "runner_stopped", "runner_id": self.runner_id})
 
-    def _unregister_interrupt(self) -> threading.Event:
-        """Try for a few seconds; if the database stays away, rescue will clean up after us."""
-        event = threading.Event()
-        timer = threading.Timer(3.0, event.set)
-        timer.daemon = True
-        timer.start()
-        return event
+
+class _Deadline(threading.Event):
+    """An event that sets itself after ``seconds``, for ``run_with_retry``'s ``interrupt``:
+    a bounded retry that leaves no timer thread behind once the runner has stopped."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self._until = time.monotonic() + seconds
+
+    def is_set(self) -> bool:
+        return super().is_set() or time.monotonic() >= self._until
+
+    def wait(self, timeout: float | None = None) -> bool:
+        left = max(0.0, self._until - time.monotonic())
+        super().wait(left if timeout is None else min(timeout, left))
+        return self.is_set()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_persistent_jobs.runner import Runner
+from django_persistent_jobs.runner import Runner, starts
 from django_persistent_jobs.runner.starts import StartGate
 from tests.core_support import raw_connection, wait_for
 
@@ -83,4 +83,27 @@ def test_a_gate_whose_thread_could_not_start_says_so_and_starts_one_next_time(
     monkeypatch.setattr(threading.Thread, "start", real_start)
     assert gate.admit(-2) is False
     assert gate.statements == 1  # only the second request was written
+    gate.close(10)
+
+
+def test_a_gate_thread_that_dies_answers_its_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate's thread dies of a ``BaseException`` while writing (here ``SystemExit`` from
+    the write): the lane waiting on it hears "gave up" (the job is not run, and stays claimed
+    to be handed back) instead of waiting for ever; the next request starts a thread."""
+    connection.ensure_connection()
+    gate = StartGate(connection.alias)
+    real_admit = starts.store.admit
+
+    def die(cursor: Any, tokens: Any) -> Any:
+        raise SystemExit("the gate's thread is told to exit")
+
+    monkeypatch.setattr(starts.store, "admit", die)
+    answer: list[bool | None] = []
+    asker = threading.Thread(target=lambda: answer.append(gate.admit(-1)), daemon=True)
+    asker.start()
+    asker.join(10)
+    assert not asker.is_alive(), "the request was never answered"
+    assert answer == [None]
+    monkeypatch.setattr(starts.store, "admit", real_admit)
+    assert gate.admit(-2) is False
     gate.close(10)

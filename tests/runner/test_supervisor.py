@@ -715,6 +715,47 @@ def test_a_runner_stopped_before_its_boot_exits_cleanly(processes: int) -> None:
     assert runner.failure is None
 
 
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_runner_whose_boot_fails_after_registering_removes_its_row(
+    processes: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A boot that fails once the runner's row is written (here: the step right after it)
+    deletes the row: left behind, it would count as a live runner, with capacity and a name,
+    until another runner found it stale."""
+    registered: list[str] = []
+    real_register = Runner.register
+
+    def register(self: Runner, cursor: Any, *args: Any) -> None:
+        real_register(self, cursor, *args)
+        registered.append(self.runner_id)
+
+    def fail(self: Runner) -> None:
+        raise RuntimeError("the step after registering failed")
+
+    monkeypatch.setattr(Runner, "register", register)
+    monkeypatch.setattr(Runner, "_warn_about_namesakes", fail)
+    runner = Runner(concurrency=1, processes=processes, cleanup=False).start()
+    assert not runner.wait_until_started(60)
+    assert isinstance(runner.failure, RuntimeError)
+    assert registered == [runner.runner_id]
+    assert not JobRunnerRecord.objects.filter(pk=runner.runner_id).exists()
+
+
+def test_a_stopped_runner_leaves_no_thread_behind() -> None:
+    """Every thread a runner started has exited once ``stop()`` returns and its supervisor
+    thread is joined: none of its loops, handler threads, gate or timers lingers in a
+    process that embeds it."""
+    before = set(threading.enumerate())
+    runner = Runner(concurrency=2, cleanup=False).start()
+    assert runner.wait_until_started(30)
+    wait_status(enqueue("test.ledger", {"note": "threads"}).id, JobStatus.COMPLETED)
+    assert runner.stop(timeout=30) == 0
+    assert runner._supervisor is not None
+    runner._supervisor.join(10)
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == [], f"threads left running: {left}"
+
+
 def test_stop_on_a_runner_that_never_started_returns() -> None:
     runner = Runner(concurrency=1, cleanup=False)
     stopper = threading.Thread(target=runner.stop, daemon=True)
