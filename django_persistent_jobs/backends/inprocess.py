@@ -47,6 +47,8 @@ from .compat import (
 from .tasks import PersistentTask, encode_arguments, encode_result, refuse_generators, task_options
 
 logger = logging.getLogger("django_persistent_jobs.tasks")
+#: The dispatcher's longest wait (seconds): it looks again at least this often.
+MAX_WAIT = 3600.0
 
 if TYPE_CHECKING:
     from .compat import AnyTask, AnyTaskResult
@@ -203,12 +205,13 @@ class InProcessBackend(BaseTaskBackend):
 
     def _remember(self, result: Any) -> None:
         self._e.results[result.id] = result
-        while len(self._e.results) > self.max_results:
-            oldest_id = next(iter(self._e.results))
-            oldest = self._e.results[oldest_id]
-            if not oldest.is_finished:
-                break  # never forget a task that has not finished
-            del self._e.results[oldest_id]
+        excess = len(self._e.results) - self.max_results
+        if excess > 0:
+            # The oldest finished ones go; a task that has not finished is never forgotten,
+            # and one deferred for hours must not stop the finished ones behind it going.
+            old = [k for k, r in self._e.results.items() if r.is_finished][:excess]
+            for key in old:
+                del self._e.results[key]
 
     # --- scheduling ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -235,40 +238,53 @@ class InProcessBackend(BaseTaskBackend):
             self._e.lock.notify_all()
 
     def _dispatch(self) -> None:
-        """Move due tasks to the ready heap, start the highest priority ones on free threads,
-        and time out attempts past their deadline."""
+        """The dispatcher thread: it must outlive anything one task brings (a receiver that
+        raises, a delay out of the clock's range), or no task of this process runs again."""
         while True:
-            finished: list[Any] = []
-            with self._e.lock:
-                now = time.monotonic()
-                while self._e.delayed and self._e.delayed[0].sort_key[0] <= now:
-                    entry = heapq.heappop(self._e.delayed)
-                    heapq.heappush(self._e.ready, _Entry(
-                        (-entry.result.task.priority, next(self._e.seq)), entry.result,
-                        entry.attempt))
-                for token, running in list(self._e.running.items()):
-                    if running.deadline is not None and now >= running.deadline:
-                        del self._e.running[token]
-                        if self._fail(running.result, running.attempt, TimeoutError(
-                                f"attempt {running.attempt} timed out"), ""):
-                            finished.append(running.result)
-                busy = len(self._e.running)
-                while self._e.ready and busy < self.workers:
-                    entry = heapq.heappop(self._e.ready)
-                    token = next(self._e.tokens)
-                    limit = self._spec(entry.result.task).effective_timeout()
-                    self._e.running[token] = _Running(
-                        entry.result, entry.attempt, time.monotonic() + limit)
-                    busy += 1
-                    assert self._e.pool is not None
-                    self._e.pool.put(token)
-                waits = [e.sort_key[0] for e in self._e.delayed[:1]]
-                waits += [r.deadline for r in self._e.running.values() if r.deadline is not None]
-                timeout = max(0.0, min(waits) - now) if waits else None
-                if not finished:
-                    self._e.lock.wait(timeout)
-            for result in finished:
+            try:
+                self._dispatch_round()
+            except Exception:
+                logger.exception("in-process task dispatcher (%s): a round failed; going on",
+                                 self.alias)
+                time.sleep(0.1)  # (a fault that repeats must not spin a core)
+
+    def _dispatch_round(self) -> None:
+        """Move due tasks to the ready heap, start the highest priority ones on free threads,
+        and time out attempts past their deadline (from their start, not from the hand-off:
+        a task waiting for a thread that a hung task still holds has not started)."""
+        finished: list[Any] = []
+        with self._e.lock:
+            now = time.monotonic()
+            while self._e.delayed and self._e.delayed[0].sort_key[0] <= now:
+                entry = heapq.heappop(self._e.delayed)
+                heapq.heappush(self._e.ready, _Entry(
+                    (-entry.result.task.priority, next(self._e.seq)), entry.result,
+                    entry.attempt))
+            for token, running in list(self._e.running.items()):
+                if running.deadline is not None and now >= running.deadline:
+                    del self._e.running[token]
+                    if self._fail(running.result, running.attempt, TimeoutError(
+                            f"attempt {running.attempt} timed out"), ""):
+                        finished.append(running.result)
+            busy = len(self._e.running)
+            while self._e.ready and busy < self.workers:
+                entry = heapq.heappop(self._e.ready)
+                token = next(self._e.tokens)
+                self._e.running[token] = _Running(entry.result, entry.attempt, None)
+                busy += 1
+                assert self._e.pool is not None
+                self._e.pool.put(token)
+            waits = [e.sort_key[0] for e in self._e.delayed[:1]]
+            waits += [r.deadline for r in self._e.running.values() if r.deadline is not None]
+            # Bounded: a due time centuries ahead is beyond what a wait accepts.
+            timeout = min(max(0.0, min(waits) - now), MAX_WAIT) if waits else MAX_WAIT
+            if not finished:
+                self._e.lock.wait(timeout)
+        for result in finished:
+            try:
                 task_finished.send(sender=type(self), task_result=result)
+            except Exception:
+                logger.exception("task_finished receiver failed for task %s", result.id)
 
     # --- execution -------------------------------------------------------------------------
     def _work(self, tokens: queue.SimpleQueue[int]) -> None:
@@ -282,8 +298,12 @@ class InProcessBackend(BaseTaskBackend):
     def _run(self, token: int) -> None:
         with self._e.lock:
             running = self._e.running.get(token)
-        if running is None:
-            return
+            if running is None:
+                return
+            # Its timeout runs from now: it may have waited for a thread a hung task held.
+            limit = self._spec(running.result.task).effective_timeout()
+            running.deadline = time.monotonic() + limit
+            self._e.lock.notify_all()
         result, attempt = running.result, running.attempt
         task = result.task
         now = timezone.now()

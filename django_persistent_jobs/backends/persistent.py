@@ -12,6 +12,7 @@ with the ORM.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from .compat import (
     TaskResult,
     TaskResultDoesNotExist,
     TaskResultStatus,
+    task_backends,
     task_enqueued,
     task_finished,
     task_started,
@@ -100,6 +102,24 @@ def task_for_job_type(job_type: str) -> AnyTask | None:
     return found if isinstance(found, Task) else None
 
 
+def _declared_backend_elsewhere(task: AnyTask) -> str | None:
+    """The backend the module-level task behind ``task`` is declared for, if that one is not
+    a durable backend: a ``using(backend=...)`` copy sent here would be a job whose type no
+    runner registers (a runner registers what importing the module declares)."""
+    module, _, name = str(task.module_path).rpartition(".")
+    declared = getattr(sys.modules.get(module), name, None)
+    if not isinstance(declared, Task) or declared.func is not task.func:
+        return None  # (not a module-level task, or being declared right now)
+    if declared.backend == task.backend:
+        return None
+    try:
+        if isinstance(task_backends[declared.backend], PersistentJobsBackend):
+            return None
+    except Exception:
+        return None  # (a misconfigured alias: Django's own checks say so)
+    return str(declared.backend)
+
+
 def _clamp_priority(value: int) -> int:
     return max(TASK_MIN_PRIORITY, min(TASK_MAX_PRIORITY, int(value)))
 
@@ -141,6 +161,13 @@ class PersistentJobsBackend(BaseTaskBackend):
     def validate_task(self, task: AnyTask) -> None:
         """Django's checks, then ours; registers the task's handler so runners can claim it."""
         super().validate_task(task)
+        elsewhere = _declared_backend_elsewhere(task)
+        if elsewhere is not None:
+            raise InvalidTask(
+                f"Task {task.module_path} is declared for backend {elsewhere!r}: runners import "
+                f"it from there and have no handler for it, so enqueued on {self.alias!r} it "
+                f"would never run. Declare it with @task(backend={self.alias!r}), or define a "
+                "second task for this backend.")
         known = _tasks.get(job_type_of(task))
         if known is not None and known.func is task.func and (
             task_options(known) == task_options(task) and job_type_of(task) in registry

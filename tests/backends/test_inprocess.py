@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -179,3 +179,65 @@ def test_a_hung_task_does_not_keep_the_process_from_exiting() -> None:
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip() == "running"
     assert time.monotonic() - started < 8  # the task would hang for 10 s
+
+
+def test_a_task_waiting_for_the_thread_a_hung_task_holds_is_not_timed_out() -> None:
+    """The only thread is held by a task past its timeout (hung code keeps its thread): the
+    task behind it waits for the thread, its own timeout not yet running, and then runs."""
+    it.GATE.clear()
+    hung = it.hangs_serial.enqueue()
+    behind = it.quick_serial.enqueue("behind")  # (its own timeout: 0.5 s)
+    finished(hung)
+    assert [e.exception_class for e in hung.errors] == [TimeoutError]
+    time.sleep(0.8)  # (past the waiting task's own timeout: an absence, nothing to wait for)
+    behind.refresh()
+    assert behind.status == TaskResultStatus.READY and behind.errors == []
+    it.GATE.set()
+    finished(behind)
+    assert behind.status == TaskResultStatus.SUCCESSFUL and ("quick", "behind") in it.CALLS
+
+
+def test_the_dispatcher_survives_a_far_due_time_and_a_failing_receiver() -> None:
+    """A ``run_after`` centuries ahead, and a ``task_finished`` receiver that raises for a task
+    the dispatcher timed out: later tasks still run (the dispatcher is one thread per
+    process; if it died, no in-process task would run again)."""
+    from django_persistent_jobs.backends.compat import task_finished
+
+    far = it.double.using(run_after=datetime(2500, 1, 1, tzinfo=UTC)).enqueue(1)
+    finished(it.double.enqueue(3))
+
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("a receiver's bug")
+
+    it.GATE.clear()
+    task_finished.connect(broken)
+    try:
+        timed_out = it.hangs.enqueue()
+        finished(timed_out)
+    finally:
+        task_finished.disconnect(broken)
+        it.GATE.set()
+    assert finished(it.double.enqueue(4)).return_value == 8
+    far.refresh()
+    assert far.status == TaskResultStatus.READY
+
+
+def test_max_results_drops_the_oldest_finished_past_an_unfinished_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = task_backends["serial"]
+    monkeypatch.setattr(backend, "max_results", 3)
+    deferred = it.note.using(run_after=timezone.now() + timedelta(hours=1)).enqueue("later")
+    done = [finished(it.note.enqueue(str(i))) for i in range(5)]
+    assert len(backend._e.results) <= 3  # type: ignore[attr-defined]
+    with pytest.raises(TaskResultDoesNotExist):
+        it.note.get_result(done[0].id)
+    assert it.note.get_result(deferred.id).status == TaskResultStatus.READY
+
+
+def test_an_in_process_task_cannot_be_sent_to_the_durable_backend_by_using() -> None:
+    """``using(backend="default")`` on a task declared for the in-process backend: a runner
+    imports the task from its module, finds it on the in-process backend, and has no handler
+    for it, so the job would wait for ever. Refused at once, saying what to do."""
+    with pytest.raises(InvalidTask, match=r"declared for backend 'inprocess'.*never run"):
+        it.double.using(backend="default").enqueue(1)

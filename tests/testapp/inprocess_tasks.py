@@ -60,3 +60,15 @@ def note(label: str) -> str:
 @task(backend="serial", timeout=30)
 def block_serial() -> None:
     GATE.wait(10)
+
+
+@task(backend="serial", timeout=0.3, max_retries=0)
+def hangs_serial() -> str:
+    GATE.wait(10)
+    return "late"
+
+
+@task(backend="serial", timeout=0.5, max_retries=0)
+def quick_serial(label: str) -> str:
+    CALLS.append(("quick", label))
+    return label
