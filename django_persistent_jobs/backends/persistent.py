@@ -270,6 +270,10 @@ class PersistentJobsBackend(BaseTaskBackend):
             priority=task.priority,
             dedup_key=dedup_key_for(task, payload["args"], payload["kwargs"]),
         )
+        if not getattr(job, "_pj_created", True):
+            # Skip dedup: an active task holds the key and nothing was inserted. Its result,
+            # with its own arguments; ``task_enqueued`` was sent for it when it was enqueued.
+            return build_result(self, task, job, list(job.attempt_set.all()))
         result: AnyTaskResult = TaskResult(
             task=task, id=str(job.id), status=STATUS_MAP.get(job.status, TaskResultStatus.READY),
             enqueued_at=job.__dict__.get("created_at"), started_at=None, finished_at=None,
@@ -366,7 +370,12 @@ def _adapter(task: AnyTask) -> Callable[[Any, JobContext], Any]:
                 ))
                 object.__setattr__(task_result, "status", TaskResultStatus.FAILED)
                 object.__setattr__(task_result, "finished_at", now)
-                task_finished.send(sender=type(backend), task_result=task_result)
+                try:
+                    task_finished.send(sender=type(backend), task_result=task_result)
+                except Exception:
+                    # The task's own error is the one to record, not a receiver's.
+                    logger.exception("a task_finished receiver failed for task %s",
+                                     task_result.id)
             raise
         object.__setattr__(task_result, "status", TaskResultStatus.SUCCESSFUL)
         object.__setattr__(task_result, "_return_value", stored)

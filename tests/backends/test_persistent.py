@@ -276,6 +276,44 @@ def test_dedup_option_returns_the_waiting_task() -> None:
     assert first.id == again.id != other.id
 
 
+def test_a_skipped_duplicate_returns_the_waiting_task_as_it_is_and_is_not_announced() -> None:
+    """Skip dedup inserted nothing: the result is the waiting task's (its own arguments), and
+    ``task_enqueued`` is not sent a second time for it."""
+    heard: list[Any] = []
+
+    def hear(task_result: Any, **kwargs: Any) -> None:
+        heard.append((task_result.id, list(task_result.args)))
+
+    task_enqueued.connect(hear)
+    try:
+        first = tasks.one_at_a_time.enqueue(1)
+        again = tasks.one_at_a_time.enqueue(2)
+    finally:
+        task_enqueued.disconnect(hear)
+    assert again.id == first.id
+    assert list(again.args) == [1] and again.status == TaskResultStatus.READY
+    assert heard == [(first.id, [1])]
+
+
+def test_a_failing_receiver_does_not_hide_the_tasks_own_error() -> None:
+    """A ``task_finished`` receiver that raises, for a task failing for good: the task's own
+    exception is what its result records (the receiver's error is logged)."""
+    from django_persistent_jobs.runner import Runner
+
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("a receiver's bug")
+
+    result = tasks.fails_for_good.enqueue()
+    task_finished.connect(broken)
+    try:
+        assert Runner(burst=True, cleanup=False, concurrency=1).run() == 0
+    finally:
+        task_finished.disconnect(broken)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"]
+
+
 def _plain() -> None: ...
 
 

@@ -86,3 +86,13 @@ def hang_first(context: TaskContext, seconds: float) -> str:
 @task(dedup_key=lambda user_id: f"user:{user_id}", dedup="skip")
 def refresh_user(user_id: int) -> int:
     return user_id
+
+
+@task(dedup_key="one-at-a-time", dedup="skip")
+def one_at_a_time(n: int) -> int:
+    return n
+
+
+@task(max_retries=0)
+def fails_for_good() -> None:
+    raise ValueError("for good")
