@@ -449,7 +449,7 @@ class Runner:
         # registers, so that a registered runner is one that can run jobs.
         self.pool.start()
         try:
-            run_with_retry(self.alias, self._register_once, what="registering the runner",
+            run_with_retry(self.alias, self.register, what="registering the runner",
                            interrupt=self.stopping)
         except ProgrammingError as exc:
             raise ConfigurationError(
@@ -514,18 +514,14 @@ class Runner:
                       for name, body in self._extra_loops)
         return bodies
 
-    def _register_once(self, cursor: Cursor) -> None:
+    def register(self, cursor: Cursor) -> None:
         types = registry.job_types()
-        self.register(cursor, types)
-        self._registered = True
-        self.liveness.note_listed(types)  # (the first beat need not write them again)
-
-    def register(self, cursor: Cursor, job_types: list[str] | None = None) -> None:
         store.register_runner(
             cursor, self.runner_id, socket.gethostname(), os.getpid(), self.settings.queues,
-            self.settings.concurrency, VERSION, self.name,
-            registry.job_types() if job_types is None else job_types,
+            self.settings.concurrency, VERSION, self.name, types,
         )
+        self._registered = True
+        self.liveness.note_listed(types)  # (the next beat need not write them again)
 
     def _warn_about_namesakes(self) -> None:
         """Say so when another live runner carries this runner's name: legitimate for replicas

@@ -725,8 +725,8 @@ def test_a_runner_whose_boot_fails_after_registering_removes_its_row(
     registered: list[str] = []
     real_register = Runner.register
 
-    def register(self: Runner, cursor: Any, *args: Any) -> None:
-        real_register(self, cursor, *args)
+    def register(self: Runner, cursor: Any) -> None:
+        real_register(self, cursor)
         registered.append(self.runner_id)
 
     def fail(self: Runner) -> None:
