@@ -17,6 +17,7 @@ __version__ = "0.1.0.dev0"
 _EXPORTS = {
     "enqueue": ".enqueuing",
     "enqueue_many": ".enqueuing",
+    "enqueue_as_tenant": ".enqueuing",
     "job_handler": ".handlers",
     "JobHandler": ".handlers",
     "registry": ".handlers",
@@ -26,6 +27,7 @@ _EXPORTS = {
     "PermanentJobError": ".errors",
     "JobCancelledError": ".errors",
     "EnqueueError": ".errors",
+    "DedupKeyTakenError": ".errors",
     "PayloadError": ".errors",
     "UnknownJobTypeError": ".errors",
     "PreparedStatementLostError": ".errors",
@@ -50,6 +52,7 @@ _EXPORTS = {
 __all__ = [
     "ConfigurationError",
     "Dedup",
+    "DedupKeyTakenError",
     "EnqueueError",
     "InvalidJobStateError",
     "JobCancelledError",
@@ -68,6 +71,7 @@ __all__ = [
     "add_schedule",
     "cancel_job",
     "enqueue",
+    "enqueue_as_tenant",
     "enqueue_many",
     "job_handler",
     "next_tick",
@@ -82,9 +86,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .context import JobContext
-    from .enqueuing import enqueue, enqueue_many
+    from .enqueuing import enqueue, enqueue_as_tenant, enqueue_many
     from .errors import (
         ConfigurationError,
+        DedupKeyTakenError,
         EnqueueError,
         InvalidJobStateError,
         JobCancelledError,

@@ -33,6 +33,7 @@ from django.db.models.sql import Query
 from . import bounds, conf, signals
 from .errors import (
     ConfigurationError,
+    DedupKeyTakenError,
     EnqueueError,
     PayloadError,
     PreparedStatementLostError,
@@ -109,6 +110,9 @@ class _Prepared:
     dedup: Dedup
     schedule_json: str | None
     tenant: str | None
+    #: Enqueued for a caller confined to ``tenant`` (``enqueue_as_tenant``): its dedup key must
+    #: not meet an active job outside the tenant.
+    confined: bool = False
 
     def params(self) -> list[Any]:
         return [
@@ -364,15 +368,41 @@ def _stop_preparing(db: BaseDatabaseWrapper, exc: DatabaseError) -> None:
         ) from exc
 
 
+_CANCEL_WAITING = (
+    "UPDATE persistent_jobs SET status = 'cancelled', last_error_code = 'REPLACED', "
+    "last_error = 'replaced by a newer job with the same dedup key', finished_at = now(), "
+    f"updated_at = now() WHERE job_type = %s AND dedup_key = ANY(%s) AND {_WAITING_KEY}"
+)
+
+
 def _cancel_waiting_duplicates(cursor: Cursor, job_type: str, keys: list[str]) -> int:
-    cursor.execute(
-        "UPDATE persistent_jobs SET status = 'cancelled', last_error_code = 'REPLACED', "
-        "last_error = 'replaced by a newer job with the same dedup key', finished_at = now(), "
-        "updated_at = now() WHERE job_type = %s AND dedup_key = ANY(%s) AND "
-        f"{_WAITING_KEY}",
-        [job_type, keys],
-    )
+    cursor.execute(_CANCEL_WAITING, [job_type, keys])
     return int(cursor.rowcount)
+
+
+#: An active job holding the key with its dedup enforced, owned by another tenant or by none.
+_FOREIGN_HOLDER = (
+    "SELECT 1 FROM persistent_jobs WHERE job_type = %s AND dedup_key = %s "
+    "AND status IN ('pending', 'failed', 'running') AND NOT (dedup = 'enqueue') "
+    "AND tenant IS DISTINCT FROM %s LIMIT 1"
+)
+
+
+def _refuse_foreign_holder(cursor: Cursor, job: _Prepared) -> None:
+    """Raise ``DedupKeyTakenError`` when the key of a confined job is held outside its tenant.
+
+    Checked at the start of every round, and a confined Replace cancels only its own tenant's
+    duplicates: a foreign job that becomes waiting after this check makes the round's insert
+    lose on the unique index, and the next round's check refuses. So a confined caller is never
+    handed another tenant's job nor cancels one, whatever runs concurrently.
+    """
+    cursor.execute(_FOREIGN_HOLDER, [job.job_type, job.dedup_key, job.tenant])
+    if cursor.fetchone() is not None:
+        raise DedupKeyTakenError(
+            f"dedup_key {job.dedup_key!r} is held by an active {job.job_type!r} job outside "
+            f"tenant {job.tenant!r}; nothing was enqueued. Use another key (for example one "
+            "that starts with the tenant's name)."
+        )
 
 
 def lock_dedup_keys(cursor: Cursor, keys: Iterable[tuple[str, str]]) -> None:
@@ -423,22 +453,34 @@ def _enqueue_prepared(job: _Prepared, alias: str) -> tuple[PersistentJob, bool]:
     # A key's turn lasts until the transaction ends: a transaction of its own when the caller
     # runs in autocommit; inside the caller's atomic block this adds nothing.
     with transaction.atomic(using=alias, savepoint=False), connections[alias].cursor() as cursor:
-        if not tried:
-            settled = _round(cursor, job, alias)
-            if settled is not None:
-                return settled
-        lock_dedup_keys(cursor, [(job.job_type, job.dedup_key)])
-        return _settle(cursor, job, alias)
+        try:
+            if not tried:
+                settled = _round(cursor, job, alias)
+                if settled is not None:
+                    return settled
+            lock_dedup_keys(cursor, [(job.job_type, job.dedup_key)])
+            return _settle(cursor, job, alias)
+        except DedupKeyTakenError as exc:
+            # Raised only after the block ends well: an exception leaving a block without a
+            # savepoint would doom the caller's transaction, and the round's own savepoint
+            # has already undone everything it did.
+            refused = exc
+    raise refused
 
 
 def _attempt(cursor: Cursor, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
     """One round of Skip or Replace for a keyed job; ``None`` when another job with the key
     became waiting in between (the insert met it on the unique index)."""
     assert job.dedup_key is not None
+    if job.confined:
+        _refuse_foreign_holder(cursor, job)
     if job.dedup is Dedup.SKIP:
         existing = _select_active(cursor, job.job_type, job.dedup_key)
         if existing is not None:
             return job_from_row(existing, alias), False
+    elif job.confined:
+        cursor.execute(f"{_CANCEL_WAITING} AND tenant = %s",
+                       [job.job_type, [job.dedup_key], job.tenant])
     else:
         _cancel_waiting_duplicates(cursor, job.job_type, [job.dedup_key])
     row = _insert_one(cursor, job)
@@ -504,11 +546,29 @@ def enqueue(
     ``tenant`` names the tenant or service that owns the job: stored on the row, seen by the
     handler as ``ctx.tenant``, kept by retries. Dedup keys are not scoped by tenant.
     """
-    alias = conf.settings.DATABASE
-    job = _prepare(
+    return _enqueue_one(_prepare(
         job_type, payload, run_at=run_at, delay=delay, dedup_key=dedup_key, dedup=dedup,
         max_retries=max_retries, timeout=timeout, queue=queue, priority=priority, tenant=tenant,
-    )
+    ))
+
+
+def enqueue_as_tenant(job_type: str, payload: Any = None, *, tenant: str,
+                      **options: Any) -> PersistentJob:
+    """``enqueue`` for a caller that may see and touch only ``tenant``'s jobs (a tenant-bound
+    API token).
+
+    Dedup keys are shared by all tenants, so a plain ``enqueue`` with a key another tenant's
+    active job holds would hand that job back (Skip) or cancel it (Replace). Here that raises
+    ``DedupKeyTakenError`` and writes nothing; a key held by the tenant's own job behaves as in
+    ``enqueue``. ``options`` are ``enqueue``'s keyword arguments.
+    """
+    job = _prepare(job_type, payload, tenant=tenant, **options)
+    job.confined = True
+    return _enqueue_one(job)
+
+
+def _enqueue_one(job: _Prepared) -> PersistentJob:
+    alias = conf.settings.DATABASE
     result, created = _enqueue_prepared(job, alias)
     result._pj_created = created  # type: ignore[attr-defined]  # the HTTP API: 201 or 200
     if created:
@@ -517,7 +577,8 @@ def enqueue(
         logger.debug(
             "job %s %s", "enqueued" if created else "deduplicated", result.id,
             extra={"event": "enqueue" if created else "dedup_skip", "job_id": str(result.id),
-                   "job_type": job_type, "queue": result.queue, "dedup_key": dedup_key},
+                   "job_type": job.job_type, "queue": result.queue,
+                   "dedup_key": job.dedup_key},
         )
     return result
 

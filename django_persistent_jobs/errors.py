@@ -123,6 +123,14 @@ class ScheduleError(EnqueueError):
     code = "SCHEDULE_INVALID"
 
 
+class DedupKeyTakenError(EnqueueError):
+    """A caller confined to one tenant named a dedup key that an active job of another tenant
+    (or of none) holds. Skip would have handed it that job and Replace would have cancelled or
+    queued behind it, so nothing was written."""
+
+    code = "DEDUP_KEY_TAKEN"
+
+
 class ScheduleNotFoundError(LookupError):
     """No schedule has the given name."""
 

@@ -80,10 +80,12 @@ def _texts(name: str, values: Iterable[str]) -> tuple[str, ...]:
     """Accept repeated values and comma-separated lists alike (``status=a,b`` = ``a`` + ``b``)."""
     out: list[str] = []
     for value in values:
-        if str(value).strip() == "":
-            raise QueryError(name, f"{name} must not be empty.")
-        for part in str(value).split(","):
-            part = part.strip()
+        parts = [part.strip() for part in str(value).split(",")]
+        if not any(parts):
+            # "" or "," would otherwise filter on nothing, i.e. match every job: a bulk
+            # cancel built on it would reach far more than asked.
+            raise QueryError(name, f"{name} must name at least one value.")
+        for part in parts:
             if not part:
                 continue
             if len(part) > FILTER_TEXT_MAX_LENGTH or bounds.text_problem(part) is not None:

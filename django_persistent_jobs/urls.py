@@ -19,4 +19,6 @@ urlpatterns = [
     path("<str:job_id>", views.job_view, name="job"),
     path("<str:job_id>/retry", views.retry_view, name="retry"),
     path("<str:job_id>/cancel", views.cancel_view, name="cancel"),
+    # Last: anything else under the prefix (``<id>/``, ``stats/``) answers a JSON 404.
+    path("<path:rest>", views.unknown_route_view),
 ]

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -52,7 +54,14 @@ def _reject_constant(name: str) -> Any:
 
 def read_json_object(request: HttpRequest, *, optional: bool = False) -> dict[str, Any]:
     """The request body as a JSON object; an empty body counts as ``{}`` when ``optional``."""
-    raw = request.body
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        raise ApiError(
+            413, "body_too_large",
+            f"The request body is larger than DATA_UPLOAD_MAX_MEMORY_SIZE "
+            f"({settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes); nothing was read or written.",
+            field="body") from None
     if not raw.strip():
         if optional:
             return {}

@@ -59,6 +59,7 @@ _E401 = {**_error("Not authenticated, or the token is unknown or revoked."),
 _E403 = _error("Missing permission, CSRF failure (session), or outside the token's tenant.")
 _E404 = _error("No such job (or not visible to a tenant-bound token).")
 _E409 = _error("The job's state does not allow this action.")
+_E413 = _error("The body is larger than the site's DATA_UPLOAD_MAX_MEMORY_SIZE.")
 
 _SUMMARY_PROPERTIES: dict[str, Any] = {
     "id": {"type": "string", "format": "uuid"},
@@ -151,6 +152,9 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                         "200": _ok("Skip dedup: an active job holds the dedup key; it is "
                                    "returned and nothing was created.", "EnqueueResult"),
                         "400": _E400, "401": _E401, "403": _E403,
+                        "409": _error("A tenant-bound token named a dedup key that an active "
+                                      "job outside its tenant holds; nothing was written."),
+                        "413": _E413,
                     },
                 },
             },
@@ -159,8 +163,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "operationId": "getJob",
                     "summary": "One job with its attempts.",
                     "parameters": [job_id],
-                    "responses": {"200": _ok("The job.", "Job"), "401": _E401, "403": _E403,
-                                  "404": _E404},
+                    "responses": {"200": _ok("The job.", "Job"), "400": _E400, "401": _E401,
+                                  "403": _E403, "404": _E404},
                 },
             },
             "/{job_id}/retry": {
@@ -172,7 +176,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "requestBody": {"required": False, "content": {
                         "application/json": {"schema": _ref("RetryRequest")}}},
                     "responses": {"200": _ok("The retried job.", "Job"), "400": _E400,
-                                  "401": _E401, "403": _E403, "404": _E404, "409": _E409},
+                                  "401": _E401, "403": _E403, "404": _E404, "409": _E409,
+                                  "413": _E413},
                 },
             },
             "/{job_id}/cancel": {
@@ -186,7 +191,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "responses": {"200": _ok("The job, cancelled or with its cancellation "
                                              "requested.", "Job"),
                                   "400": _E400, "401": _E401, "403": _E403, "404": _E404,
-                                  "409": _E409},
+                                  "409": _E409, "413": _E413},
                 },
             },
             "/stats": {

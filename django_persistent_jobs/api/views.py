@@ -16,9 +16,10 @@ from django.db import transaction
 from django.http import HttpRequest, HttpResponse, QueryDict
 
 from .. import bounds, conf, queries, services, stats
-from ..enqueuing import enqueue
+from ..enqueuing import enqueue, enqueue_as_tenant
 from ..errors import (
     ConfigurationError,
+    DedupKeyTakenError,
     EnqueueError,
     InvalidJobStateError,
     JobNotFoundError,
@@ -27,7 +28,14 @@ from ..errors import (
 )
 from ..types import Dedup
 from . import auth, openapi
-from .http import ApiError, bad_request, json_endpoint, json_response, read_json_object
+from .http import (
+    ApiError,
+    bad_request,
+    error_response,
+    json_endpoint,
+    json_response,
+    read_json_object,
+)
 from .serialize import job_detail, job_summary
 
 ENQUEUE_FIELDS = ("job_type", "payload", "run_at", "delay", "dedup_key", "dedup", "priority",
@@ -68,7 +76,12 @@ def _seconds(data: dict[str, Any], name: str, *, positive: bool) -> float | None
     value = data.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(
+            value)
+    except OverflowError:  # an integer beyond any float, which is also beyond the bound
+        finite = True
+    if not finite:
         raise bad_request(name, f"{name} must be a number of seconds.")
     if value < 0 or (positive and value == 0) or value > bounds.MAX_SECONDS:
         bound = "> 0" if positive else ">= 0"
@@ -87,6 +100,16 @@ def _field_of(exc: EnqueueError) -> str:
     return first if first in ENQUEUE_FIELDS else "body"
 
 
+def _refuse_query(request: HttpRequest, allowed: tuple[str, ...] = ()) -> None:
+    """Unknown query parameters are an error, not ignored: ``retry?mode=reset`` must not
+    quietly do a plain retry (``mode`` belongs in the body), nor a typo widen a list."""
+    unknown = sorted(set(request.GET) - set(allowed))
+    if unknown:
+        where = f"allowed: {', '.join(allowed)}" if allowed else "this endpoint takes none"
+        hint = " (give it in the JSON body)" if request.method == "POST" else ""
+        raise bad_request(unknown[0], f"Unknown query parameter {unknown[0]!r}{hint}; {where}.")
+
+
 def _actor(caller: auth.Caller) -> str:
     """Who acted, for the service layer's log line and the job's cancel message."""
     name = caller.user.get_username()
@@ -97,6 +120,7 @@ def _actor(caller: auth.Caller) -> str:
 
 def _enqueue(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
     caller.require(auth.ADD)
+    _refuse_query(request)
     data = read_json_object(request)
     unknown = sorted(set(data) - set(ENQUEUE_FIELDS))
     if unknown:
@@ -136,12 +160,19 @@ def _enqueue(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
     if tenant is not None:
         options["tenant"] = tenant
     payload = data.get("payload", {})
+    given = {k: v for k, v in options.items() if v is not None}
     try:
         with transaction.atomic(using=_alias()):
-            job = enqueue(job_type, payload, **{k: v for k, v in options.items()
-                                                if v is not None})
+            if caller.tenant is not None:
+                # Dedup keys are shared by all tenants: this refuses one held outside it.
+                given.pop("tenant", None)
+                job = enqueue_as_tenant(job_type, payload, tenant=caller.tenant, **given)
+            else:
+                job = enqueue(job_type, payload, **given)
         # False when Skip dedup returned the active job that holds the key.
         created = bool(getattr(job, "_pj_created", True))
+    except DedupKeyTakenError as exc:
+        raise ApiError(409, "dedup_key_taken", str(exc), field="dedup_key") from None
     except EnqueueError as exc:
         raise bad_request(_field_of(exc), str(exc), code=exc.code.lower()) from None
     except ConfigurationError as exc:
@@ -153,10 +184,7 @@ def _enqueue(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
 def _list(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
     caller.require(auth.VIEW)
     params = request.GET
-    unknown = sorted(set(params) - set(LIST_PARAMS))
-    if unknown:
-        raise bad_request(unknown[0], f"Unknown parameter {unknown[0]!r}; allowed: "
-                                      f"{', '.join(LIST_PARAMS)}.")
+    _refuse_query(request, LIST_PARAMS)
     try:
         job_filter = queries.build_filter({name: params.getlist(name) for name in params})
         limit = queries.parse_limit(_single(params, "limit"))
@@ -188,6 +216,7 @@ def jobs_view(request: HttpRequest) -> HttpResponse:
 def job_view(request: HttpRequest, job_id: str) -> HttpResponse:
     caller = auth.authenticate(request)
     caller.require(auth.VIEW)
+    _refuse_query(request)
     try:
         job = queries.get_job(job_id, tenant=caller.tenant)
     except JobNotFoundError as exc:
@@ -199,6 +228,7 @@ def job_view(request: HttpRequest, job_id: str) -> HttpResponse:
 def retry_view(request: HttpRequest, job_id: str) -> HttpResponse:
     caller = auth.authenticate(request)
     caller.require(auth.RETRY)
+    _refuse_query(request)
     data = read_json_object(request, optional=True)
     unknown = sorted(set(data) - {"mode"})
     if unknown:
@@ -222,6 +252,7 @@ def retry_view(request: HttpRequest, job_id: str) -> HttpResponse:
 def cancel_view(request: HttpRequest, job_id: str) -> HttpResponse:
     caller = auth.authenticate(request)
     caller.require(auth.CANCEL)
+    _refuse_query(request)
     data = read_json_object(request, optional=True)
     if data:
         field = sorted(data)[0]
@@ -240,9 +271,7 @@ def cancel_view(request: HttpRequest, job_id: str) -> HttpResponse:
 def stats_view(request: HttpRequest) -> HttpResponse:
     caller = auth.authenticate(request)
     caller.require(auth.VIEW)
-    unknown = sorted(set(request.GET) - {"window"})
-    if unknown:
-        raise bad_request(unknown[0], f"Unknown parameter {unknown[0]!r}; allowed: window.")
+    _refuse_query(request, ("window",))
     raw = request.GET.get("window")
     window = timedelta(hours=24)
     if raw is not None:
@@ -261,3 +290,14 @@ def stats_view(request: HttpRequest) -> HttpResponse:
 def openapi_view(request: HttpRequest) -> HttpResponse:
     """The OpenAPI 3 document; public, like any API description (it holds no data)."""
     return json_response(openapi.document(request.path.rsplit("/", 1)[0] or "/"))
+
+
+def unknown_route_view(request: HttpRequest, rest: str) -> HttpResponse:
+    """Any other path under the API's prefix: a JSON 404 naming the routes, instead of Django's
+    HTML page (a client that appends a slash, ``<id>/``, learns why it missed)."""
+    prefix = request.path[:len(request.path) - len(rest)]
+    slash = " Only the collection's path ends in a slash." if rest.endswith("/") else ""
+    routes = ", ".join(prefix + r for r in ("", "stats", "openapi.json", "<id>", "<id>/retry",
+                                            "<id>/cancel"))
+    return error_response(ApiError(
+        404, "not_found", f"No API endpoint at {request.path!r}.{slash} Endpoints: {routes}."))

@@ -204,6 +204,69 @@ def test_list_400_names_the_parameter(client: Client, operator_token: str, query
     assert response.json()["error"]["field"] == field
 
 
+@pytest.mark.parametrize("body", [{"job_type": "test.noop", "delay": 10 ** 400},
+                                  {"job_type": "test.noop", "timeout": -(10 ** 400)},
+                                  '{"job_type": "test.noop", "delay": 1e400}'])
+def test_numbers_beyond_any_float_are_400(client: Client, operator_token: str, body: Any):
+    before = table_fingerprint()
+    response = call(client, "POST", "/jobs/", operator_token, body)
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] in {"delay", "timeout", "body"}
+    assert table_fingerprint() == before
+
+
+@pytest.mark.parametrize("query", ["queue=,", "queue=", "tenant=%20,%20", "status=,"])
+def test_a_filter_that_names_nothing_is_400(client: Client, operator_token: str, query: str):
+    stage()
+    response = call(client, "GET", f"/jobs/?{query}", operator_token)
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] == query.split("=")[0]
+
+
+def test_unknown_query_parameters_are_400_on_every_endpoint(client: Client,
+                                                            operator_token: str):
+    job = stage(status="failed", attempts=1, last_error="boom")
+    before = table_fingerprint()
+    for method, path, body in [
+        ("POST", f"/jobs/{job.id}/retry?mode=reset", None),
+        ("POST", f"/jobs/{job.id}/cancel?force=1", None),
+        ("POST", "/jobs/?dry_run=1", {"job_type": "test.noop"}),
+        ("GET", f"/jobs/{job.id}?expand=attempts", None),
+        ("GET", "/jobs/stats?tenant=acme", None),
+    ]:
+        response = call(client, method, path, operator_token, body)
+        assert response.status_code == 400, (path, response.json())
+        assert response.json()["error"]["field"] == path.split("?")[1].split("=")[0]
+    assert table_fingerprint() == before
+
+
+def test_other_paths_under_the_prefix_are_json_404(client: Client, operator_token: str):
+    job = stage(status="failed")
+    before = table_fingerprint()
+    for method, path in [("GET", f"/jobs/{job.id}/"), ("POST", f"/jobs/{job.id}/retry/"),
+                         ("POST", f"/jobs/{job.id}/cancel/"), ("GET", "/jobs/stats/"),
+                         ("GET", f"/jobs/{job.id}/attempts")]:
+        response = getattr(client, method.lower())(path, **bearer(operator_token))
+        assert response.status_code == 404, path
+        assert response["Content-Type"].startswith("application/json")
+        error = response.json()["error"]
+        assert error["code"] == "not_found" and "/jobs/<id>/retry" in error["message"]
+    assert table_fingerprint() == before
+
+
+def test_a_body_over_the_upload_limit_is_json_413(client: Client, operator_token: str,
+                                                  settings: Any):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    job = stage(status="failed")
+    before = table_fingerprint()
+    big = json.dumps({"job_type": "test.noop", "payload": {"pad": "x" * 2000}})
+    for path in ("/jobs/", f"/jobs/{job.id}/retry", f"/jobs/{job.id}/cancel"):
+        response = call(client, "POST", path, operator_token, big)
+        assert response.status_code == 413, path
+        assert response.json()["error"]["code"] == "body_too_large"
+    assert table_fingerprint() == before
+
+
 def test_retry_400_for_a_bad_mode(client: Client, operator_token: str):
     job = stage(status="failed")
     response = call(client, "POST", f"/jobs/{job.id}/retry", operator_token, {"mode": "soon"})
@@ -342,6 +405,34 @@ def test_tenant_bound_token_enqueues_only_for_its_tenant(client: Client):
     assert PersistentJob.objects.get().tenant == "acme"
 
 
+@pytest.mark.parametrize("dedup", ["skip", "replace"])
+def test_tenant_bound_token_cannot_reach_another_tenants_job_by_its_dedup_key(
+    client: Client, dedup: str,
+):
+    acme = make_token(make_user("tenant-op", *ALL_PERMS), tenant="acme")
+    theirs = stage(tenant="globex", payload={"secret": "globex-data"}, dedup_key="shared",
+                   dedup=dedup)
+    untagged = stage(payload={"secret": "untagged"}, dedup_key="plain", dedup=dedup,
+                     status="running")
+    before = table_fingerprint()
+    for key in ("shared", "plain"):
+        refused = call(client, "POST", "/jobs/", acme,
+                       {"job_type": "test.noop", "dedup_key": key, "dedup": dedup})
+        assert refused.status_code == 409
+        error = refused.json()["error"]
+        assert (error["code"], error["field"]) == ("dedup_key_taken", "dedup_key")
+        assert "secret" not in refused.content.decode()
+        assert str(theirs.id) not in error["message"] and str(untagged.id) not in error["message"]
+    assert table_fingerprint() == before
+    # The tenant's own key deduplicates as usual.
+    first = call(client, "POST", "/jobs/", acme,
+                 {"job_type": "test.noop", "dedup_key": "acme-1", "dedup": dedup})
+    again = call(client, "POST", "/jobs/", acme,
+                 {"job_type": "test.noop", "dedup_key": "acme-1", "dedup": dedup})
+    assert first.status_code == 201
+    assert again.status_code == (200 if dedup == "skip" else 201)
+
+
 def test_unbound_token_sees_every_tenant_and_filters_by_tenant(client: Client,
                                                                operator_token: str):
     a = stage(tenant="acme")
@@ -361,8 +452,10 @@ def test_openapi_document_is_served_and_covers_every_route(client: Client):
     assert doc == json.loads(json.dumps(document("/jobs")))
     from django_persistent_jobs import urls
 
-    routes = {"/" + str(p.pattern).replace("<str:job_id>", "{job_id}") for p in urls.urlpatterns}
+    routes = {"/" + str(p.pattern).replace("<str:job_id>", "{job_id}") for p in urls.urlpatterns
+              if p.name is not None}  # the last, nameless one answers 404 for anything else
     assert routes == set(doc["paths"])
+    assert urls.urlpatterns[-1].name is None
 
 
 # ------------------------------------------------------------------ stats

@@ -19,7 +19,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
-from django_persistent_jobs import conf, queries, services
+from django_persistent_jobs import bounds, conf, queries, services
 from django_persistent_jobs.api.serialize import job_detail, job_summary
 from django_persistent_jobs.errors import (
     ConfigurationError,
@@ -221,6 +221,9 @@ class Command(BaseCommand):
         if not WINDOW_MIN_SECONDS <= options["window"] <= WINDOW_MAX_SECONDS:
             raise CommandError(f"--window must be {WINDOW_MIN_SECONDS}..{WINDOW_MAX_SECONDS} "
                                "seconds.", returncode=EXIT_USAGE)
+        problem = bounds.tenant_problem(options["tenant"], "--tenant")
+        if problem is not None:
+            raise CommandError(problem, returncode=EXIT_USAGE)
         data = dashboard_stats(window=timedelta(seconds=options["window"]),
                                tenant=options["tenant"]).to_dict()
         lines = [f"{key}: {json.dumps(value, default=str)}" for key, value in data.items()]

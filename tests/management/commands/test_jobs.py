@@ -137,11 +137,19 @@ def test_cancel_by_id_and_by_filter():
     ["list", "--limit", "0"],
     ["frobnicate"],
     ["retry", str(uuid.uuid4()), "--mode", "sometime"],
+    # A filter that names nothing would match every job.
+    ["cancel", "--queue", ","],
+    ["list", "--tenant", " , "],
+    # Not UTF-8 on the command line (a lone surrogate in Python): refused, not a traceback.
+    ["stats", "--tenant", "\udcff"],
+    ["list", "--tenant", "\udcff"],
 ])
 def test_usage_errors_exit_2(args: list[str]):
+    waiting = stage()
     code, _, err = jobs(*args)
     assert code == 2, err
-    assert err.strip()
+    assert err.strip() and "Traceback" not in err
+    assert PersistentJob.objects.get(pk=waiting.pk).status == "pending"
 
 
 def test_prune_deletes_expired_finished_jobs_now():
