@@ -34,12 +34,32 @@ def _durable_backends() -> list[dict[str, Any]]:
     return found
 
 
+#: ``OPTIONS["MODULES"]`` entries that do not exist, with the import error: the backend's check
+#: reports them (``persistent_jobs.E206``) instead of the app registry failing with a traceback.
+missing_modules: dict[str, str] = {}
+
+
+def _is_missing(module: str, exc: ModuleNotFoundError) -> bool:
+    """The named module (or a package on its path) does not exist, as opposed to a module that
+    exists and fails on an import of its own, which is a bug to show as it is."""
+    return exc.name is not None and (module == exc.name or module.startswith(exc.name + "."))
+
+
 def discover_tasks() -> None:
     backends = _durable_backends()
     if not backends:
         return
     autodiscover_modules("tasks")
     for params in backends:
-        modules = (params.get("OPTIONS") or {}).get("MODULES") or []
+        options = params.get("OPTIONS")
+        modules = (options.get("MODULES") if isinstance(options, dict) else None) or []
+        # Anything but a list of strings is reported by the backend's check (E204).
         for module in modules if isinstance(modules, list | tuple) else []:
-            import_module(module)
+            if not isinstance(module, str):
+                continue
+            try:
+                import_module(module)
+            except ModuleNotFoundError as exc:
+                if not _is_missing(module, exc):
+                    raise
+                missing_modules[module] = str(exc)

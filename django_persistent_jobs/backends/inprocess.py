@@ -24,7 +24,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connections, transaction
 from django.utils import timezone
 
@@ -52,6 +54,15 @@ MAX_WAIT = 3600.0
 
 if TYPE_CHECKING:
     from .compat import AnyTask, AnyTaskResult
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _count_option(options: dict[str, Any], key: str, default: int) -> int:
+    value = options.get(key, default)
+    return value if _is_count(value) else default
 
 
 @dataclass(order=True)
@@ -116,8 +127,11 @@ class InProcessBackend(BaseTaskBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.options = dict(self.options or {})
-        self.workers = int(self.options.get("WORKERS", 4))
-        self.max_results = int(self.options.get("MAX_RESULTS", 10_000))
+        # A bad value falls back to the default here and is reported by ``check`` (E205): a
+        # task module declares tasks of this backend at import, where an exception would be a
+        # traceback about the app registry instead of a message about the setting.
+        self.workers = _count_option(self.options, "WORKERS", 4)
+        self.max_results = _count_option(self.options, "MAX_RESULTS", 10_000)
         # Django keeps one backend instance per thread; the pool, the queue and the results
         # must be one per process, so every instance of this alias shares one engine.
         with _ENGINES_LOCK:
@@ -162,16 +176,31 @@ class InProcessBackend(BaseTaskBackend):
             ))
         for key in ("WORKERS", "MAX_RESULTS"):
             value = self.options.get(key, 1)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_count(value):
                 messages.append(checks.Error(
                     f"Task backend {self.alias!r}: OPTIONS[{key!r}] must be an integer >= 1, "
                     f"got {value!r}.", hint=f"For example {{{key!r}: 4}}.",
                     id="persistent_jobs.E205",
                 ))
+        problem = self._database_problem()
+        if problem is not None:
+            messages.append(checks.Error(problem, hint="Name a key of settings.DATABASES, or "
+                                         "leave DATABASE out to use PERSISTENT_JOBS['DATABASE'].",
+                                         id="persistent_jobs.E207"))
         return messages
+
+    def _database_problem(self) -> str | None:
+        given = self.options.get("DATABASE")
+        if given is None or (isinstance(given, str) and given in settings.DATABASES):
+            return None
+        return (f"Task backend {self.alias!r}: OPTIONS['DATABASE'] is {given!r}, which is not "
+                "a database in settings.DATABASES.")
 
     # --- enqueue and results --------------------------------------------------------------
     def _alias(self) -> str:
+        problem = self._database_problem()
+        if problem is not None:
+            raise ImproperlyConfigured(problem)
         return str(self.options.get("DATABASE") or conf.settings.DATABASE)
 
     def enqueue(self, task: AnyTask, args: Any, kwargs: Any) -> AnyTaskResult:

@@ -23,7 +23,7 @@ from django.db import connections, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from .. import conf
+from .. import bounds, conf
 from ..context import JobContext
 from ..errors import ConfigurationError, DuplicateHandlerError, JobCancelledError, JobError
 from ..handlers import OPTION_INVALID, HandlerSpec, check_options, code_location, registry
@@ -130,6 +130,10 @@ def _is_final_failure(exc: BaseException, ctx: JobContext) -> bool:
 
     if isinstance(exc, JobInterrupted):  # a timeout or hand-back: recorded by the supervisor
         return False
+    if isinstance(exc, KeyboardInterrupt):
+        # The runner stops without settling the attempt; the rescue that follows decides the
+        # ending, and ``_relay_final_ending`` announces it.
+        return False
     if isinstance(exc, JobCancelledError) or ctx.cancel_requested:
         return True
     if isinstance(exc, JobError) and not exc.transient:
@@ -168,6 +172,13 @@ class PersistentJobsBackend(BaseTaskBackend):
                 f"it from there and have no handler for it, so enqueued on {self.alias!r} it "
                 f"would never run. Declare it with @task(backend={self.alias!r}), or define a "
                 "second task for this backend.")
+        # What a ``using()`` copy may change, checked before the shortcut below (which skips
+        # the handler checks for a copy of a registered task): refused here as InvalidTask,
+        # the error Django's API promises, not as an EnqueueError at enqueue time.
+        problems = [p for p in (bounds.queue_problem(task.queue_name, "queue_name"),
+                                bounds.priority_problem(task.priority)) if p is not None]
+        if problems:
+            raise InvalidTask(f"Task {task.module_path}: {' '.join(problems)}")
         known = _tasks.get(job_type_of(task))
         if known is not None and known.func is task.func and (
             task_options(known) == task_options(task) and job_type_of(task) in registry
@@ -256,6 +267,17 @@ class PersistentJobsBackend(BaseTaskBackend):
                 f"Task backend {self.alias!r}: OPTIONS['MODULES'] must be a list of module "
                 "paths.", hint="For example ['myapp.tasks'].", id="persistent_jobs.E204",
             ))
+        else:
+            from .discovery import missing_modules
+
+            for module in modules:
+                if module in missing_modules:
+                    messages.append(checks.Error(
+                        f"Task backend {self.alias!r}: OPTIONS['MODULES'] names {module!r}, "
+                        f"which cannot be imported ({missing_modules[module]}).",
+                        hint="Fix the module path, or remove it from MODULES.",
+                        id="persistent_jobs.E206",
+                    ))
         return messages
 
     # --- enqueue -----------------------------------------------------------------------------

@@ -388,6 +388,45 @@ def test_check_reports_bad_backend_options() -> None:
     assert [m.id for m in local.check()] == ["persistent_jobs.E205"]
 
 
+@pytest.mark.parametrize("change", [{"priority": 5.0}, {"priority": True},
+                                    {"queue_name": "q" * 101}, {"queue_name": "bad\x00"}],
+                         ids=["float-priority", "bool-priority", "long-queue", "nul-queue"])
+def test_a_using_copy_with_an_unstorable_option_is_an_invalid_task(
+    change: dict[str, Any], settings: Any,
+) -> None:
+    """The copy of a registered task skips the handler checks; what a copy can change is still
+    refused as InvalidTask at ``using()``, not as an EnqueueError at enqueue."""
+    settings.TASKS = {**settings.TASKS, "default": {**settings.TASKS["default"], "QUEUES": []}}
+    with pytest.raises(InvalidTask, match=r"priority|queue_name"):
+        tasks.add.using(**change)
+    assert tasks.add.using(priority=5, queue_name="q" * 100).priority == 5
+
+
+def test_misconfigured_backend_options_are_check_errors_not_tracebacks(settings: Any) -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_persistent_jobs.backends import InProcessBackend, PersistentJobsBackend
+    from django_persistent_jobs.backends.discovery import discover_tasks
+
+    durable = {"BACKEND": "django_persistent_jobs.backends.PersistentJobsBackend"}
+    settings.TASKS = {"default": {**durable, "OPTIONS": {"MODULES": [1, "no_such_pkg.tasks",
+                                                                     "tests.testapp.tasks"]}}}
+    discover_tasks()  # imports what exists, skips what the check reports
+    ids = [m.id for m in task_backends["default"].check()]
+    assert ids == ["persistent_jobs.E204"]
+    listed = PersistentJobsBackend("d", {"OPTIONS": {"MODULES": ["no_such_pkg.tasks"]}})
+    [missing] = listed.check()
+    assert missing.id == "persistent_jobs.E206" and "no_such_pkg.tasks" in missing.msg
+
+    local = InProcessBackend("bad", {"OPTIONS": {"WORKERS": "x", "MAX_RESULTS": 2.5,
+                                                 "DATABASE": "nope"}})
+    assert (local.workers, local.max_results) == (4, 10_000)
+    assert sorted(m.id for m in local.check()) == ["persistent_jobs.E205", "persistent_jobs.E205",
+                                                   "persistent_jobs.E207"]
+    with pytest.raises(ImproperlyConfigured, match="'nope'"):
+        local._alias()
+
+
 def test_the_task_api_comes_from_django_or_the_backport() -> None:
     """Django 6+: django.tasks; Django 5.2: the django-tasks backport (same backend classes)."""
     import django
@@ -440,3 +479,16 @@ def test_every_backend_check_has_a_hint() -> None:
         *InProcessBackend("bad", {"OPTIONS": {"WORKERS": 0}}).check(),
     ]
     assert messages and all(m.hint for m in messages)
+
+
+def test_a_keyboard_interrupt_on_the_last_attempt_is_not_announced_as_the_ending(
+    start_runner: StartRunner, signals_seen: list[Any],
+) -> None:
+    """``KeyboardInterrupt`` from a task stops its runner without settling the attempt; the job
+    is rescued later and that decides the ending. The attempt must not also send a FAILED
+    task_finished of its own (the task would then be announced finished twice)."""
+    stopped = tasks.interrupted.enqueue()
+    runner = start_runner(concurrency=1)
+    assert runner.finished.wait(30), "the runner did not stop on the KeyboardInterrupt"
+    assert [s[0] for s in signals_seen if s[1] == stopped.id] == ["enqueued", "started"]
+    assert stopped.refresh() is None and stopped.status == TaskResultStatus.RUNNING

@@ -96,3 +96,10 @@ def one_at_a_time(n: int) -> int:
 @task(max_retries=0)
 def fails_for_good() -> None:
     raise ValueError("for good")
+
+
+@task(max_retries=0)
+def interrupted() -> None:
+    """Raises ``KeyboardInterrupt`` on its only attempt: the runner stops without settling it,
+    so the task's ending is decided by the rescue, not by this attempt."""
+    raise KeyboardInterrupt
