@@ -4,8 +4,10 @@ overrides, extra connections and the environment of subprocesses."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError, connection, connections, transaction
 from django.test import override_settings
 
 #: The repository's root (where ``manage.py`` is), the working directory of subprocesses.
@@ -182,3 +184,48 @@ def register_runner(runner_id: str) -> None:
 
     with connection.cursor() as cursor:
         store.register_runner(cursor, runner_id, "test-host", os.getpid(), None, 1, "test")
+
+
+class Rollback(Exception):
+    """Raised to roll back the holding transaction of ``race_for_key``."""
+
+
+def race_for_key(hold: Callable[[], Any], contend: Callable[[], Any], *,
+                 hold_rolls_back: bool = False) -> tuple[Future[Any], Future[Any]]:
+    """Run ``hold`` in a transaction kept open, then ``contend`` in another thread; ``contend``
+    must block on what ``hold`` wrote (seen in pg_stat_activity) until the first transaction
+    commits, or rolls back with ``hold_rolls_back``. Both run on their own connections."""
+    inserted, release = threading.Event(), threading.Event()
+
+    def first() -> Any:
+        try:
+            with transaction.atomic():
+                result = hold()
+                inserted.set()
+                assert release.wait(20)
+                if hold_rolls_back:
+                    raise Rollback
+            return result
+        finally:
+            connections.close_all()
+
+    def second() -> Any:
+        try:
+            with transaction.atomic():
+                return contend()
+        finally:
+            connections.close_all()
+
+    pool = ThreadPoolExecutor(2)
+    with raw_connection() as monitor:
+        try:
+            f1 = pool.submit(first)
+            assert inserted.wait(20)
+            f2 = pool.submit(second)
+            wait_for(lambda: blocked_backends(monitor) >= 1 or f2.done(),
+                     message="the second transaction to block on the first one's write")
+            assert not f2.done(), "the second transaction did not wait for the first"
+        finally:
+            release.set()
+            pool.shutdown(wait=True)
+    return f1, f2

@@ -4,12 +4,10 @@ nothing written, whatever the strategy and even when the other job appears concu
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, transaction
 
 from django_persistent_jobs import (
     Dedup,
@@ -19,7 +17,7 @@ from django_persistent_jobs import (
     enqueue_as_tenant,
 )
 from django_persistent_jobs.models import JobStatus, PersistentJob
-from tests.core_support import blocked_backends, raw_connection, wait_for
+from tests.core_support import race_for_key
 
 
 def rows() -> list[tuple[Any, ...]]:
@@ -94,39 +92,11 @@ def test_a_foreign_job_that_appears_concurrently_is_neither_returned_nor_cancell
     """Another tenant's enqueue holds the key in an open transaction; the confined enqueue
     cannot see it yet, meets it on the unique index, waits, and must refuse once it commits
     (a plain ``enqueue`` would return it with Skip, or cancel it with Replace)."""
-    inserted, release = threading.Event(), threading.Event()
-
-    def foreign() -> Any:
-        try:
-            with transaction.atomic():
-                job = enqueue("test.noop", {"who": "globex"}, dedup_key="race", dedup=strategy,
-                              tenant="globex")
-                inserted.set()
-                assert release.wait(20)
-            return job
-        finally:
-            connections.close_all()
-
-    def confined() -> Any:
-        try:
-            with transaction.atomic():
-                return enqueue_as_tenant("test.noop", {"who": "acme"}, tenant="acme",
-                                         dedup_key="race", dedup=strategy)
-        finally:
-            connections.close_all()
-
-    pool = ThreadPoolExecutor(2)
-    with raw_connection() as monitor:
-        try:
-            first = pool.submit(foreign)
-            assert inserted.wait(20)
-            second = pool.submit(confined)
-            wait_for(lambda: blocked_backends(monitor) >= 1 or second.done(),
-                     message="the confined enqueue to wait for the foreign one's key")
-            assert not second.done(), "the confined enqueue did not meet the foreign job"
-        finally:
-            release.set()
-            pool.shutdown(wait=True)
+    first, second = race_for_key(
+        lambda: enqueue("test.noop", {"who": "globex"}, dedup_key="race", dedup=strategy,
+                        tenant="globex"),
+        lambda: enqueue_as_tenant("test.noop", {"who": "acme"}, tenant="acme",
+                                  dedup_key="race", dedup=strategy))
     holder = first.result()
     assert isinstance(second.exception(), DedupKeyTakenError)
     assert list(PersistentJob.objects.values_list("id", "status", "tenant")) == [

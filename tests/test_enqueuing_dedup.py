@@ -14,7 +14,12 @@ from django.db import connection, connections, transaction
 from django_persistent_jobs import Dedup, enqueue, enqueue_many, job_handler
 from django_persistent_jobs.models import JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.core_support import blocked_backends, claim_as, pj_settings, raw_connection, wait_for
+from tests.core_support import (
+    Rollback,
+    claim_as,
+    pj_settings,
+    race_for_key,
+)
 
 
 @job_handler("core.dedup.replace", dedup=Dedup.REPLACE)
@@ -25,10 +30,6 @@ def replace_handler(payload: Any) -> None:
 @job_handler("core.dedup.enqueue", dedup="enqueue")
 def enqueue_handler(payload: Any) -> None:
     return None
-
-
-class Rollback(Exception):
-    pass
 
 
 def claim(limit: int = 10) -> list[store.ClaimedJob]:
@@ -235,35 +236,11 @@ def _run(fn: Callable[[], R]) -> Callable[[], R]:
 
 def _race(strategy: str, first_rolls_back: bool) -> tuple[Future[Any], Future[Any]]:
     """T1 enqueues and keeps its transaction open; T2 enqueues the same key and must block on
-    the unique index (seen in pg_stat_activity) until T1 commits or rolls back."""
-    inserted, release = threading.Event(), threading.Event()
-
-    def first() -> PersistentJob:
-        with transaction.atomic():
-            job = enqueue("test.noop", {"who": 1}, dedup_key="race", dedup=strategy)
-            inserted.set()
-            assert release.wait(20)
-            if first_rolls_back:
-                raise Rollback
-        return job
-
-    def second() -> PersistentJob:
-        with transaction.atomic():
-            return enqueue("test.noop", {"who": 2}, dedup_key="race", dedup=strategy)
-
-    pool = ThreadPoolExecutor(2)
-    with raw_connection() as monitor:
-        try:
-            f1 = pool.submit(_run(first))
-            assert inserted.wait(20)
-            f2 = pool.submit(_run(second))
-            wait_for(lambda: blocked_backends(monitor) >= 1 or f2.done(),
-                     message="the second enqueue to block on the first one's key")
-            assert not f2.done(), "the second enqueue did not wait for the first transaction"
-        finally:
-            release.set()
-            pool.shutdown(wait=True)
-    return f1, f2
+    the unique index until T1 commits or rolls back."""
+    return race_for_key(
+        lambda: enqueue("test.noop", {"who": 1}, dedup_key="race", dedup=strategy),
+        lambda: enqueue("test.noop", {"who": 2}, dedup_key="race", dedup=strategy),
+        hold_rolls_back=first_rolls_back)
 
 
 @pytest.mark.django_db(transaction=True)
