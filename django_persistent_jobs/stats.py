@@ -52,6 +52,11 @@ from . import conf
 from .handlers import registry
 from .models import AttemptOutcome, JobAttempt, JobRunnerRecord, JobStatus, PersistentJob, due
 
+#: Waiting or running jobs, spelled as two conditions that match the partial indexes
+#: (``pj_claim_idx`` holds the waiting, ``pj_locked_by_idx`` the running): one
+#: ``status IN (three)`` matches neither, and PostgreSQL read the whole table for it.
+ACTIVE = Q(status__in=JobStatus.waiting()) | Q(status=JobStatus.RUNNING)
+
 #: Attempt outcomes that count as a failure in the time series and the failure groups.
 FAILED_OUTCOMES: tuple[str, ...] = (
     AttemptOutcome.FAILED, AttemptOutcome.DEAD_LETTERED, AttemptOutcome.TIMED_OUT,
@@ -197,12 +202,13 @@ class DashboardStats(_Serializable):
     failure_groups: list[FailureGroup]
     stuck: list[StuckJob]
     stuck_counts: dict[str, int] = field(default_factory=dict)  #: per kind, beyond the list cap
+    stuck_total: int = 0  #: stuck jobs of any kind, beyond the list cap (``stuck`` is cut)
     runners: list[RunnerStats] = field(default_factory=list)
     tenants: list[TenantStats] = field(default_factory=list)
 
     @property
     def total_stuck(self) -> int:
-        return len(self.stuck)
+        return max(self.stuck_total, len(self.stuck))
 
 
 def _alias() -> str:
@@ -296,7 +302,8 @@ def dashboard_stats(
     serving = {r.id: r.queues for r in runners if r.state in ("live", "late")}
     queues = _queues(jobs, now, serving)
     served_queues = {q.queue for q in queues if q.served}
-    stuck, stuck_counts = _stuck(jobs, now, runners, served_queues, unclaimed_after)
+    stuck, stuck_counts, stuck_total = _stuck(jobs, now, runners, served_queues,
+                                              unclaimed_after)
     status_counts, job_types = _counts(jobs)
     hourly, daily = _series(jobs, attempts, now)
     return DashboardStats(
@@ -307,7 +314,7 @@ def dashboard_stats(
         job_types=job_types,
         hourly=hourly, daily=daily,
         failure_groups=_failure_groups(jobs, attempts, now - window),
-        stuck=stuck, stuck_counts=stuck_counts,
+        stuck=stuck, stuck_counts=stuck_counts, stuck_total=stuck_total,
         runners=runners,
         tenants=_tenants(jobs, attempts, now - window),
     )
@@ -331,7 +338,7 @@ def _queues(
 ) -> list[QueueStats]:
     due_now = due(now)
     rows = {
-        row["queue"]: row for row in jobs.filter(status__in=JobStatus.active()).order_by()
+        row["queue"]: row for row in jobs.filter(ACTIVE).order_by()
         .values("queue").annotate(
             waiting=Count("id", filter=Q(status__in=JobStatus.waiting())),
             due=Count("id", filter=due_now),
@@ -462,7 +469,7 @@ def _runners(
 def _stuck(
     jobs: QuerySet[PersistentJob], now: datetime, runners: list[RunnerStats],
     served_queues: set[str], unclaimed_after: timedelta,
-) -> tuple[list[StuckJob], dict[str, int]]:
+) -> tuple[list[StuckJob], dict[str, int], int]:
     stale_ids = [r.id for r in runners if r.state in ("dead", "gone")]
     running = Q(status=JobStatus.RUNNING)
     due_now = due(now)
@@ -478,13 +485,15 @@ def _stuck(
              "unclaimed": unclaimed, "unserved_queue": unserved, "unhandled_type": unhandled}
     # Every kind concerns running or waiting jobs: the partial indexes hold exactly those, so
     # the cost does not grow with the finished history.
-    active = jobs.filter(status__in=JobStatus.active())
+    active = jobs.filter(ACTIVE)
+    any_kind = past_timeout | stale_runner | unclaimed | unserved | unhandled
     counts = {
         kind: n for kind, n in active.order_by().aggregate(
-            **{kind: Count("id", filter=cond) for kind, cond in kinds.items()}
+            **{kind: Count("id", filter=cond) for kind, cond in kinds.items()},
+            _any=Count("id", filter=any_kind),
         ).items()
     }
-    any_kind = past_timeout | stale_runner | unclaimed | unserved | unhandled
+    total = counts.pop("_any")
     found = list(active.filter(any_kind).order_by("next_run_at", "id").only(
         "id", "job_type", "queue", "status", "tenant", "locked_by", "locked_at", "next_run_at",
         "timeout_seconds")[:LIST_LIMIT])
@@ -527,7 +536,7 @@ def _stuck(
             tenant=job.tenant, kinds=matched, locked_by=job.locked_by, since=since,
             detail="; ".join(details),
         ))
-    return result, counts
+    return result, counts, total
 
 
 def _tenants(

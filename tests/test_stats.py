@@ -257,6 +257,37 @@ def test_a_due_job_no_live_runner_serving_its_queue_handles_is_stuck_at_once() -
 
 
 @pytest.mark.django_db
+def test_the_stuck_total_counts_past_the_listed_ones() -> None:
+    from django_persistent_jobs.stats import LIST_LIMIT
+
+    now = db_now()
+    old = now - timedelta(minutes=10)
+    PersistentJob.objects.bulk_create([
+        PersistentJob(job_type="stats.mail", queue="mail", payload={}, next_run_at=old)
+        for _ in range(LIST_LIMIT + 25)])
+    stats = dashboard_stats(now=now)
+    assert len(stats.stuck) == LIST_LIMIT
+    assert stats.total_stuck == stats.stuck_total == LIST_LIMIT + 25
+    assert stats.to_dict()["stuck_total"] == LIST_LIMIT + 25
+
+
+@pytest.mark.django_db
+def test_the_active_job_aggregates_read_the_partial_indexes() -> None:
+    """Waiting and running jobs are found through the partial indexes, not a scan of the
+    history: checked on the plan PostgreSQL picks for the stats' filter."""
+    from django.db import connection
+
+    from django_persistent_jobs.stats import ACTIVE
+
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        sql, params = PersistentJob.objects.filter(ACTIVE).values("id").query.sql_with_params()
+        cursor.execute(f"EXPLAIN {sql}", params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "pj_claim_idx" in plan and "pj_locked_by_idx" in plan, plan
+
+
+@pytest.mark.django_db
 def test_to_dict_is_json_ready() -> None:
     now = db_now()
     dead = job("stats.mail", status="dead_lettered", last_error_code="X", finished_at=now,

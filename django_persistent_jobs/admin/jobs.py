@@ -9,6 +9,7 @@ no "next run" for jobs that will never run again. The job page puts what an oper
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from datetime import timedelta
@@ -94,8 +95,13 @@ def progress_fraction(progress: Any) -> tuple[float | None, str]:
     ``{"done": 3, "of": 9, "message": "..."}``; anything else is shown as JSON.
     """
     def number(value: Any) -> float | None:
-        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
-            else None
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return None
+        try:
+            result = float(value)
+        except OverflowError:  # an integer beyond any float: valid JSON, no fraction
+            return None
+        return result if math.isfinite(result) else None
 
     caption = ""
     fraction: float | None = None
@@ -109,8 +115,7 @@ def progress_fraction(progress: Any) -> tuple[float | None, str]:
             caption = f"{done:g} of {total:g}" + (f": {caption}" if caption else "")
         elif percent is not None:
             fraction = percent / 100
-    elif number(progress) is not None:
-        value = float(progress)
+    elif (value := number(progress)) is not None:
         fraction = value if value <= 1 else value / 100
     if fraction is None:
         return None, caption
@@ -308,7 +313,7 @@ class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
     def job_context(self, request: HttpRequest, job: PersistentJob) -> dict[str, Any]:
         now = display.db_now()
         attempts = list(JobAttempt.objects.using(job._state.db).filter(job=job)
-                        .order_by("-attempt", "-id"))
+                        .order_by("-id"))  # newest first, also after a reset restarted the numbers
         runner_info = None
         if job.locked_by:
             record = JobRunnerRecord.objects.using(job._state.db).filter(id=job.locked_by).first()

@@ -171,10 +171,10 @@ def scheduler_loop(alias: str, runner_id: str, interval: float, lifecycle: Lifec
             return
         if report.enqueued:
             lifecycle.wake.set()  # NOTIFY wakes claimers anywhere; this skips the round trip
+        if report.more:
+            continue  # (a burst too fires every schedule due when it starts, not one page)
         if burst:
             return
-        if report.more:
-            continue
         wait = interval
         if report.next_due_in is not None:
             wait = min(interval, max(report.next_due_in, MIN_SLEEP))

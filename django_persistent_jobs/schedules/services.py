@@ -182,6 +182,10 @@ def resume_schedule(name: str) -> JobSchedule:
     alias = _alias()
     with transaction.atomic(using=alias):
         schedule = _get(name, lock=True)
+        if not schedule.paused:
+            # Nothing to resume: moving a due tick (one waiting for a runner, to coalesce)
+            # past now would drop it.
+            return schedule
         now = db_now()
         timing = Timing.of(schedule)
         if schedule.next_run_at is None or schedule.next_run_at <= now:

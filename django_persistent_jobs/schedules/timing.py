@@ -22,6 +22,7 @@ policy does not depend on croniter's own DST heuristics, and every result is str
 
 from __future__ import annotations
 
+import re
 import zoneinfo
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, tzinfo
@@ -59,6 +60,12 @@ def cron_problem(expression: object) -> str | None:
     if len(fields) not in (5, 6):
         return (f"cron {expression!r} has {len(fields)} fields; use 5 (minute hour day month "
                 "weekday) or 6 (with seconds last).")
+    if any(token in ("R", "H") or token.startswith(("R(", "H(", "H/"))
+           for token in re.split(r"[,\s]+", expression)):
+        # croniter draws R afresh at every computation (a "daily" schedule would fire several
+        # times a day), and H needs a per-schedule seed: neither gives a stable tick grid.
+        return (f"cron {expression!r} uses croniter's random (R) or hashed (H) fields; give "
+                "the minute or hour explicitly.")
     if not croniter.is_valid(expression):
         return f"cron {expression!r} is not a valid cron expression."
     try:

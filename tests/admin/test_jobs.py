@@ -146,6 +146,28 @@ def test_detail_page_shows_the_job_and_its_attempts(admin_client_: Client, jobs:
 
 
 @pytest.mark.django_db
+def test_attempts_are_newest_first_after_a_reset_and_huge_progress_renders(
+    admin_client_: Client,
+) -> None:
+    """A reset retry restarts attempt numbers, so "newest first" is by id; a progress number
+    beyond any float is valid JSON and must not break the page."""
+    job = enqueue("core.adm.alpha", {})
+    now = db_now()
+    for n, code in ((1, "OLD"), (2, "OLD"), (3, "OLD"), (1, "NEW")):
+        JobAttempt.objects.create(job=job, attempt=n, runner_id="r", outcome="failed",
+                                  error_code=code, started_at=now, finished_at=now,
+                                  duration=timedelta(seconds=1))
+    _set(job, progress={"done": 10 ** 400, "of": 10})
+    url = reverse("admin:django_persistent_jobs_persistentjob_change", args=[job.id])
+    response = admin_client_.get(url)
+    assert response.status_code == 200
+    rows = [(r["a"].attempt, r["a"].error_code) for r in response.context["attempt_rows"]]
+    assert rows == [(1, "NEW"), (3, "OLD"), (2, "OLD"), (1, "OLD")]
+    _set(job, progress=10 ** 400)
+    assert admin_client_.get(url).status_code == 200
+
+
+@pytest.mark.django_db
 def test_jobs_cannot_be_added_edited_or_deleted_in_the_admin(
     admin_client_: Client, jobs: Jobs,
 ) -> None:

@@ -149,6 +149,25 @@ def test_pause_resume_skips_ticks_missed_while_paused() -> None:
     assert fire_due().enqueued == 0 and not runs("p").exists()
 
 
+def test_resuming_a_schedule_that_is_not_paused_keeps_its_due_tick() -> None:
+    add_schedule("due", "test.recurring.tick", cron="0 * * * *")
+    make_due("due", ago=timedelta(minutes=10))  # no runner was up: it waits to coalesce
+    before = JobSchedule.objects.get(name="due").next_run_at
+    assert resume_schedule("due").next_run_at == before
+    assert fire_due().enqueued == 1
+
+
+def test_a_burst_fires_every_due_schedule_not_one_batch() -> None:
+    from django_persistent_jobs.runner.lifecycle import Lifecycle
+    from django_persistent_jobs.runner.scheduler import BATCH, scheduler_loop
+
+    for i in range(BATCH + 10):
+        add_schedule(f"b{i}", "test.recurring.tick", cron="* * * * *")
+    JobSchedule.objects.filter(name__startswith="b").update(next_run_at=Now())
+    scheduler_loop(connection.alias, "burst-runner", 1.0, Lifecycle(), burst=True)
+    assert PersistentJob.objects.filter(schedule__name__startswith="b").count() == BATCH + 10
+
+
 def test_remove_schedule_keeps_history() -> None:
     add_schedule("r", "test.recurring.tick", interval=60)
     job = run_schedule_now("r")

@@ -190,6 +190,11 @@ def test_tick_label_is_canonical() -> None:
     ("* * * * * * *", "has 7 fields"),
     ("61 * * * *", "not a valid"),
     ("0 0 30 2 *", "never matches"),
+    # croniter's random and hashed fields: no stable tick grid ("R 3" fired up to 4x a day).
+    ("R 3 * * *", "random (R)"),
+    ("0 H * * *", "random (R)"),
+    ("H(0-29) * * * *", "random (R)"),
+    ("0,R 3 * * *", "random (R)"),
     ("", "non-empty"),
     (None, "non-empty"),
 ])
