@@ -343,13 +343,25 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     """Mount anywhere (``path("metrics", metrics_view)``). Authenticated like the API: a bearer
     token (Prometheus ``authorization`` config) or a session whose user can view jobs; a
     tenant-bound token is refused, since these numbers cover every tenant."""
+    from django.db import DatabaseError
+
     from .api import auth
     from .api.http import ApiError, error_response
 
     try:
         if request.method not in ("GET", "HEAD"):
             raise ApiError(405, "method_not_allowed", "Use GET.", headers={"Allow": "GET"})
-        caller = auth.authenticate(request)
+        try:
+            caller = auth.authenticate(request)
+        except DatabaseError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # Checking the credentials needs the database; without it nobody can be told
+            # apart, so no numbers. A 503 is what Prometheus records as the target being down
+            # (``up == 0``), which the documented alert for this case watches.
+            raise ApiError(503, "database_unavailable",
+                           f"The database is unreachable, so the credentials cannot be "
+                           f"checked: {first}",
+                           headers={"Retry-After": "15"}) from None
         caller.require(auth.VIEW)
         caller.require_unconfined()
         if not enable():

@@ -413,6 +413,20 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
     """
     job = inflight.job
     job.decode_payload()  # (claimed undecoded: decoded here, where the handler runs)
+    # Admitted before ``job_started`` is sent: a refused job never starts, and a start signal
+    # without its ``job_finished`` would count an attempt that never ran and leave its
+    # tracing span open (the current span of this thread, parent of every later job's).
+    if job.waiting and inflight.gate is not None:
+        admitted = inflight.gate.admit(job.token)
+        if not admitted:
+            # Handed back by another runner while it waited here (this runner's lease had
+            # lapsed), or the runner is stopping with the database away: it must not run.
+            logger.warning("job %s: not started, %s", job.id,
+                           "it was handed back while it waited for a worker"
+                           if admitted is False else "its start could not be recorded",
+                           extra={"event": "start_refused", "job_id": str(job.id),
+                                  "runner_id": runner_id})
+            return False
     signals.started(job, runner_id)
     spec = registry.get(job.job_type)
     if spec is None:
@@ -438,17 +452,6 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             return False
     connection = connections[alias]
     deferred: tuple[Completer, str | None] | None = None
-    if job.waiting and inflight.gate is not None:
-        admitted = inflight.gate.admit(job.token)
-        if not admitted:
-            # Handed back by another runner while it waited here (this runner's lease had
-            # lapsed), or the runner is stopping with the database away: it must not run.
-            logger.warning("job %s: not started, %s", job.id,
-                           "it was handed back while it waited for a worker"
-                           if admitted is False else "its start could not be recorded",
-                           extra={"event": "start_refused", "job_id": str(job.id),
-                                  "runner_id": runner_id})
-            return False
     try:
         prepare_connection(alias, inflight, connection)
         if spec.atomic:

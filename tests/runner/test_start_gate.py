@@ -107,3 +107,37 @@ def test_a_gate_thread_that_dies_answers_its_requests(monkeypatch: pytest.Monkey
     monkeypatch.setattr(starts.store, "admit", real_admit)
     assert gate.admit(-2) is False
     gate.close(10)
+
+
+@pytest.mark.django_db
+def test_a_job_refused_at_its_start_sends_no_job_started() -> None:
+    """A waiting job the gate refuses (handed back while it waited) never runs: announcing
+    its start would count an attempt with no ``job_finished`` and leave a tracing span open."""
+    import uuid
+
+    from django_persistent_jobs.context import JobContext
+    from django_persistent_jobs.runner.execute import InFlight, execute
+    from django_persistent_jobs.runner.store import ClaimedJob
+    from django_persistent_jobs.signals import job_started
+
+    class Refusing:
+        def admit(self, token: int) -> bool:
+            return False
+
+    job = ClaimedJob(id=uuid.uuid4(), job_type="test.noop", payload={}, attempt=1,
+                     max_retries=3, timeout=60, token=424242, queue="default", priority=0,
+                     cancel_requested=False, waiting=True)
+    ctx = JobContext(job_id=job.id, job_type=job.job_type, attempt=1, max_retries=3,
+                     runner_id="r")
+    seen: list[object] = []
+
+    def receiver(sender: object, **kwargs: object) -> None:
+        seen.append(kwargs.get("job_id"))
+
+    job_started.connect(receiver)
+    try:
+        assert execute("default", InFlight(job=job, ctx=ctx, deadline=None,
+                                           gate=Refusing()), "r", threading.Event()) is False
+    finally:
+        job_started.disconnect(receiver)
+    assert seen == []
