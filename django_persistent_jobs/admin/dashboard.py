@@ -22,7 +22,7 @@ from django.urls import URLPattern, path, reverse
 from ..models import JobDashboard, JobStatus, PersistentJob
 from ..stats import FAILED_OUTCOMES, STUCK_KINDS, Bucket, dashboard_stats
 from . import display
-from .jobs import changelist_url, job_url, status_badge
+from .jobs import changelist_url, job_url, runner_url, status_badge
 
 if TYPE_CHECKING:
     _DashboardAdminBase = admin.ModelAdmin[JobDashboard]
@@ -148,10 +148,10 @@ class JobDashboardAdmin(_DashboardAdminBase):
         } for job in stats.stuck]
         runners = [{
             "r": runner,
-            "url": (reverse("admin:django_persistent_jobs_jobrunnerrecord_change",
-                            args=[runner.id]) if runner.state != "gone" else None),
+            "url": runner_url(runner.id) if runner.state != "gone" else None,
             "beat": display.when(runner.heartbeat_at, now) if runner.heartbeat_at else "-",
-            "held_url": changelist_url(locked_by=runner.id, status__exact=JobStatus.RUNNING),
+            "held_url": changelist_url(locked_by=runner.id, status__exact=JobStatus.RUNNING,
+                                       tenant=tenant),
         } for runner in stats.runners]
         queues = [{
             "q": queue, "url": changelist_url(queue=queue.queue, tenant=tenant),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import quote as admin_quote
 from django.core.exceptions import PermissionDenied
 from django.db.models import CharField, Q, QuerySet
 from django.db.models.functions import Cast, Now
@@ -86,6 +87,13 @@ def changelist_url(**params: Any) -> str:
     query = urlencode({k: v for k, v in params.items() if v is not None})
     base = reverse("admin:django_persistent_jobs_persistentjob_changelist")
     return f"{base}?{query}" if query else base
+
+
+def runner_url(runner_id: str) -> str:
+    """A runner's admin page. The id is quoted the admin's way: ``runjobs --name`` may give
+    one with ``_`` sequences that the admin would otherwise unquote into another id."""
+    return reverse("admin:django_persistent_jobs_jobrunnerrecord_change",
+                   args=[admin_quote(runner_id)])
 
 
 def progress_fraction(progress: Any) -> tuple[float | None, str]:
@@ -351,9 +359,8 @@ class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
             "overdue": timeout_at is not None and timeout_at < now,
             "job_age": display.duration(now - job.created_at),
             "runner_info": runner_info,
-            "runner_url": (reverse("admin:django_persistent_jobs_jobrunnerrecord_change",
-                                   args=[job.locked_by])
-                           if runner_info and runner_info["state"] != "gone" else None),
+            "runner_url": (runner_url(job.locked_by) if job.locked_by and runner_info
+                           and runner_info["state"] != "gone" else None),
             "progress_fraction": fraction, "progress_percent": (
                 round(fraction * 100) if fraction is not None else None),
             "progress_caption": caption,

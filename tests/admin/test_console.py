@@ -127,6 +127,26 @@ def test_the_dashboard_window_and_tenant_narrow_what_it_shows() -> None:
     assert viewer.get(reverse(DASHBOARD) + "?window=bogus").context["window_key"] == "24h"
 
 
+@pytest.mark.django_db
+def test_runner_links_survive_odd_names_and_keep_the_tenant() -> None:
+    """A ``runjobs --name`` may hold ``_5F``, which the admin unquotes: links quote it. The
+    "jobs held" link of a tenant's dashboard lists that tenant's jobs only."""
+    now = db_now()
+    name = "etl_5Fbox:42:aa"
+    JobRunnerRecord.objects.create(id=name, hostname="h", pid=1, concurrency=2,
+                                   heartbeat_at=now, started_at=now)
+    mine = job("console.a", tenant="acme", status="running", locked_by=name, locked_at=now)
+    job("console.a", tenant="globex", status="running", locked_by=name, locked_at=now)
+    viewer = staff("viewer", "view_persistentjob")
+    response = viewer.get(reverse(DASHBOARD) + "?tenant=acme")
+    [row] = response.context["runners"]
+    assert page(viewer, row["url"]).count(html.escape(name)) >= 1
+    held = viewer.get(row["held_url"])
+    assert [j.pk for j in held.context["cl"].result_list] == [mine.pk]
+    detail = viewer.get(job_page(mine))
+    assert detail.context["runner_url"] == row["url"]
+
+
 # ------------------------------------------------------------------ permissions
 
 @pytest.mark.django_db
