@@ -31,9 +31,13 @@ def _alias() -> str:
 
 
 def db_now() -> datetime:
-    """The database clock: due-ness is decided by PostgreSQL, never by this host's clock."""
+    """The database clock: due-ness is decided by PostgreSQL, never by this host's clock.
+
+    ``clock_timestamp()``, not ``now()``: called inside a long transaction (``add_schedule`` in
+    the caller's ``atomic()``), the transaction's start would put a first tick in the past by
+    the time it commits, and it would fire at once."""
     with connections[_alias()].cursor() as cursor:
-        cursor.execute("SELECT now()")
+        cursor.execute("SELECT clock_timestamp()")
         row = cursor.fetchone()
     value: datetime = row[0]
     return value

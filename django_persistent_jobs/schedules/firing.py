@@ -188,7 +188,8 @@ def _sync_one(name: str, spec: HandlerSpec, row: JobSchedule | None, now: dateti
     if not row.active:
         values.update(active=True, inactive_reason=InactiveReason.NONE, last_error="")
         report.reactivated.append(name)
-    if Timing.of(row) != definition.timing or not row.active or row.next_run_at is None:
+    if (not Timing.of(row).same_ticks(definition.timing) or not row.active
+            or row.next_run_at is None):
         values["next_run_at"] = definition.timing.first_after(now)
     if values:
         JobSchedule.objects.using(alias).filter(pk=row.pk).update(**values, updated_at=Now())

@@ -143,7 +143,7 @@ def update_schedule(name: str, **changes: Any) -> JobSchedule:
             # operator fixing it: the validation above just proved it usable again.
             "active": True, "inactive_reason": InactiveReason.NONE,
         }
-        if definition.timing != Timing.of(schedule) or not schedule.active:
+        if not definition.timing.same_ticks(Timing.of(schedule)) or not schedule.active:
             values["next_run_at"] = definition.timing.first_after(db_now())
         JobSchedule.objects.using(alias).filter(pk=schedule.pk).update(
             **values, updated_at=Now())

@@ -226,6 +226,13 @@ class Timing:
     def of(cls, schedule: HasTiming) -> Timing:
         return cls(schedule.cron or None, schedule.interval_seconds, schedule.timezone or "UTC")
 
+    def same_ticks(self, other: Timing) -> bool:
+        """Whether both give the same ticks: an interval ignores its zone, so changing only
+        the zone (or ``settings.TIME_ZONE``, for a code schedule) must not move its grid."""
+        if self.cron is None and other.cron is None:
+            return self.interval_seconds == other.interval_seconds
+        return self == other
+
     @property
     def interval(self) -> timedelta | None:
         if self.interval_seconds is None:

@@ -168,6 +168,25 @@ def test_a_burst_fires_every_due_schedule_not_one_batch() -> None:
     assert PersistentJob.objects.filter(schedule__name__startswith="b").count() == BATCH + 10
 
 
+def test_changing_only_the_zone_of_an_interval_schedule_keeps_its_grid() -> None:
+    add_schedule("iv", "test.recurring.tick", interval=timedelta(days=1))
+    before = JobSchedule.objects.get(name="iv").next_run_at
+    updated = update_schedule("iv", timezone="Europe/Berlin")
+    assert (updated.timezone, updated.next_run_at) == ("Europe/Berlin", before)
+    # A cron schedule's zone does move its ticks.
+    add_schedule("cr", "test.recurring.tick", cron="0 3 * * *", timezone="UTC")
+    cron_before = JobSchedule.objects.get(name="cr").next_run_at
+    assert update_schedule("cr", timezone="Asia/Tokyo").next_run_at != cron_before
+
+
+def test_a_schedule_added_late_in_a_long_transaction_starts_from_the_clock() -> None:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_sleep(1.5)")
+        add_schedule("late", "test.recurring.tick", interval=1)
+    first = JobSchedule.objects.get(name="late").next_run_at
+    assert first > db_now(), "the first tick was already past when the schedule committed"
+
+
 def test_remove_schedule_keeps_history() -> None:
     add_schedule("r", "test.recurring.tick", interval=60)
     job = run_schedule_now("r")
