@@ -375,8 +375,13 @@ _CANCEL_WAITING = (
 )
 
 
-def _cancel_waiting_duplicates(cursor: Cursor, job_type: str, keys: list[str]) -> int:
-    cursor.execute(_CANCEL_WAITING, [job_type, keys])
+def _cancel_waiting_duplicates(cursor: Cursor, job_type: str, keys: list[str],
+                               tenant: str | None = None) -> int:
+    """``tenant``: cancel only that tenant's duplicates (a confined Replace)."""
+    if tenant is None:
+        cursor.execute(_CANCEL_WAITING, [job_type, keys])
+    else:
+        cursor.execute(f"{_CANCEL_WAITING} AND tenant = %s", [job_type, keys, tenant])
     return int(cursor.rowcount)
 
 
@@ -478,11 +483,9 @@ def _attempt(cursor: Cursor, job: _Prepared, alias: str) -> tuple[PersistentJob,
         existing = _select_active(cursor, job.job_type, job.dedup_key)
         if existing is not None:
             return job_from_row(existing, alias), False
-    elif job.confined:
-        cursor.execute(f"{_CANCEL_WAITING} AND tenant = %s",
-                       [job.job_type, [job.dedup_key], job.tenant])
     else:
-        _cancel_waiting_duplicates(cursor, job.job_type, [job.dedup_key])
+        _cancel_waiting_duplicates(cursor, job.job_type, [job.dedup_key],
+                                   job.tenant if job.confined else None)
     row = _insert_one(cursor, job)
     return None if row is None else (job_from_row(row, alias), True)
 

@@ -347,6 +347,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
 
     from .api import auth
     from .api.http import ApiError, error_response
+    from .runner.db import error_line
 
     try:
         if request.method not in ("GET", "HEAD"):
@@ -354,13 +355,12 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         try:
             caller = auth.authenticate(request)
         except DatabaseError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             # Checking the credentials needs the database; without it nobody can be told
             # apart, so no numbers. A 503 is what Prometheus records as the target being down
             # (``up == 0``), which the documented alert for this case watches.
             raise ApiError(503, "database_unavailable",
                            f"The database is unreachable, so the credentials cannot be "
-                           f"checked: {first}",
+                           f"checked: {error_line(exc)}",
                            headers={"Retry-After": "15"}) from None
         caller.require(auth.VIEW)
         caller.require_unconfined()

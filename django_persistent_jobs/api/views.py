@@ -76,18 +76,15 @@ def _seconds(data: dict[str, Any], name: str, *, positive: bool) -> float | None
     value = data.get(name)
     if value is None:
         return None
-    try:
-        finite = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(
-            value)
-    except OverflowError:  # an integer beyond any float, which is also beyond the bound
-        finite = True
-    if not finite:
+    # (An integer beyond any float comes back as inf: refused by the bound below.)
+    seconds = bounds.seconds_of(value)
+    if seconds is None or (isinstance(value, float) and not math.isfinite(value)):
         raise bad_request(name, f"{name} must be a number of seconds.")
-    if value < 0 or (positive and value == 0) or value > bounds.MAX_SECONDS:
+    if seconds < 0 or (positive and seconds == 0) or seconds > bounds.MAX_SECONDS:
         bound = "> 0" if positive else ">= 0"
         raise bad_request(name, f"{name} must be {bound} and at most {bounds.MAX_SECONDS:.0f} "
                                 "seconds.")
-    return float(value)
+    return seconds
 
 
 def _field_of(exc: EnqueueError) -> str:
@@ -295,9 +292,11 @@ def openapi_view(request: HttpRequest) -> HttpResponse:
 def unknown_route_view(request: HttpRequest, rest: str) -> HttpResponse:
     """Any other path under the API's prefix: a JSON 404 naming the routes, instead of Django's
     HTML page (a client that appends a slash, ``<id>/``, learns why it missed)."""
+    from ..urls import urlpatterns  # (the routes import this module)
+
     prefix = request.path[:len(request.path) - len(rest)]
     slash = " Only the collection's path ends in a slash." if rest.endswith("/") else ""
-    routes = ", ".join(prefix + r for r in ("", "stats", "openapi.json", "<id>", "<id>/retry",
-                                            "<id>/cancel"))
+    routes = ", ".join(prefix + str(p.pattern).replace("<str:job_id>", "<id>")
+                       for p in urlpatterns if p.name is not None)
     return error_response(ApiError(
         404, "not_found", f"No API endpoint at {request.path!r}.{slash} Endpoints: {routes}."))
