@@ -16,7 +16,7 @@ from django.conf import settings as django_settings
 from django.core import checks
 
 from . import conf
-from .handlers import BODY_NEVER_RUNS, OPTION_INVALID, SCHEDULE_INVALID, registry
+from .handlers import BODY_NEVER_RUNS, OPTION_INVALID, SCHEDULE_INVALID, HandlerSpec, registry
 
 
 def _known_keys() -> str:
@@ -109,4 +109,16 @@ def check_handlers(app_configs: Sequence[AppConfig] | None = None,
         for condition, message in spec.problems:
             check_id, hint = HANDLER_CHECKS[condition]
             errors.append(checks.Error(message, hint=hint, obj=spec.origin, id=check_id))
+        if spec.is_recurring and not spec.problems:
+            errors.extend(_schedule_payload_problems(spec))
     return errors
+
+
+def _schedule_payload_problems(spec: HandlerSpec) -> list[checks.CheckMessage]:
+    from .schedules.firing import payload_problem
+
+    message = payload_problem(spec)
+    if message is None:
+        return []
+    check_id, hint = HANDLER_CHECKS[SCHEDULE_INVALID]
+    return [checks.Error(message, hint=hint, obj=spec.origin, id=check_id)]

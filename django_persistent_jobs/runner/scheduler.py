@@ -20,6 +20,8 @@ the others nor make the scheduler spin on it.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import zoneinfo
 from dataclasses import dataclass
 from datetime import datetime
@@ -144,27 +146,27 @@ def _fire_one(schedule: JobSchedule, now: datetime, runner_id: str | None,
 
 
 def scheduler_loop(alias: str, runner_id: str, interval: float, lifecycle: Lifecycle,
-                   burst: bool = False) -> None:
-    """Sync code-declared schedules once, then fire due ticks until the runner stops.
+                   burst: bool = False, resync_interval: float | None = None) -> None:
+    """Sync code-declared schedules, then fire due ticks until the runner stops.
 
     It sleeps until the earliest next tick, at most ``interval`` (``SCHEDULER_INTERVAL``: a
     schedule added or resumed meanwhile is noticed within that). With ``burst`` it fires what is
-    due once and ends. A pass that enqueued runs sets ``lifecycle.wake``.
+    due once and ends. A pass that enqueued runs sets ``lifecycle.wake``. The sync is repeated
+    every ``resync_interval`` seconds (``STALE_LOCK_TIMEOUT``, how soon the fleet notices a runner
+    gone): when the runner whose code declared a schedule stops, the declarations of the runners
+    left take over (``schedules.firing.Fleet``), so a fleet converges on its code after a deploy.
     """
-    from ..schedules.firing import sync_code_schedules
-
     stopping = lifecycle.stopping
-    try:
-        synced = run_with_retry(alias, lambda cursor: sync_code_schedules(),
-                                what="syncing code-declared schedules", interrupt=stopping)
-    except ProgrammingError as exc:
-        raise ConfigurationError(
-            "The persistent_jobs_schedules table is missing; run `python manage.py migrate` "
-            f"(django_persistent_jobs 0003), or start the runner with --no-scheduler ({exc})."
-        ) from exc
-    if synced is None:
+    if not _sync(alias, runner_id, stopping):
         return
+    resync_every = conf.settings.STALE_LOCK_TIMEOUT if resync_interval is None else (
+        resync_interval)
+    resync_at = time.monotonic() + resync_every
     while not stopping.is_set():
+        if not burst and time.monotonic() >= resync_at:
+            if not _sync(alias, runner_id, stopping):
+                return
+            resync_at = time.monotonic() + resync_every
         report = run_with_retry(alias, lambda cursor: fire_due(runner_id),
                                 what="firing due schedules", interrupt=stopping)
         if report is None:
@@ -175,7 +177,22 @@ def scheduler_loop(alias: str, runner_id: str, interval: float, lifecycle: Lifec
             continue  # (a burst too fires every schedule due when it starts, not one page)
         if burst:
             return
-        wait = interval
+        wait = min(interval, max(resync_at - time.monotonic(), MIN_SLEEP))
         if report.next_due_in is not None:
-            wait = min(interval, max(report.next_due_in, MIN_SLEEP))
+            wait = min(wait, max(report.next_due_in, MIN_SLEEP))
         stopping.wait(wait)
+
+
+def _sync(alias: str, runner_id: str, stopping: threading.Event) -> bool:
+    """Sync the code's schedules; False when the runner stopped meanwhile."""
+    from ..schedules.firing import sync_code_schedules
+
+    try:
+        synced = run_with_retry(alias, lambda cursor: sync_code_schedules(runner_id),
+                                what="syncing code-declared schedules", interrupt=stopping)
+    except ProgrammingError as exc:
+        raise ConfigurationError(
+            "The persistent_jobs_schedules table is missing; run `python manage.py migrate` "
+            f"(django_persistent_jobs 0003), or start the runner with --no-scheduler ({exc})."
+        ) from exc
+    return synced is not None

@@ -122,6 +122,11 @@ class Runner:
         database_wait: float | None = None, liveness_sidecar: bool = True, processes: int = 0,
     ) -> None:
         problems = [msg for spec in registry for msg in spec.errors]
+        if scheduler and not problems:
+            from ..schedules.firing import payload_problem
+
+            problems = [msg for spec in registry if spec.is_recurring
+                        if (msg := payload_problem(spec)) is not None]
         if problems:
             raise ConfigurationError("Invalid job handlers: " + "; ".join(problems))
         if concurrency is not None and (isinstance(concurrency, bool)
@@ -502,7 +507,7 @@ class Runner:
 
             def schedule() -> None:
                 scheduler_loop(alias, self.runner_id, settings.scheduler_interval, lifecycle,
-                               burst=self.burst)
+                               burst=self.burst, resync_interval=settings.stale_lock_timeout)
 
             if self.burst:
                 # Fire what is due before the claimer starts, so a burst runs those jobs too

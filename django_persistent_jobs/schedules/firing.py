@@ -6,6 +6,7 @@ stored definition cannot be computed. The runner's scheduler loop (``runner/sche
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,8 +26,8 @@ from .timing import Timing, default_timezone, tick_label
 
 logger = logging.getLogger("django_persistent_jobs.scheduler")
 
-__all__ = ["SyncReport", "deactivate_invalid", "insert_run", "record_result",
-           "sync_code_schedules"]
+__all__ = ["Fleet", "SyncReport", "code_definition", "deactivate_invalid", "insert_run",
+           "payload_problem", "record_result", "sync_code_schedules"]
 
 #: Serialises concurrent syncs by runners that start together (an advisory lock, held only for
 #: the sync's own short transaction).
@@ -101,9 +102,13 @@ class SyncReport:
     deactivated: list[str] = field(default_factory=list)
     reactivated: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    rescheduled: list[str] = field(default_factory=list)
 
 
-def _code_definition(spec: HandlerSpec) -> Definition:
+def code_definition(spec: HandlerSpec) -> Definition:
+    """The definition a ``@job_handler(cron=...)`` declares, its payload prepared and validated
+    as ``enqueue`` would: raises what the payload or its validator raise (the system check
+    reports that as E102, so a declared schedule never silently gets no row)."""
     interval = spec.interval.total_seconds() if spec.interval is not None else None
     stored, _ = prepare_payload({} if spec.schedule_payload is None else spec.schedule_payload)
     if spec.validator is not None:
@@ -112,15 +117,97 @@ def _code_definition(spec: HandlerSpec) -> Definition:
                       stored, None, None, spec.tenant)
 
 
-def sync_code_schedules() -> SyncReport:
+def payload_problem(spec: HandlerSpec) -> str | None:
+    """Why a declared schedule's payload would be refused (too large, not JSON, its own
+    validator says no), or None. Such a schedule would get no row at all, so the system check
+    (E102) and the runner's start report it. It needs the settings (payload limits, encoder),
+    so it is not part of the registration-time ``check_options``."""
+    try:
+        code_definition(spec)
+    except Exception as exc:
+        return (f"handler {spec.job_type!r} ({spec.origin}): its schedule payload is refused: "
+                f"{type(exc).__name__}: {exc}")
+    return None
+
+
+_FLEET_SQL = """
+SELECT id, started_at, job_types::text, schedules::text FROM persistent_jobs_runners
+WHERE heartbeat_at >= now() - %s * interval '1 second' OR id = %s
+"""
+
+
+@dataclass
+class Fleet:
+    """The live runners a sync must not overrule.
+
+    Runners of two releases overlap during a rolling deploy, and either may start last. So a
+    sync switches off a schedule only when no live runner declares it (or, for a missing
+    handler, lists its job type), and rewrites a declared schedule only when no live runner
+    that also declares it started after this one: the newest declaration wins, and when its
+    runner stops, the next periodic sync of the runners left applies theirs.
+    """
+
+    runner_id: str | None = None
+    started: tuple[datetime, str] | None = None
+    #: Schedule name -> ``(started_at, id)`` of the other live runners that declare it.
+    declared: dict[str, list[tuple[datetime, str]]] = field(default_factory=dict)
+    #: Job types other live runners have handlers for; None: one of them predates the list.
+    handled: set[str] | None = field(default_factory=set)
+    #: ``(started_at, id)`` of the other live runners that run a scheduler.
+    schedulers: list[tuple[datetime, str]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, cursor: Any, runner_id: str | None) -> Fleet:
+        fleet = cls(runner_id)
+        if runner_id is None:
+            return fleet  # an explicit call (tests, a shell) speaks for the code it runs
+        cursor.execute(_FLEET_SQL, [conf.settings.STALE_LOCK_TIMEOUT, runner_id])
+        for other, started_at, types_json, schedules_json in cursor.fetchall():
+            job_types = None if types_json is None else json.loads(types_json)
+            schedules = None if schedules_json is None else json.loads(schedules_json)
+            if other == runner_id:
+                fleet.started = (started_at, other)
+                continue
+            if schedules is not None:
+                fleet.schedulers.append((started_at, other))
+            for name in schedules or ():
+                fleet.declared.setdefault(name, []).append((started_at, other))
+            if job_types is None:
+                fleet.handled = None
+            elif fleet.handled is not None:
+                fleet.handled.update(job_types)
+        return fleet
+
+    def speaks_for(self, name: str) -> bool:
+        """Whether this runner's declaration of ``name`` is the newest live one."""
+        if self.started is None:
+            return True  # not registered (yet): it started last
+        return all(other < self.started for other in self.declared.get(name, ()))
+
+    def is_newest(self) -> bool:
+        """Whether no other live scheduler started after this one (one runner does the
+        fleet-wide chores of a sync, not every runner every time)."""
+        return self.started is None or all(other < self.started for other in self.schedulers)
+
+    def declared_elsewhere(self, name: str) -> bool:
+        return bool(self.declared.get(name))
+
+    def handled_elsewhere(self, job_type: str) -> bool:
+        return self.handled is None or job_type in self.handled
+
+
+def sync_code_schedules(runner_id: str | None = None) -> SyncReport:
     """Make the table match the schedules declared with ``@job_handler`` in this process.
 
     Upserts each declared schedule (a changed timing restarts it from the next tick; an unchanged
     one keeps its ``next_run_at``, so a deploy neither skips nor repeats a run). Code schedules
     no longer declared are deactivated, and so are runtime schedules whose job type has no
     handler here: a schedule without a handler would only fill the dead letters. Those come back
-    by themselves once a runner with the handler starts. With ``ALLOW_UNREGISTERED`` (another
+    by themselves once a runner with the handler syncs. With ``ALLOW_UNREGISTERED`` (another
     service runs some job types) schedules of unknown types are left alone.
+
+    A runner (``runner_id``) syncs at start and then periodically, and defers to the other live
+    runners as ``Fleet`` describes; it records what its code declares on its runner row.
     """
     report = SyncReport()
     alias = _alias()
@@ -130,14 +217,24 @@ def sync_code_schedules() -> SyncReport:
     with transaction.atomic(using=alias):
         with connections[alias].cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [_SYNC_LOCK_KEY])
+            fleet = Fleet.load(cursor, runner_id)
         now = db_now()
         existing = {s.name: s for s in JobSchedule.objects.using(alias)}
+        synced = []
         for name, spec in declared.items():
             if spec.errors:
                 continue  # the system check reports it; the runner refuses to start
-            _sync_one(name, spec, existing.get(name), now, report)
+            if _sync_one(name, spec, existing.get(name), now, fleet, report):
+                synced.append(name)
         for schedule in existing.values():
-            _check_handler(schedule, declared, known, allow_unknown, now, report)
+            _check_handler(schedule, declared, known, allow_unknown, now, fleet, report)
+        if fleet.is_newest():
+            _unstrand(now, report)
+        if runner_id is not None:
+            with connections[alias].cursor() as cursor:
+                cursor.execute(
+                    "UPDATE persistent_jobs_runners SET schedules = %s::jsonb WHERE id = %s",
+                    [json.dumps(sorted(synced)), runner_id])
     for name in report.created + report.updated:
         logger.info("schedule %s synced from code", name,
                     extra={"event": "schedule_synced", "schedule": name})
@@ -145,19 +242,20 @@ def sync_code_schedules() -> SyncReport:
 
 
 def _sync_one(name: str, spec: HandlerSpec, row: JobSchedule | None, now: datetime,
-              report: SyncReport) -> None:
+              fleet: Fleet, report: SyncReport) -> bool:
+    """Upsert one declared schedule; False when its declaration is unusable."""
     alias = _alias()
     try:
-        definition = _code_definition(spec)
+        definition = code_definition(spec)
     except Exception as exc:
         message = f"the schedule payload of {name!r} is unusable: {exc}"
         logger.error("schedule %s: %s", name, message,
                      extra={"event": "schedule_invalid", "schedule": name})
-        if row is not None and row.is_code:
+        if row is not None and row.is_code and fleet.speaks_for(name):
             JobSchedule.objects.using(alias).filter(pk=row.pk).update(
                 active=False, inactive_reason=InactiveReason.INVALID, last_error=message,
                 updated_at=Now())
-        return
+        return False
     if row is None:
         try:
             with transaction.atomic(using=alias):
@@ -172,14 +270,16 @@ def _sync_one(name: str, spec: HandlerSpec, row: JobSchedule | None, now: dateti
             row = JobSchedule.objects.using(alias).get(name=name)
         else:
             report.created.append(name)
-            return
+            return True
     if not row.is_code:
         report.conflicts.append(name)
         logger.warning(
             "schedule %s is declared in code on %s, but a runtime schedule with that name "
             "exists; the runtime one stays in charge until it is removed", name, spec.origin,
             extra={"event": "schedule_conflict", "schedule": name})
-        return
+        return True
+    if not fleet.speaks_for(name):
+        return True  # a runner that started later declares it too: its version stands
     values: dict[str, Any] = {}
     for column in ("job_type", "cron", "interval_seconds", "timezone", "payload", "queue",
                    "priority", "tenant"):
@@ -194,10 +294,37 @@ def _sync_one(name: str, spec: HandlerSpec, row: JobSchedule | None, now: dateti
     if values:
         JobSchedule.objects.using(alias).filter(pk=row.pk).update(**values, updated_at=Now())
         report.updated.append(name)
+    return True
+
+
+def _unstrand(now: datetime, report: SyncReport) -> None:
+    """Bring back schedules whose next tick lies beyond where their timing can put it (the
+    database clock ran ahead while they fired, then was set back): see ``Timing.stranded``."""
+    alias = _alias()
+    rows = JobSchedule.objects.using(alias).filter(active=True, paused=False,
+                                                   next_run_at__gt=now)
+    for schedule in rows.only("pk", "name", "cron", "interval_seconds", "timezone",
+                              "next_run_at"):
+        assert schedule.next_run_at is not None
+        try:
+            tick = Timing.of(schedule).stranded(schedule.next_run_at, now)
+        except Exception:  # an unusable definition is the firing pass's to report
+            continue
+        if tick is None:
+            continue
+        JobSchedule.objects.using(alias).filter(pk=schedule.pk).update(
+            next_run_at=tick, updated_at=Now())
+        report.rescheduled.append(schedule.name)
+        logger.warning(
+            "schedule %s: its next tick %s lies beyond the first tick after now (the database "
+            "clock was set back?); next tick is now %s", schedule.name,
+            schedule.next_run_at.isoformat(), tick.isoformat(),
+            extra={"event": "schedule_rescheduled", "schedule": schedule.name})
 
 
 def _check_handler(schedule: JobSchedule, declared: dict[str, HandlerSpec], known: set[str],
-                   allow_unknown: bool, now: datetime, report: SyncReport) -> None:
+                   allow_unknown: bool, now: datetime, fleet: Fleet,
+                   report: SyncReport) -> None:
     alias = _alias()
     has_handler = schedule.job_type in known
     if schedule.is_code:
@@ -205,9 +332,13 @@ def _check_handler(schedule: JobSchedule, declared: dict[str, HandlerSpec], know
             return
         if not has_handler and allow_unknown:
             return  # another service may declare it
-        reason = InactiveReason.REMOVED_FROM_CODE if has_handler else (
+        if fleet.declared_elsewhere(schedule.name):
+            return  # a live runner (of another release) still declares it
+        reason = InactiveReason.REMOVED_FROM_CODE if (
+            has_handler or fleet.handled_elsewhere(schedule.job_type)) else (
             InactiveReason.HANDLER_MISSING)
-    elif schedule.active and not has_handler and not allow_unknown:
+    elif (schedule.active and not has_handler and not allow_unknown
+          and not fleet.handled_elsewhere(schedule.job_type)):
         reason = InactiveReason.HANDLER_MISSING
     elif (not schedule.active and has_handler
           and schedule.inactive_reason == InactiveReason.HANDLER_MISSING):

@@ -60,13 +60,22 @@ def _get(name: str, *, lock: bool = False) -> JobSchedule:
         raise ScheduleNotFoundError(f"No schedule named {name!r}.") from None
 
 
+#: Why a sync switched a code schedule off because the code no longer has it: such a row is
+#: left over, and removing it (to free its name for a runtime schedule) undoes nothing.
+_GONE_FROM_CODE = (InactiveReason.REMOVED_FROM_CODE, InactiveReason.HANDLER_MISSING)
+
+
 def _refuse_code(schedule: JobSchedule, verb: str) -> None:
-    if schedule.is_code:
-        raise ScheduleError(
-            f"Schedule {schedule.name!r} is declared in code (@job_handler on "
-            f"{schedule.job_type!r}); {verb} it there: a runtime change would be undone by the "
-            "next runner start. Pausing and resuming it is fine."
-        )
+    if not schedule.is_code:
+        return
+    if verb == "remove" and not schedule.active and schedule.inactive_reason in _GONE_FROM_CODE:
+        return
+    raise ScheduleError(
+        f"Schedule {schedule.name!r} is declared in code (@job_handler on "
+        f"{schedule.job_type!r}); {verb} it there: a runtime change would be undone by the "
+        "runners' next sync. Pausing and resuming it is fine; once no runner's code declares "
+        "it any more (it shows as deactivated), it can be removed."
+    )
 
 
 # ----------------------------------------------------------------------------- runtime API
@@ -154,7 +163,8 @@ def update_schedule(name: str, **changes: Any) -> JobSchedule:
 
 
 def remove_schedule(name: str) -> None:
-    """Delete a runtime schedule. Its past runs stay (they carry the name in ``schedule``)."""
+    """Delete a runtime schedule, or a code one no runner declares any more. Its past runs stay
+    (they carry the name in ``schedule``)."""
     _check_name(name)
     with transaction.atomic(using=_alias()):
         schedule = _get(name, lock=True)

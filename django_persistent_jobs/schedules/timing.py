@@ -253,6 +253,24 @@ class Timing:
         assert self.interval is not None
         return next_interval_tick(self.interval, anchor or after, after)
 
+    def stranded(self, next_run_at: datetime, now: datetime) -> datetime | None:
+        """The tick to use instead of ``next_run_at`` if it lies beyond the first tick after
+        ``now``, else None.
+
+        Every ``next_run_at`` was computed from a moment no later than ``now``, so one further
+        away can only come from a clock that ran ahead and was set back (or a tzdata change):
+        left alone, the schedule would sit silent until that far tick. Intervals keep their grid.
+        """
+        if self.cron is not None:
+            first = next_cron_tick(self.cron, self.timezone, now)
+            return first if next_run_at > first else None
+        assert self.interval is not None
+        step = self.interval // _MICROSECOND
+        gap = (next_run_at - now) // _MICROSECOND
+        if step <= 0 or gap <= step:
+            return None
+        return next_run_at - _MICROSECOND * (((gap - 1) // step) * step)
+
     def count_ticks(self, start: datetime, end: datetime, cap: int = COUNT_CAP) -> int:
         """Ticks ``t`` with ``start < t <= end`` (at most ``cap``): the runs a coalesced run stood
         in for, reported on the job so operators can see how much was missed."""
