@@ -749,13 +749,19 @@ def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
 def register_runner(
     cursor: Cursor, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
     concurrency: int, version: str, name: str = "", job_types: Sequence[str] | None = None,
+    schedules: Sequence[str] | None = None,
 ) -> None:
+    """Insert (or refresh) a runner's row. ``schedules``: the schedules its code declares, for
+    a runner with a scheduler (its syncs keep the list current; ``schedules.firing.Fleet``)."""
     cursor.execute(
         "INSERT INTO persistent_jobs_runners (id, name, hostname, pid, queues, concurrency, "
-        "version, job_types) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s::jsonb) "
-        "ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), job_types = EXCLUDED.job_types",
+        "version, job_types, schedules) "
+        "VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s::jsonb, %s::jsonb) "
+        "ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), job_types = EXCLUDED.job_types, "
+        "schedules = coalesce(EXCLUDED.schedules, persistent_jobs_runners.schedules)",
         [runner_id, name, hostname, pid, json.dumps(list(queues) if queues else None),
-         concurrency, version, None if job_types is None else json.dumps(list(job_types))],
+         concurrency, version, None if job_types is None else json.dumps(list(job_types)),
+         None if schedules is None else json.dumps(sorted(schedules))],
     )
 
 

@@ -521,9 +521,13 @@ class Runner:
 
     def register(self, cursor: Cursor) -> None:
         types = registry.job_types()
+        # Declared from the first moment (also when registering again after being presumed
+        # dead), so no other runner's sync takes a schedule only this one declares for gone.
+        schedules = [spec.job_type for spec in registry
+                     if spec.is_recurring] if self.enable_scheduler else None
         store.register_runner(
             cursor, self.runner_id, socket.gethostname(), os.getpid(), self.settings.queues,
-            self.settings.concurrency, VERSION, self.name, types,
+            self.settings.concurrency, VERSION, self.name, types, schedules,
         )
         self._registered = True
         self.liveness.note_listed(types)  # (the next beat need not write them again)

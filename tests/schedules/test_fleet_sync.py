@@ -134,6 +134,21 @@ def test_a_runner_records_what_its_code_declares() -> None:
     assert JobRunnerRecord.objects.get(id="new-1").schedules == ["fleet.kept", "fleet.new"]
 
 
+def test_a_runner_declares_its_schedules_from_registration(
+    start_runner: Callable[..., Runner],
+) -> None:
+    """Before its first sync too (and when it registers again after being presumed dead), so
+    no other runner's sync meanwhile takes a schedule only it declares for gone."""
+    with code(KEPT_V2):
+        with_scheduler = start_runner()
+        without = start_runner(scheduler=False)
+        with connection.cursor() as cursor:  # as if reaped and registering again
+            store.unregister_runner(cursor, with_scheduler.runner_id)
+            with_scheduler.register(cursor)
+        assert "fleet.kept" in JobRunnerRecord.objects.get(id=with_scheduler.runner_id).schedules
+        assert JobRunnerRecord.objects.get(id=without.runner_id).schedules is None
+
+
 def test_a_running_runner_takes_its_schedules_back_when_an_old_runner_stops(
     start_runner: Callable[..., Runner],
 ) -> None:
