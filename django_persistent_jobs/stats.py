@@ -36,17 +36,24 @@ from typing import Any
 
 from django.db import connections
 from django.db.models import (
+    Case,
     Count,
     DateTimeField,
+    Exists,
     ExpressionWrapper,
     F,
     Func,
     Max,
     Min,
+    OuterRef,
     Q,
     QuerySet,
+    Subquery,
+    Value,
+    When,
 )
-from django.db.models.functions import Trunc
+from django.db.models.functions import Coalesce, Trunc
+from django.db.models.lookups import LessThan
 
 from . import conf
 from .handlers import registry
@@ -466,6 +473,28 @@ def _runners(
     return result
 
 
+def _run_start() -> Case:
+    """When a running job's current attempt began to run: its attempt's ``started_at``, or
+    NULL while the attempt only waits in its runner for a free worker (``PREFETCH``: claimed,
+    its ``started`` still false) and for a job that is not running. The timeout clock starts
+    when a worker starts the job, so ``locked_at`` (the claim) would count the wait for a
+    worker as running time. A running job whose attempt row is missing (written by hand)
+    counts from its claim, as an attempt row written before attempts recorded their start
+    counts as started.
+
+    At most two primary-key probes of the attempts table (``lock_token`` is the current
+    attempt's id), and only for a running row (a CASE stops at its first true branch): the
+    cost follows the running jobs, neither the waiting ones nor the attempt history."""
+    current = JobAttempt.objects.filter(pk=OuterRef("lock_token"))
+    return Case(
+        When(~Q(status=JobStatus.RUNNING), then=Value(None)),
+        When(Exists(current.filter(started=False)), then=Value(None)),
+        default=Coalesce(Subquery(current.order_by().values("started_at")[:1]),
+                         F("locked_at")),
+        output_field=DateTimeField(),
+    )
+
+
 def _stuck(
     jobs: QuerySet[PersistentJob], now: datetime, runners: list[RunnerStats],
     served_queues: set[str], unclaimed_after: timedelta,
@@ -474,9 +503,13 @@ def _stuck(
     running = Q(status=JobStatus.RUNNING)
     due_now = due(now)
     timeout = Func(F("timeout_seconds"), template="make_interval(secs => %(expressions)s)")
-    jobs = jobs.alias(timeout_at=ExpressionWrapper(F("locked_at") + timeout,
-                                                   output_field=DateTimeField()))
-    past_timeout = running & Q(timeout_at__lt=now)
+    # NULL for a job whose attempt has not started: it is not running out of time (the
+    # runner starts its timeout when a worker starts it), however long ago it was claimed.
+    # Spelled inline rather than as an alias: an aggregate filter on an alias that holds a
+    # subquery makes Django wrap the whole aggregate in a subquery that computes it for
+    # every active row.
+    timeout_at = ExpressionWrapper(_run_start() + timeout, output_field=DateTimeField())
+    past_timeout = running & Q(LessThan(timeout_at, Value(now, output_field=DateTimeField())))
     stale_runner = running & Q(locked_by__in=stale_ids)
     unclaimed = due_now & Q(next_run_at__lt=now - unclaimed_after)
     unserved = due_now & ~Q(queue__in=served_queues)
@@ -496,7 +529,7 @@ def _stuck(
     total = counts.pop("_any")
     found = list(active.filter(any_kind).order_by("next_run_at", "id").only(
         "id", "job_type", "queue", "status", "tenant", "locked_by", "locked_at", "next_run_at",
-        "timeout_seconds")[:LIST_LIMIT])
+        "timeout_seconds").annotate(run_started=_run_start())[:LIST_LIMIT])
     heartbeat = {r.id: r for r in runners}
     serving = [(r.queues, r.job_types) for r in runners if r.state in ("live", "late")]
     result = []
@@ -504,10 +537,11 @@ def _stuck(
         matched: list[str] = []
         details: list[str] = []
         if job.status == JobStatus.RUNNING:
-            if job.locked_at and job.timeout_seconds is not None and (
-                    now - job.locked_at > timedelta(seconds=job.timeout_seconds)):
+            began: datetime | None = job.run_started
+            if began is not None and job.timeout_seconds is not None and (
+                    now - began > timedelta(seconds=job.timeout_seconds)):
                 matched.append("past_timeout")
-                details.append(f"running {_short(now - job.locked_at)}, timeout "
+                details.append(f"running {_short(now - began)}, timeout "
                                f"{_short(timedelta(seconds=job.timeout_seconds))}")
             if job.locked_by in stale_ids:
                 matched.append("stale_runner")
@@ -515,6 +549,8 @@ def _stuck(
                 age = holder.heartbeat_age if holder else None
                 details.append(f"runner {job.locked_by} " + (
                     f"last beat {_short(age)} ago" if age is not None else "has no row"))
+                if began is None:
+                    details.append("claimed, not started (it waited for a free worker)")
             since = job.locked_at
         else:
             waited = now - job.next_run_at

@@ -168,6 +168,48 @@ def test_view_exports_queue_state_from_the_database(client: Client, viewer_token
 
 
 @pytest.mark.django_db
+def test_the_running_age_counts_from_the_attempts_start_not_the_claim(
+        client: Client, viewer_token: str):
+    """With ``PREFETCH`` a claimed job may wait in its runner for a free worker: the running
+    age is the longest *run*, from the attempt's start, and a job that has not started yet
+    (however long ago it was claimed) has not run at all."""
+    from django_persistent_jobs.models import JobAttempt
+    from tests.core_support import claim_as
+
+    claimed = {}
+    with connection.cursor() as cursor:
+        for queue, direct in [("prefetched", 0), ("late", 1)]:
+            job = stage(queue=queue)
+            [claimed[queue]] = claim_as(cursor, "runner-1", 1, (queue,), direct=direct)
+            assert claimed[queue].id == job.id
+    long_ago = timezone.now() - timedelta(seconds=600)
+    PersistentJob.objects.filter(pk__in=[c.id for c in claimed.values()]).update(
+        locked_at=long_ago)
+    JobAttempt.objects.filter(id=claimed["late"].token).update(
+        started_at=timezone.now() - timedelta(seconds=20))
+    samples = parse(client.get("/metrics", **bearer(viewer_token)).content.decode())
+    assert total(samples, "persistent_jobs_jobs", queue="prefetched", status="running") == 1
+    assert total(samples, "persistent_jobs_oldest_job_age_seconds", queue="prefetched",
+                 status="running") == 0
+    assert 19 <= total(samples, "persistent_jobs_oldest_job_age_seconds", queue="late",
+                       status="running") < 300
+
+
+@pytest.mark.django_db
+def test_the_scrapes_state_statement_reads_the_partial_indexes() -> None:
+    """The scrape reads waiting, running and dead-lettered jobs through the partial indexes,
+    and each running job's attempt by its primary key, not a scan of the attempt history."""
+    from django_persistent_jobs.metrics import _ACTIVE_SQL
+
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute(f"EXPLAIN {_ACTIVE_SQL}")
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "pj_claim_idx" in plan and "pj_locked_by_idx" in plan, plan
+    assert "Index Cond: (id = j.lock_token)" in plan, plan
+
+
+@pytest.mark.django_db
 def test_view_counts_due_jobs_no_live_runner_serving_their_queue_handles(
         client: Client, viewer_token: str):
     """The alert input for "a job type nobody runs" (runners claim only the types they have

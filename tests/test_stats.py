@@ -196,6 +196,47 @@ def test_stuck_jobs_of_the_four_kinds_and_runner_states() -> None:
 
 
 @pytest.mark.django_db
+def test_past_timeout_counts_from_the_attempts_start_not_the_claim() -> None:
+    """With ``PREFETCH`` a runner claims jobs that wait in it for a free worker: the timeout
+    starts when a worker starts one (the attempt's ``started_at``), so neither the wait of a
+    job that started late nor a job still waiting counts as running past its timeout."""
+    from django.db import connection
+
+    from tests.core_support import claim_as
+
+    now = db_now()
+    runner("live-1", timedelta(seconds=0), now, queues=["mail"])
+    runner("dead-1", timedelta(minutes=5), now, queues=["mail"])
+    claimed: dict[str, Any] = {}
+    with connection.cursor() as cursor:
+        for name, holder, direct in [("waiting", "live-1", 0), ("started_late", "live-1", 1),
+                                     ("hung", "live-1", 1), ("waiting_dead", "dead-1", 0)]:
+            enqueued = job("stats.mail")
+            [claimed[name]] = claim_as(cursor, holder, 1, ("mail",), direct=direct)
+            assert claimed[name].id == enqueued.id and claimed[name].waiting == (direct == 0)
+    long_ago = now - timedelta(seconds=400)
+    PersistentJob.objects.filter(pk__in=[c.id for c in claimed.values()]).update(
+        locked_at=long_ago, timeout_seconds=300)
+    JobAttempt.objects.filter(id=claimed["started_late"].token).update(
+        started_at=now - timedelta(seconds=10))
+    JobAttempt.objects.filter(id=claimed["hung"].token).update(
+        started_at=now - timedelta(seconds=350))
+
+    stats = dashboard_stats(now=now)
+    by_id = {s.id: s for s in stats.stuck}
+    assert {k: s.kinds for k, s in by_id.items()} == {
+        str(claimed["hung"].id): ["past_timeout"],
+        str(claimed["waiting_dead"].id): ["stale_runner"],
+    }
+    assert stats.stuck_counts["past_timeout"] == 1
+    assert by_id[str(claimed["hung"].id)].detail == "running 5m, timeout 5m"
+    held = by_id[str(claimed["waiting_dead"].id)]
+    assert held.detail == ("runner dead-1 last beat 5m ago; claimed, not started (it waited "
+                           "for a free worker)")
+    assert held.since == long_ago  # still when it was claimed
+
+
+@pytest.mark.django_db
 def test_a_due_job_no_live_runner_serving_its_queue_handles_is_stuck_at_once() -> None:
     """Runners claim only the types they have handlers for (rolling deploys): a due job whose
     type no live runner serving its queue lists will wait until one starts, so the console
