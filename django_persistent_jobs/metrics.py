@@ -132,7 +132,9 @@ def events() -> _Events:
 
 def _on_started(sender: Any, *, job_type: str, queue: str | None, due_at: Any = None,
                 **_: Any) -> None:
-    started, queue_wait, _, _ = events().children(job_type, queue or "")
+    if queue is None:  # (the runner always knows it; a foreign sender may not)
+        return
+    started, queue_wait, _, _ = events().children(job_type, queue)
     started.inc()
     if isinstance(due_at, datetime):
         # The runner's clock against the database's next_run_at: skew shows up here, so the
@@ -142,16 +144,22 @@ def _on_started(sender: Any, *, job_type: str, queue: str | None, due_at: Any = 
 
 def _on_finished(sender: Any, *, job_type: str, queue: str | None, outcome: str, status: str,
                  error_code: str, duration: float | None, **_: Any) -> None:
+    """Count a settled attempt. The per-queue children are looked up only when something is
+    counted in them: a lookup creates all four series, and an attempt settled by another
+    runner (rescued, handed back) observes no duration, so it would only add empty series
+    (with an empty queue label, if its queue were not known)."""
     ev = events()
-    _, _, succeeded, run_time = ev.children(job_type, queue or "")
-    if status == "completed":
-        succeeded.inc()
-    elif status == "failed":
+    if status == "failed":
         ev.failed.labels(job_type, error_code).inc()
     elif status == "dead_lettered":
         ev.dead_lettered.labels(job_type, error_code).inc()
     if outcome == "rescued":
         ev.rescued.labels(job_type).inc()
+    if queue is None or (status != "completed" and duration is None):
+        return
+    _, _, succeeded, run_time = ev.children(job_type, queue)
+    if status == "completed":
+        succeeded.inc()
     if duration is not None:
         run_time.observe(duration)
 

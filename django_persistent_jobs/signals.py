@@ -14,7 +14,8 @@ All are sent with ``sender=PersistentJob`` and keyword arguments only (see ``doc
     ``outcome`` (the attempt outcome: ``completed``, ``failed``, ``dead_lettered``,
     ``cancelled``, ``timed_out``, ``interrupted``, ``rescued``), ``status`` (the job's new
     status), ``error_code`` ("" on success) and ``duration`` (seconds the handler ran in this
-    process, or None when the attempt was settled elsewhere, e.g. rescued).
+    process, or None when the attempt was settled elsewhere, e.g. rescued). A job that only
+    waited in a lost runner for a free worker is handed back ``interrupted``, not ``rescued``.
 ``job_dead_lettered``
     when a job reached ``dead_lettered``: ``job_id``, ``job_type``, ``queue``, ``tenant``,
     ``attempt``, ``error_code``, ``error_message``.
@@ -74,6 +75,8 @@ class _RescuedAttempt:
     token: int
     job_type: str
     attempt: int
+    queue: str | None = None
+    tenant: str | None = None
 
 
 _SENDER: type[PersistentJob] | None = None
@@ -170,11 +173,19 @@ def finished(
 
 
 def rescued(job_id: uuid.UUID, token: int, job_type: str, attempt: int, runner_id: str,
-            status: str, code: str, message: str) -> None:
-    """Another runner's attempt was settled by ``runner_id`` after that runner died (outcome
-    ``rescued``; queue and tenant are not known on this path and are sent as None)."""
+            status: str, code: str, message: str, *, queue: str | None = None,
+            tenant: str | None = None, started: bool = True) -> None:
+    """Another runner's attempt was settled by ``runner_id`` after that runner died.
+
+    A started attempt was charged: outcome ``rescued``. One that only waited in the lost
+    runner for a free worker (``started`` false) was handed back, not charged: its outcome is
+    what its attempt row says, ``interrupted`` (``cancelled`` if a cancellation was
+    requested), as for a job a stopping runner hands back unstarted; or, past
+    ``HANDBACK_LIMIT``, the status it was charged into (``failed``, ``dead_lettered``).
+    Reporting it ``rescued`` would count a run that never happened."""
     if not _listening():
         return
-    job = _RescuedAttempt(id=job_id, token=token, job_type=job_type, attempt=attempt)
+    job = _RescuedAttempt(id=job_id, token=token, job_type=job_type, attempt=attempt,
+                          queue=queue, tenant=tenant)
     finished(job, runner_id, status=status, code=code, message=message,
-             attempt_outcome="rescued")
+             attempt_outcome="rescued" if started else None)

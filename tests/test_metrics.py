@@ -250,6 +250,32 @@ def test_view_is_authenticated_and_refuses_tenant_bound_tokens(client: Client):
 
 
 @pytest.mark.django_db
+def test_an_attempt_settled_elsewhere_creates_no_series_with_an_empty_queue() -> None:
+    """A receiver of ``job_finished`` may be sent no queue (a foreign sender; rescues used
+    to): the failure is counted, and no per-queue series appears with ``queue=""``; nor does
+    an attempt that observed no duration create empty per-queue series."""
+    from django_persistent_jobs import metrics, signals
+    from django_persistent_jobs.models import PersistentJob as Sender
+
+    assert metrics.enable()
+    signals.job_finished.send(
+        sender=Sender, job_id=None, job_type="t.elsewhere", queue=None, tenant=None, attempt=1,
+        runner_id="r", due_at=None, outcome="rescued", status="failed",
+        error_code="RUNNER_LOST", duration=None)
+    signals.job_finished.send(
+        sender=Sender, job_id=None, job_type="t.elsewhere", queue="q", tenant=None, attempt=1,
+        runner_id="r", due_at=None, outcome="interrupted", status="pending",
+        error_code="RUNNER_LOST", duration=None)
+    samples = parse(metrics.render().decode())
+    assert total(samples, "persistent_jobs_failed_total", job_type="t.elsewhere",
+                 error_code="RUNNER_LOST") == 1
+    assert total(samples, "persistent_jobs_rescued_attempts_total", job_type="t.elsewhere") == 1
+    per_queue = [key for key in samples
+                 if dict(key[1]).get("job_type") == "t.elsewhere" and "queue" in dict(key[1])]
+    assert per_queue == []
+
+
+@pytest.mark.django_db
 def test_names_follow_prometheus_conventions(client: Client, viewer_token: str):
     from django_persistent_jobs import metrics
 

@@ -121,7 +121,48 @@ def test_a_rescued_attempt_is_reported_by_the_rescuer(
     assert (rescued["outcome"], rescued["status"], rescued["error_code"]) == (
         "rescued", "failed", "RUNNER_LOST")
     assert rescued["runner_id"] == runner.runner_id and rescued["duration"] is None
+    assert (rescued["queue"], rescued["tenant"]) == ("default", None)
     assert completed["outcome"] == "completed"
+
+
+def test_a_job_that_only_waited_in_a_lost_runner_is_reported_handed_back_not_rescued(
+        recorder: Recorder, start_runner: Callable[..., Runner]):
+    """A job claimed to wait for a free worker (``PREFETCH``) never started in the runner that
+    died: the rescuer hands it back uncharged, and reports what its attempt row says
+    (``interrupted``), as a stopping runner does for its unstarted jobs; not ``rescued``,
+    which the metrics count as a rescued attempt. No metric series gets an empty queue."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from django_persistent_jobs import metrics
+    from django_persistent_jobs.models import JobAttempt
+
+    def rescued_count() -> float:
+        text = metrics.render().decode()
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "persistent_jobs_rescued_attempts_total"
+                   and s.labels.get("job_type") == "test.ledger")
+
+    assert metrics.enable()
+    before = rescued_count()
+    job = enqueue("test.ledger", {}, queue="side", tenant="acme")
+    with connection.cursor() as cursor:  # claimed to wait by a runner that never existed
+        [claimed] = claim_as(cursor, "ghost-runner", 1, ("side",), direct=0, ghost=True)
+    assert claimed.id == job.id and claimed.waiting
+    runner = start_runner(concurrency=1, queues=("side",))
+    wait_status(job.id, JobStatus.COMPLETED)
+    wait_for(lambda: len(recorder.of("finished", job.id)) >= 2, message="two finishes")
+    handed, completed = recorder.of("finished", job.id)
+    assert (handed["outcome"], handed["status"], handed["error_code"]) == (
+        "interrupted", "pending", "RUNNER_LOST")
+    assert (handed["queue"], handed["tenant"], handed["runner_id"], handed["duration"]) == (
+        "side", "acme", runner.runner_id, None)
+    assert completed["outcome"] == "completed" and completed["attempt"] == 1  # not charged
+    assert [a.outcome for a in JobAttempt.objects.filter(job_id=job.id).order_by("id")] == [
+        "interrupted", "completed"]
+    assert rescued_count() == before
+    text = metrics.render().decode()
+    assert not [s for f in text_string_to_metric_families(text) for s in f.samples
+                if s.labels.get("queue") == ""], text
 
 
 def test_a_failing_receiver_does_not_change_the_outcome(start_runner: Callable[..., Runner]):

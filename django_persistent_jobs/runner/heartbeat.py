@@ -357,8 +357,12 @@ def _rescue_job(alias: str, runner_id: str, held: store.HeldJob, message: str,
         return False
     if status is None:
         return False
-    signals.rescued(job_id, token, job_type, attempts, runner_id, status, outcome.code,
-                    outcome.message)
+    code = outcome.code
+    if not held.started and status in ("failed", "dead_lettered"):
+        code = "INTERRUPTED"  # handed back once too often: charged as the statement recorded
+    signals.rescued(job_id, token, job_type, attempts, runner_id, status, code,
+                    outcome.message, queue=held.queue, tenant=held.tenant,
+                    started=held.started)
     logger.warning(
         "job %s %s from runner %s -> %s", job_id,
         "rescued" if held.started else "handed back unstarted", held.locked_by, status,

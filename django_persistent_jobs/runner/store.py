@@ -828,7 +828,8 @@ def reap_dead_runners(cursor: Cursor, stale_seconds: float, *, reaper: str | Non
 
 class HeldJob(NamedTuple):
     """A running job as a rescuer sees it; ``started`` is false while its attempt was only
-    waiting in its runner for a worker (see ``claim_sql``)."""
+    waiting in its runner for a worker (see ``claim_sql``). ``queue`` and ``tenant`` go with
+    the ``job_finished`` signal the rescuer sends (a metric labelled by queue needs it)."""
 
     id: Any
     token: int
@@ -836,10 +837,12 @@ class HeldJob(NamedTuple):
     attempts: int
     locked_by: str | None
     started: bool
+    queue: str | None = None
+    tenant: str | None = None
 
 
 _HELD = ("SELECT j.id, j.lock_token, j.job_type, j.attempts, j.locked_by, "
-         "coalesce(a.started, true) FROM persistent_jobs j "
+         "coalesce(a.started, true), j.queue, j.tenant FROM persistent_jobs j "
          "LEFT JOIN persistent_jobs_attempts a ON a.id = j.lock_token ")
 
 

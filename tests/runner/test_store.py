@@ -207,7 +207,8 @@ def test_dead_runners_are_reaped_and_their_jobs_rescued() -> None:
         assert [runner_id for runner_id, _ in reaped] == ["dead"]
         assert store.reap_dead_runners(cursor, 30, reaper=None) == []
         orphans = store.orphaned_jobs(cursor)
-        assert orphans == [(dead_job.id, held_by_dead.token, "test.noop", 1, "dead", True)]
+        assert orphans == [(dead_job.id, held_by_dead.token, "test.noop", 1, "dead", True,
+                            "default", None)]
         assert store.transition(cursor, dead_job.id, held_by_dead.token, kind="retry",
                                 code="RUNNER_LOST", message="rescued", outcome="rescued",
                                 delay=0) == "failed"
