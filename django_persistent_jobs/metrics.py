@@ -42,7 +42,8 @@ logger = logging.getLogger("django_persistent_jobs.metrics")
 
 # prometheus_client is imported only when metrics are first used, never at app start: its
 # multiprocess mode is decided by PROMETHEUS_MULTIPROC_DIR *when it is imported*, and
-# ``runjobs --metrics-port`` sets that variable before anything imports it (``serve_for_command``).
+# ``runjobs --metrics-port`` sets that variable before this package imports it
+# (``serve_for_command``); if another app imported it first, ``use_multiprocess_dir`` switches it.
 
 
 def _prom() -> Any:
@@ -427,19 +428,65 @@ def serve_for_command(port: int) -> Any:
 
 def use_multiprocess_dir() -> str | None:
     """Count events in prometheus_client's multiprocess mode, in a private directory, unless
-    the environment already chose a directory.
+    the environment already chose a directory; returns the directory, or None if this process
+    could not be put in that mode (said in a warning).
 
     A ``runjobs`` may run jobs in worker processes it spawns (``--processes``): they inherit the
     environment, count into the same directory, and this process's scrape sums them all. With
-    one process the numbers are the same either way. Only possible before prometheus_client is
-    first imported (it picks its mode then); otherwise this process counts in memory alone.
+    one process the numbers are the same either way.
+
+    prometheus_client picks its mode when it is first imported, from ``PROMETHEUS_MULTIPROC_DIR``
+    (``values.ValueClass``), and each metric's value reads that class when it is made. An app
+    in ``INSTALLED_APPS`` may have imported it before this runs (django-prometheus does): then
+    the value class is made again for the directory (``values.get_value_class()``, what
+    prometheus_client's own tests do), so every metric made from now on in this process,
+    ours included, counts in the directory. Metrics made before keep counting in memory: they
+    were not exported on this port before either.
     """
     existing = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if existing:
-        return existing
-    if "prometheus_client" in sys.modules:
-        return None
-    path = tempfile.mkdtemp(prefix="persistent-jobs-metrics-")
+    path = existing or tempfile.mkdtemp(prefix="persistent-jobs-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-    atexit.register(shutil.rmtree, path, True)
+    if "prometheus_client" in sys.modules and not _count_in_files(path):
+        logger.warning(
+            "metrics: prometheus_client was imported before runjobs could turn on its "
+            "multiprocess mode, and this version of it cannot be switched: %s. Set "
+            "PROMETHEUS_MULTIPROC_DIR to an empty directory in runjobs' environment.",
+            "this process's own events (rescues, timeouts) are not exported" if existing else
+            "jobs run in worker processes (--processes) are not counted",
+            extra={"event": "metrics_multiprocess_unavailable"})
+        if existing:
+            return existing
+        # Without the mode here, the directory's exposition would have the workers' counts
+        # but not this process's own: count everything in memory, as the warning says.
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+    if not existing:
+        atexit.register(shutil.rmtree, path, True)
     return path
+
+
+def _count_in_files(path: str) -> bool:
+    """Put an already imported prometheus_client in multiprocess mode (see
+    ``use_multiprocess_dir``); False if its version offers no way to."""
+    from prometheus_client import values
+
+    if getattr(values.ValueClass, "_multiprocess", False):
+        return True
+    make = getattr(values, "get_value_class", None)
+    if make is None:
+        return False
+    value_class = make()
+    if not getattr(value_class, "_multiprocess", False):
+        return False
+    global _events
+    with _lock:
+        values.ValueClass = value_class
+        # Events made before counted in memory, which the directory's exposition does not
+        # read: made again, from the new class (nothing has been counted yet at start-up).
+        _events = None
+    logger.info("metrics: prometheus_client was imported before runjobs chose its mode (an "
+                "app such as django-prometheus imports it); metrics made from now on in this "
+                "process count in %s, with the worker processes'", path,
+                extra={"event": "metrics_multiprocess_switched"})
+    return True

@@ -137,6 +137,44 @@ def test_metrics_scraped_during_a_real_drain_match_the_database(
     assert total(final, "persistent_jobs_database_up") == 1
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(180)
+def test_worker_processes_are_counted_when_prometheus_client_was_imported_first(
+        spawn_runner: Spawn):
+    """An app in ``INSTALLED_APPS`` (django-prometheus) may import prometheus_client before
+    ``runjobs --metrics-port`` can turn its multiprocess mode on: the events of the jobs run
+    in worker processes must reach the exposition all the same."""
+    if not runjobs_accepts("--processes"):
+        pytest.skip("this runjobs has no --processes")
+    port = free_port()
+    enqueue_many([("test.ledger", {"note": str(i)}) for i in range(12)])
+    proc = spawn_runner("--metrics-port", str(port), "--processes", "2", "--concurrency", "2",
+                        "-v", "2",
+                        env={"DJANGO_SETTINGS_MODULE": "tests.settings_prometheus_first",
+                             "PJ_TEST_LOG": "INFO"})
+    deadline = time.monotonic() + 90
+    samples: dict[Any, float] = {}
+    while True:
+        text = scrape(port)
+        if text is not None:
+            samples = parse(text)
+            if (db_counts()["active"] == 0
+                    and total(samples, "persistent_jobs_succeeded_total") >= 12):
+                break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            output = proc.stdout.read().decode() if proc.stdout else ""
+            raise AssertionError(f"counted {total(samples, 'persistent_jobs_started_total')} "
+                                 f"of 12 starts; runner said:\n{output[-4000:]}")
+        time.sleep(0.1)
+    assert total(samples, "persistent_jobs_started_total") == 12
+    assert total(samples, "persistent_jobs_succeeded_total") == 12
+    assert total(samples, "persistent_jobs_duration_seconds_count") == 12
+    proc.terminate()
+    output = proc.communicate(timeout=60)[0].decode()
+    assert "metrics made from now on in this process count in" in output, output
+
+
 @pytest.fixture
 def viewer_token() -> str:
     return make_token(make_user("prom", "view_persistentjob"))
