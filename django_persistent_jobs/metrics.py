@@ -258,13 +258,14 @@ class DatabaseCollector:
             "pending/failed: how long the oldest due job has been due; running: how long the "
             "longest-running attempt has run.", labels=["queue", "status"])
         queues: set[str] = set()
+        dead_lettered: set[str] = set()
         for queue, status, count, oldest in active:
             queues.add(queue)
+            if status == "dead_lettered":
+                dead_lettered.add(queue)
             jobs.add_metric([queue, status], count)
             if oldest is not None:
                 age.add_metric([queue, status], float(oldest))
-        yield jobs
-        yield age
         live = GaugeMetricFamily(f"{NAMESPACE}_runners",
                                  "Runner processes with a fresh heartbeat.")
         per_queue = GaugeMetricFamily(
@@ -282,12 +283,28 @@ class DatabaseCollector:
             else:
                 for name in names:
                     dedicated[name] = dedicated.get(name, 0) + count
+        # Every known queue has a dead-letter series, 0 until its first dead letter: a series
+        # that appears at 1 has no earlier sample, so ``delta``/``increase`` over it (the
+        # "dead letters growing" alert) would miss a queue's first dead letters. Known: a queue
+        # with active jobs (a job is active before it is dead-lettered), one a live runner
+        # is dedicated to, or a handler's default queue.
+        for queue in sorted((queues | set(dedicated) | _handler_queues()) - dead_lettered):
+            jobs.add_metric([queue, "dead_lettered"], 0)
+        yield jobs
+        yield age
         live.add_metric([], total)
         for queue in sorted(queues | set(dedicated)):
             per_queue.add_metric([queue], all_queue_runners + dedicated.get(queue, 0))
         yield live
         yield per_queue
         yield _unhandled(runners, due_types)
+
+
+def _handler_queues() -> set[str]:
+    """The default queues of the handlers this process registers."""
+    from .handlers import registry
+
+    return {spec.effective_queue() for spec in registry}
 
 
 def _unhandled(runners: list[tuple[Any, ...]], due_types: list[tuple[Any, ...]]) -> Any:

@@ -206,6 +206,34 @@ def test_view_exports_queue_state_from_the_database(client: Client, viewer_token
 
 
 @pytest.mark.django_db
+def test_every_known_queue_has_a_dead_letter_series_before_its_first_dead_letter(
+        client: Client, viewer_token: str):
+    """``delta``/``increase`` over a series that appears at 1 see no growth, so the documented
+    "dead letters growing" alert would miss a queue's first dead letters: a queue with active
+    jobs, one a live runner is dedicated to and a handler's default queue export 0 until then."""
+    from django_persistent_jobs.handlers import registry
+
+    stage(queue="mail")
+    stage(queue="bulk", status="running", locked_by="r", locked_at=timezone.now())
+    stage(queue="dl", status="dead_lettered")
+    JobRunnerRecord.objects.create(id="r", hostname="h", pid=1, queues=["reserved"],
+                                   concurrency=1)
+
+    def dead_letters() -> dict[str, float]:
+        samples = parse(client.get("/metrics", **bearer(viewer_token)).content.decode())
+        return {dict(labels)["queue"]: value for (name, labels), value in samples.items()
+                if name == "persistent_jobs_jobs" and dict(labels)["status"] == "dead_lettered"}
+
+    handler_queues = {spec.effective_queue() for spec in registry}
+    assert "default" in handler_queues
+    assert dead_letters() == {**dict.fromkeys(handler_queues, 0.0), "mail": 0, "bulk": 0,
+                              "reserved": 0, "dl": 1}
+    mail = PersistentJob.objects.get(queue="mail")
+    PersistentJob.objects.filter(pk=mail.pk).update(status="dead_lettered")
+    assert dead_letters()["mail"] == 1  # the same series, from 0 to 1
+
+
+@pytest.mark.django_db
 def test_the_running_age_counts_from_the_attempts_start_not_the_claim(
         client: Client, viewer_token: str):
     """With ``PREFETCH`` a claimed job may wait in its runner for a free worker: the running
