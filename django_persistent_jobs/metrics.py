@@ -189,21 +189,24 @@ SELECT queue, status, count(*),
 FROM persistent_jobs WHERE status IN ('pending', 'failed') GROUP BY queue, status
 UNION ALL
 SELECT j.queue, j.status, count(*),
-       coalesce(extract(epoch FROM now() - min(CASE WHEN a.id IS NULL THEN j.locked_at
-                                                    WHEN a.started THEN a.started_at END)), 0)
-FROM persistent_jobs j LEFT JOIN persistent_jobs_attempts a ON a.id = j.lock_token
-WHERE j.status = 'running' GROUP BY j.queue, j.status
+       coalesce(extract(epoch FROM now() - nullif(min(coalesce(
+           (SELECT CASE WHEN a.started THEN a.started_at ELSE 'infinity'::timestamptz END
+            FROM persistent_jobs_attempts a WHERE a.id = j.lock_token),
+           j.locked_at)), 'infinity'::timestamptz)), 0)
+FROM persistent_jobs j WHERE j.status = 'running' GROUP BY j.queue, j.status
 UNION ALL
 SELECT queue, status, count(*), NULL
 FROM persistent_jobs WHERE status = 'dead_lettered' GROUP BY queue, status
 """
 # Three statements, one per partial index (claim, running, finished), so a scrape reads only
 # waiting, running and dead-lettered rows however much completed history the table holds.
-# A running job's age counts from its current attempt's start (``lock_token`` is that
-# attempt's id: one primary-key probe per running job), not from its claim: a job claimed to
-# wait in its runner for a free worker (``PREFETCH``, its attempt not ``started``) has not run
-# at all, and one that waited is not that much closer to its timeout, which starts with the
-# run. A running job without an attempt row (written by hand) counts from its claim.
+# A running job's age counts from its current attempt's start, not from its claim: a job
+# claimed to wait in its runner for a free worker (``PREFETCH``, its attempt not ``started``;
+# 'infinity' here, so never the oldest) has not run at all, and one that waited is not that
+# much closer to its timeout, which starts with the run. A running job without an attempt row
+# (written by hand) counts from its claim. The attempt is read by a correlated sub-select on
+# its primary key (``lock_token`` is its id), not a join: with statistics that expect many
+# running jobs, a join was planned as a hash of the whole attempt history.
 
 _RUNNERS_SQL = """
 SELECT queues, job_types, count(*), coalesce(sum(concurrency), 0) FROM persistent_jobs_runners
