@@ -301,8 +301,11 @@ def record_outcome(
     if status is None and settled_as == "completed":
         signals.finished(job, runner_id, status="completed")  # its commit did land
     else:
-        signals.finished(job, runner_id, status=status, code=outcome.code,
-                         message=outcome.message,
+        # As stored (``storable_text``): a NUL or a lone surrogate in a handler's code would
+        # otherwise reach receivers that cannot carry it (a metric label, a log, a webhook).
+        signals.finished(job, runner_id, status=status, code=_stored_code(outcome),
+                         message=store.storable_text(outcome.message,
+                                                     store.MESSAGE_MAX_LENGTH),
                          attempt_outcome="interrupted" if error is not None else attempt_outcome)
     return status
 

@@ -25,6 +25,7 @@ from django_persistent_jobs import (
     Runner,
     TransientJobError,
     job_handler,
+    signals,
 )
 from django_persistent_jobs.backoff import constant
 from django_persistent_jobs.enqueuing import enqueue
@@ -195,10 +196,28 @@ def test_error_text_with_nul_and_lone_surrogates_is_stored_escaped(
     def bad_text_plain(payload: dict[str, Any]) -> None:
         raise ValueError(f"nul \x00 and {bad_name}")
 
+    sent: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        sent.append(kwargs)
+
+    signals.job_finished.connect(receiver, weak=False, dispatch_uid="tests-bad-text")
+    signals.job_dead_lettered.connect(receiver, weak=False, dispatch_uid="tests-bad-text-dl")
     job = enqueue("hs.bad_text", {})
     plain = enqueue("hs.bad_text_plain", {})
-    runner = start_runner(concurrency=1)
-    dead = wait_status(job.id, JobStatus.DEAD_LETTERED)
+    try:
+        runner = start_runner(concurrency=1)
+        dead = wait_status(job.id, JobStatus.DEAD_LETTERED)
+        wait_for(lambda: sum(kw.get("job_id") == job.id for kw in sent) == 2,
+                 message="job_finished and job_dead_lettered")
+    finally:
+        signals.job_finished.disconnect(dispatch_uid="tests-bad-text")
+        signals.job_dead_lettered.disconnect(dispatch_uid="tests-bad-text-dl")
+    # Receivers get the code and message as stored, which a metric label or a log can carry.
+    for kwargs in (kw for kw in sent if kw.get("job_id") == job.id):
+        assert kwargs["error_code"] == "BAD\\x00\\udcff"
+        if "error_message" in kwargs:
+            assert kwargs["error_message"] == "cannot open report-\\udcff.csv: got b'\\x00\x01'"
     assert dead.last_error == "cannot open report-\\udcff.csv: got b'\\x00\x01'"
     assert dead.last_error_code == "BAD\\x00\\udcff"
     [attempt] = attempts_of(job.id)
