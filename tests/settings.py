@@ -57,8 +57,15 @@ def _databases() -> dict:
             "or make a Docker engine reachable so testcontainers can start one."
         )
     config = environ.Env.db_url_config(url)
-    config["TEST"] = {"NAME": os.environ.get("TEST_DATABASE_NAME", "test_persistent_jobs")}
-    return {"default": config}
+    name = os.environ.get("TEST_DATABASE_NAME", "test_persistent_jobs")
+    config["TEST"] = {"NAME": name}
+    # "jobs": a second alias on the same server, for the tests that set PERSISTENT_JOBS
+    # ["DATABASE"] to an alias other than "default" (tests/admin/test_jobs_database.py). Its
+    # test database is created only when a collected test names it (databases={"default",
+    # "jobs"}): pytest-django sets up the aliases the tests ask for, so the rest of the suite
+    # neither migrates nor flushes it.
+    jobs = {**config, "TEST": {"NAME": f"{name}_jobs"}}
+    return {"default": config, "jobs": jobs}
 
 
 DATABASES = _databases()

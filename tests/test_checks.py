@@ -140,7 +140,7 @@ def test_a_hint_says_what_to_do() -> None:
     with pj_settings(RETRIES=1, DATABASE="replica"):
         by_id = {m.id: m for m in check_settings()}
     assert "MAX_RETRIES" in (by_id["persistent_jobs.E002"].hint or "")
-    assert by_id["persistent_jobs.E012"].hint == "Use one of: default"
+    assert by_id["persistent_jobs.E012"].hint == "Use one of: default, jobs"
 
 
 def test_persistent_jobs_must_be_a_dict() -> None:

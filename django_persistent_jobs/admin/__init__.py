@@ -3,7 +3,8 @@
 One module per page: ``dashboard`` (the overview: queues, failures, stuck jobs, runners,
 tenants), ``jobs`` (the job list and page), ``attempts`` (attempt history as data), ``runners``,
 ``schedules`` (recurring schedules); ``actions`` holds the audited retry and cancel actions and
-``display`` how times, ids and payloads are shown. Importing this package registers them all.
+``display`` how times, ids and payloads are shown, ``database`` where every page reads (the
+``PERSISTENT_JOBS["DATABASE"]`` alias). Importing this package registers them all.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from django.utils.safestring import SafeString
 
 from ..models import JobAttempt, PersistentJob
 from . import display
+from .database import JobsDatabaseMixin, objects
 from .jobs import JobViewersMixin, ReadOnlyAdminMixin, job_url
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class JobTypeFilter(admin.SimpleListFilter):
     parameter_name = "job_type"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        types = (PersistentJob.objects.order_by("job_type").values_list("job_type", flat=True)
+        types = (objects(PersistentJob).order_by("job_type").values_list("job_type", flat=True)
                  .distinct())
         return [(t, t) for t in types]
 
@@ -47,7 +48,7 @@ class TenantFilter(admin.SimpleListFilter):
     parameter_name = "tenant"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        tenants = (PersistentJob.objects.filter(tenant__isnull=False).order_by("tenant")
+        tenants = (objects(PersistentJob).filter(tenant__isnull=False).order_by("tenant")
                    .values_list("tenant", flat=True).distinct()[:200])
         return [(t, t) for t in tenants if t]
 
@@ -57,7 +58,8 @@ class TenantFilter(admin.SimpleListFilter):
 
 
 @admin.register(JobAttempt)
-class JobAttemptAdmin(JobViewersMixin, ReadOnlyAdminMixin, _AttemptAdminBase):
+class JobAttemptAdmin(JobsDatabaseMixin[JobAttempt], JobViewersMixin, ReadOnlyAdminMixin,
+                      _AttemptAdminBase):
     list_display = ("job_link", "outcome_display", "message", "started")
     list_filter = (
         "outcome",

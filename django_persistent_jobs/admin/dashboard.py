@@ -22,6 +22,7 @@ from django.urls import URLPattern, path, reverse
 from ..models import JobDashboard, JobStatus, PersistentJob
 from ..stats import FAILED_OUTCOMES, STUCK_KINDS, Bucket, dashboard_stats
 from . import display
+from .database import objects
 from .jobs import changelist_url, job_url, runner_url, status_badge
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ class JobDashboardAdmin(_DashboardAdminBase):
             "jobs_url": changelist_url(tenant=row.tenant) if row.tenant is not None
             else changelist_url(tenant__isnull="True"),
         } for row in stats.tenants]
-        known_tenants = list(PersistentJob.objects.filter(tenant__isnull=False)
+        known_tenants = list(objects(PersistentJob).filter(tenant__isnull=False)
                              .order_by("tenant").values_list("tenant", flat=True)
                              .distinct()[:200])
         context = {

@@ -31,6 +31,7 @@ from ..models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from ..services import failure_group_dead_letters, retry_failure_group
 from ..stats import runner_state, runner_thresholds
 from . import actions, display
+from .database import JobsDatabaseMixin, objects
 from .schedules import schedule_link
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ def progress_fraction(progress: Any) -> tuple[float | None, str]:
 
 
 @admin.register(PersistentJob)
-class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
+class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _JobAdminBase):
     list_display = ("short_id", "job_display", "status_display", "timing",
                     "last_error_display")
     list_display_links = ("short_id",)
@@ -320,11 +321,11 @@ class PersistentJobAdmin(ReadOnlyAdminMixin, _JobAdminBase):
 
     def job_context(self, request: HttpRequest, job: PersistentJob) -> dict[str, Any]:
         now = display.db_now()
-        attempts = list(JobAttempt.objects.using(job._state.db).filter(job=job)
+        attempts = list(objects(JobAttempt).filter(job=job)
                         .order_by("-id"))  # newest first, also after a reset restarted the numbers
         runner_info = None
         if job.locked_by:
-            record = JobRunnerRecord.objects.using(job._state.db).filter(id=job.locked_by).first()
+            record = objects(JobRunnerRecord).filter(id=job.locked_by).first()
             if record is None:
                 runner_info = {"state": "gone", "text": "no runner row: presumed dead"}
             else:

@@ -19,6 +19,7 @@ from django.utils.safestring import SafeString
 from ..models import JobRunnerRecord, JobStatus, PersistentJob
 from ..stats import runner_state, runner_thresholds
 from . import display
+from .database import JobsDatabaseMixin, objects
 from .jobs import JobViewersMixin, ReadOnlyAdminMixin, changelist_url
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ STATE_COLORS = {"live": "#1a7f37", "late": "#b35900", "dead": "#b00020"}
 
 
 @admin.register(JobRunnerRecord)
-class JobRunnerAdmin(JobViewersMixin, ReadOnlyAdminMixin, _RunnerAdminBase):
+class JobRunnerAdmin(JobsDatabaseMixin[JobRunnerRecord], JobViewersMixin, ReadOnlyAdminMixin,
+                     _RunnerAdminBase):
     list_display = ("id", "name", "state", "heartbeat", "queue_list", "concurrency", "held",
                     "version", "started")
     readonly_fields = ("id", "name", "state", "heartbeat", "hostname", "pid", "queue_list",
@@ -39,7 +41,7 @@ class JobRunnerAdmin(JobViewersMixin, ReadOnlyAdminMixin, _RunnerAdminBase):
     search_fields = ("id", "name", "hostname")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobRunnerRecord]:
-        held = (PersistentJob.objects.filter(status=JobStatus.RUNNING, locked_by=OuterRef("id"))
+        held = (objects(PersistentJob).filter(status=JobStatus.RUNNING, locked_by=OuterRef("id"))
                 .order_by().values("locked_by").annotate(n=Count("id")).values("n"))
         return super().get_queryset(request).annotate(
             pj_now=Now(), pj_held=Coalesce(Subquery(held[:1]), 0))
@@ -78,8 +80,8 @@ class JobRunnerAdmin(JobViewersMixin, ReadOnlyAdminMixin, _RunnerAdminBase):
     def held(self, obj: JobRunnerRecord) -> SafeString:
         count = getattr(obj, "pj_held", None)
         if count is None:
-            count = PersistentJob.objects.filter(status=JobStatus.RUNNING,
-                                                 locked_by=obj.id).count()
+            count = objects(PersistentJob).filter(status=JobStatus.RUNNING,
+                                                  locked_by=obj.id).count()
         if not count:
             return format_html("{}", 0)
         return format_html('<a href="{}">{}</a>',

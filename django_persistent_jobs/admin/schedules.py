@@ -36,6 +36,7 @@ from ..schedules.services import (
     update_schedule,
 )
 from ..schedules.timing import default_timezone
+from .database import JobsDatabaseMixin, objects
 
 if TYPE_CHECKING:
     _ScheduleAdminBase = admin.ModelAdmin[JobSchedule]
@@ -72,7 +73,7 @@ def schedule_link(job: PersistentJob) -> str:
         return "-"
     name = str(info["name"])
     when = info.get("tick") or "run now"
-    schedule = JobSchedule.objects.filter(name=name).only("pk").first()
+    schedule = objects(JobSchedule).filter(name=name).only("pk").first()
     if schedule is None:
         return format_html("{} (schedule removed; tick {})", name, when)
     url = reverse("admin:django_persistent_jobs_jobschedule_change", args=[schedule.pk])
@@ -117,9 +118,19 @@ class JobScheduleForm(_ScheduleFormBase):
             raise ValidationError(str(exc)) from exc
         return data
 
+    def validate_unique(self) -> None:
+        """The name is unique in the jobs database. Django's own check reads the default
+        manager, which is the ``default`` database: with the schedules elsewhere a taken name
+        passed the form and ``add_schedule`` refused it with a 500."""
+        name = self.cleaned_data.get("name")
+        if "name" not in self.fields or not name:
+            return
+        if objects(JobSchedule).filter(name=name).exclude(pk=self.instance.pk).exists():
+            self.add_error("name", self.instance.unique_error_message(JobSchedule, ("name",)))
+
 
 @admin.register(JobSchedule)
-class JobScheduleAdmin(_ScheduleAdminBase):
+class JobScheduleAdmin(JobsDatabaseMixin[JobSchedule], _ScheduleAdminBase):
     form = JobScheduleForm
     list_display = ("name", "job_type", "expression", "zone", "next_run", "last_run_at",
                     "last_outcome", "state", "source")
@@ -130,7 +141,7 @@ class JobScheduleAdmin(_ScheduleAdminBase):
 
     # ------------------------------------------------------------------ queryset and columns
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobSchedule]:
-        last_status = PersistentJob.objects.filter(id=OuterRef("last_job_id")).values("status")
+        last_status = objects(PersistentJob).filter(id=OuterRef("last_job_id")).values("status")
         return super().get_queryset(request).annotate(last_job_status=Subquery(last_status[:1]))
 
     @admin.display(description="schedule")
@@ -246,7 +257,7 @@ class JobScheduleAdmin(_ScheduleAdminBase):
             except (ScheduleError, ScheduleNotFoundError) as exc:
                 self.message_user(request, str(exc), messages.WARNING)
                 continue
-            schedule = JobSchedule.objects.get(name=name)
+            schedule = objects(JobSchedule).get(name=name)
             if schedule.last_result == TickResult.SKIPPED:
                 self.message_user(request, f"{name}: skipped, run {job.id} is still {job.status} "
                                            "(the handler's dedup is Skip).", messages.WARNING)
