@@ -23,7 +23,7 @@ from ..models import JobDashboard, JobStatus, PersistentJob
 from ..stats import FAILED_OUTCOMES, STUCK_KINDS, Bucket, dashboard_stats
 from . import display
 from .database import objects
-from .jobs import changelist_url, job_url, runner_url, status_badge
+from .jobs import FailedAttemptsFilter, changelist_url, job_url, runner_url, status_badge
 
 if TYPE_CHECKING:
     _DashboardAdminBase = admin.ModelAdmin[JobDashboard]
@@ -122,16 +122,21 @@ class JobDashboardAdmin(_DashboardAdminBase):
 
         can_retry = request.user.has_perm("django_persistent_jobs.retry_persistentjob")
         groups = []
+        # A group's links open exactly what it counts: its failed attempts (by error code)
+        # finished in the window as the stats saw it (since and until, to the microsecond),
+        # and the jobs behind them, not the jobs whose last error has that code.
+        since, until = window_start.isoformat(), now.isoformat()
         for group in stats.failure_groups:
             attempts_query = urlencode({k: v for k, v in {
                 "job_type": group.job_type, "error_code": group.error_code, "tenant": tenant,
                 "outcome__in": ",".join(FAILED_OUTCOMES),
-                "started_at__gte": window_start.isoformat(timespec="seconds"),
+                "finished_at__gte": since, "finished_at__lte": until,
             }.items() if v is not None})
             groups.append({
                 "g": group,
-                "jobs_url": changelist_url(job_type=group.job_type,
-                                           last_error_code=group.error_code, tenant=tenant),
+                "jobs_url": changelist_url(job_type=group.job_type, tenant=tenant, **{
+                    FailedAttemptsFilter.CODE: group.error_code,
+                    FailedAttemptsFilter.SINCE: since, FailedAttemptsFilter.UNTIL: until}),
                 "attempts_url": reverse("admin:django_persistent_jobs_jobattempt_changelist")
                 + "?" + attempts_query,
                 "retry_url": (reverse("admin:django_persistent_jobs_persistentjob_retry_group")

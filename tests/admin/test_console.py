@@ -295,6 +295,45 @@ def test_retry_every_dead_letter_of_a_group_after_a_confirmation_showing_the_cou
     assert again.context["count"] == 0 and "is left" in again.content.decode()
 
 
+@pytest.mark.django_db
+def test_a_failure_groups_links_open_exactly_what_it_counts() -> None:
+    """The group counts failed attempts *finished* in the window and the jobs behind them; its
+    links used to open attempts *started* in the window and every job whose last error has the
+    code, at any time."""
+    now = db_now()
+
+    def failed(of: PersistentJob, n: int, code: str, started: timedelta,
+               finished: timedelta) -> JobAttempt:
+        return JobAttempt.objects.create(
+            job=of, attempt=n, runner_id="r", outcome="failed", error_code=code,
+            error_message=code, started_at=now - started, finished_at=now - finished)
+
+    # Failed with BOOM in the window, then otherwise: counted, though its last error differs.
+    moved_on = job("console.a", status="failed", last_error_code="OTHER")
+    failed(moved_on, 1, "BOOM", timedelta(hours=2), timedelta(hours=2))
+    failed(moved_on, 2, "OTHER", timedelta(hours=1), timedelta(hours=1))
+    # Started before the window, finished inside it: counted.
+    slow = job("console.a", status="failed", last_error_code="BOOM")
+    failed(slow, 1, "BOOM", timedelta(hours=25), timedelta(hours=23))
+    # Failed with BOOM two days ago only: not counted, though its last error is BOOM.
+    old = job("console.a", status="dead_lettered", last_error_code="BOOM")
+    failed(old, 1, "BOOM", timedelta(days=2), timedelta(days=2))
+
+    client = staff("viewer", "view_persistentjob", "view_jobattempt")
+    groups = client.get(reverse(DASHBOARD) + "?window=24h").context["groups"]
+    row = next(r for r in groups if (r["g"].job_type, r["g"].error_code) == ("console.a", "BOOM"))
+    assert (row["g"].attempts, row["g"].jobs) == (2, 2)
+    jobs_list = client.get(html.unescape(row["jobs_url"]))
+    assert jobs_list.status_code == 200
+    assert {j.pk for j in jobs_list.context["cl"].result_list} == {moved_on.pk, slow.pk}
+    assert "failed attempts" in jobs_list.content.decode()  # the sidebar says it is narrowed
+    attempts = client.get(html.unescape(row["attempts_url"]))
+    assert attempts.status_code == 200
+    assert attempts.context["cl"].result_count == row["g"].attempts
+    # A hand-made link with a time that is not one is a bad filter, not a 500.
+    assert client.get(reverse(JOBS) + "?failed_since=yesterday").status_code == 302
+
+
 # ------------------------------------------------------------------ the job page and list
 
 @pytest.mark.django_db
