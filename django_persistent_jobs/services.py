@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import uuid
+from datetime import datetime
 from typing import Literal
 
 from django.db import IntegrityError, connections, transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from . import bounds, conf
 from .errors import (
@@ -182,25 +183,34 @@ def status_counts() -> dict[str, int]:
 
 def failure_group_dead_letters(
     job_type: str, error_code: str, *, tenant: str | None = None,
+    until: datetime | None = None,
 ) -> QuerySet[PersistentJob]:
-    """The dead-lettered jobs of one failure group (job type and last error code)."""
+    """The dead-lettered jobs of one failure group (job type and last error code).
+
+    With ``until``, only those dead-lettered at or before it: what an operator was shown at
+    that time, not jobs that joined the group since.
+    """
     jobs = PersistentJob.objects.using(_alias()).filter(
         status=JobStatus.DEAD_LETTERED, job_type=job_type, last_error_code=error_code)
+    if until is not None:
+        jobs = jobs.filter(Q(finished_at__lte=until) | Q(finished_at__isnull=True))
     return jobs if tenant is None else jobs.filter(tenant=tenant)
 
 
 def retry_failure_group(
     job_type: str, error_code: str, *, tenant: str | None = None, mode: RetryMode = "now",
-    actor: str | None = None,
+    actor: str | None = None, until: datetime | None = None,
 ) -> tuple[list[PersistentJob], list[str]]:
     """Retry every dead letter of a failure group; return (retried jobs, refusal messages).
 
     Each job is retried on its own (one conditional UPDATE each), so a job that changed state
     meanwhile, or whose dedup key is taken by a newer job, is refused without stopping the rest.
+    ``until`` leaves out jobs dead-lettered after it (see ``failure_group_dead_letters``), so a
+    confirmed "retry these" retries what was shown.
     """
     retried: list[PersistentJob] = []
     refused: list[str] = []
-    ids = list(failure_group_dead_letters(job_type, error_code, tenant=tenant)
+    ids = list(failure_group_dead_letters(job_type, error_code, tenant=tenant, until=until)
                .order_by("id").values_list("id", flat=True))
     for job_id in ids:
         try:

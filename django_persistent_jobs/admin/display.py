@@ -22,9 +22,11 @@ from .. import conf
 REDACTED = "***"
 
 
-def db_now() -> datetime:
+def db_now(*, clock: bool = False) -> datetime:
+    """The jobs database's ``now()``, or with ``clock`` its wall clock (``clock_timestamp()``),
+    which no row committed before the call can be later than."""
     with connections[conf.settings.DATABASE].cursor() as cursor:
-        cursor.execute("SELECT now()")
+        cursor.execute("SELECT clock_timestamp()" if clock else "SELECT now()")
         value: datetime = cursor.fetchone()[0]
     return value
 

@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import quote as admin_quote
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import BadRequest, PermissionDenied
 from django.db.models import CharField, Q, QuerySet
 from django.db.models.functions import Cast, Now
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
@@ -352,10 +352,22 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
         tenant = source.get("tenant") or None
         if not job_type:
             raise Http404("Give job_type and error_code.")
-        jobs = failure_group_dead_letters(job_type, error_code, tenant=tenant)
-        if request.method == "POST" and request.POST.get("confirm") == "yes":
+        # The page says how many dead letters it shows as of when it was drawn (the database's
+        # wall clock, which no committed dead letter is later than); the confirmation carries
+        # that time and retries those only, not jobs that
+        # were dead-lettered while the operator read the page.
+        shown_at = request.POST.get("shown_at") if request.method == "POST" else None
+        if request.method == "POST" and request.POST.get("confirm") == "yes" and shown_at:
+            try:
+                until = parse_datetime(shown_at)
+            except ValueError:
+                until = None
+            if until is None or until.tzinfo is None:
+                raise BadRequest(f"shown_at must be an ISO 8601 time with its offset, "
+                                 f"got {shown_at!r}.")
             retried, refused = retry_failure_group(job_type, error_code, tenant=tenant,
-                                                   actor=actions.actor_of(request))
+                                                   actor=actions.actor_of(request),
+                                                   until=until)
             actions.log_group_retry(self, request, retried, job_type, error_code)
             actions.report(self, request, "Retried (now)", len(retried), refused)
             if not retried and not refused:
@@ -364,10 +376,13 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
             return HttpResponseRedirect(changelist_url(job_type=job_type,
                                                        last_error_code=error_code,
                                                        tenant=tenant))
+        now = display.db_now(clock=True)
+        jobs = failure_group_dead_letters(job_type, error_code, tenant=tenant, until=now)
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts, "title": "Retry dead letters of a failure group",
             "job_type": job_type, "error_code": error_code, "tenant": tenant,
+            "shown_at": now.isoformat(),
             "count": jobs.count(), "sample": list(jobs.order_by("-finished_at")[:10]),
             "list_url": changelist_url(job_type=job_type, last_error_code=error_code,
                                        status__exact=JobStatus.DEAD_LETTERED, tenant=tenant),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
@@ -226,8 +226,10 @@ def test_every_action_appears_in_the_jobs_history_with_the_user(
                                 "_selected_action": [str(target.pk)]})
     PersistentJob.objects.filter(pk=target.pk).update(status="dead_lettered",
                                                       last_error_code="BOOM")
+    shown_at = client.get(reverse(GROUP) + "?job_type=console.a&error_code=BOOM").context[
+        "shown_at"]
     client.post(reverse(GROUP), {"job_type": "console.a", "error_code": "BOOM",
-                                 "confirm": "yes"})
+                                 "confirm": "yes", "shown_at": shown_at})
 
     entries = history(target)
     assert [user for user, _ in entries] == ["root"] * 6
@@ -287,7 +289,8 @@ def test_retry_every_dead_letter_of_a_group_after_a_confirmation_showing_the_cou
     assert all(status(j) == "dead_lettered" for j in group)  # showing the page changes nothing
 
     done = retrier.post(reverse(GROUP), {"job_type": "console.a", "error_code": "BOOM",
-                                         "tenant": "acme", "confirm": "yes"}, follow=True)
+                                         "tenant": "acme", "confirm": "yes",
+                                         "shown_at": confirm.context["shown_at"]}, follow=True)
     assert [str(m) for m in done.context["messages"]] == ["Retried (now) 3 job(s)."]
     assert [status(j) for j in group] == ["pending"] * 3
     assert [status(j) for j in (other_tenant, other_code, other_type)] == ["dead_lettered"] * 3
@@ -332,6 +335,33 @@ def test_a_failure_groups_links_open_exactly_what_it_counts() -> None:
     assert attempts.context["cl"].result_count == row["g"].attempts
     # A hand-made link with a time that is not one is a bad filter, not a 500.
     assert client.get(reverse(JOBS) + "?failed_since=yesterday").status_code == 302
+
+
+@pytest.mark.django_db
+def test_retrying_a_group_retries_what_the_confirmation_showed_not_later_dead_letters() -> None:
+    shown = [dead("console.a", "BOOM") for _ in range(2)]
+    retrier = staff("retrier", "view_persistentjob", "retry_persistentjob")
+    confirm = retrier.get(reverse(GROUP) + "?job_type=console.a&error_code=BOOM")
+    assert confirm.context["count"] == 2
+    shown_at = confirm.context["shown_at"]
+    assert f'name="shown_at" value="{shown_at}"' in confirm.content.decode()
+    # Dead-lettered while the operator reads the page (the test's transaction has one now(),
+    # so "later" is written out).
+    late = dead("console.a", "BOOM")
+    PersistentJob.objects.filter(pk=late.pk).update(
+        finished_at=datetime.fromisoformat(shown_at) + timedelta(seconds=1))
+    form = {"job_type": "console.a", "error_code": "BOOM", "confirm": "yes"}
+
+    # A confirmation that does not say what it showed retries nothing: the page again.
+    again = retrier.post(reverse(GROUP), form)
+    assert again.status_code == 200 and 'id="pj-confirm"' in again.content.decode()
+    assert retrier.post(reverse(GROUP), {**form, "shown_at": "soon"}).status_code == 400
+    assert {status(j) for j in [*shown, late]} == {"dead_lettered"}
+
+    done = retrier.post(reverse(GROUP), {**form, "shown_at": shown_at}, follow=True)
+    assert [str(m) for m in done.context["messages"]] == ["Retried (now) 2 job(s)."]
+    assert [status(j) for j in shown] == ["pending", "pending"]
+    assert status(late) == "dead_lettered"
 
 
 # ------------------------------------------------------------------ the job page and list

@@ -129,9 +129,11 @@ def test_the_dashboard_and_the_failure_group_retry_read_the_jobs_alias(client: C
     assert "BOOM" in body and "otherdb.report" in body
     assert get(client, reverse(DASHBOARD)).context["known_tenants"] == ["acme", "globex"]
     query = "?job_type=otherdb.report&error_code=BOOM&tenant=acme"
-    assert get(client, reverse(GROUP) + query).context["count"] == 2
+    confirm = get(client, reverse(GROUP) + query).context
+    assert confirm["count"] == 2
     client.post(reverse(GROUP), {"job_type": "otherdb.report", "error_code": "BOOM",
-                                 "tenant": "acme", "confirm": "yes"})
+                                 "tenant": "acme", "confirm": "yes",
+                                 "shown_at": confirm["shown_at"]})
     assert [jobs().get(pk=j.pk).status for j in group] == ["pending", "pending"]
 
 
