@@ -22,7 +22,7 @@ from django.urls import URLPattern, path, reverse
 from ..models import JobDashboard, JobStatus, PersistentJob
 from ..stats import FAILED_OUTCOMES, STUCK_KINDS, Bucket, dashboard_stats
 from . import display
-from .database import objects
+from .database import objects, refuse_nul
 from .jobs import FailedAttemptsFilter, changelist_url, job_url, runner_url, status_badge
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ class JobDashboardAdmin(_DashboardAdminBase):
     def dashboard_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
+        refuse_nul(request)
         window_key = request.GET.get("window", DEFAULT_WINDOW)
         if window_key not in WINDOWS:
             window_key = DEFAULT_WINDOW

@@ -33,7 +33,7 @@ from ..models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from ..services import failure_group_dead_letters, retry_failure_group
 from ..stats import FAILED_OUTCOMES, runner_state, runner_thresholds
 from . import actions, display
-from .database import JobsDatabaseMixin, objects
+from .database import JobsDatabaseMixin, objects, refuse_nul
 from .schedules import schedule_link
 
 if TYPE_CHECKING:
@@ -164,8 +164,6 @@ class FailedAttemptsFilter(admin.ListFilter):
                 given[name] = str(value[-1] if isinstance(value, list) else value)
         self.used_parameters.update(given)
         self.code = given.get(self.CODE)
-        if self.code is not None and "\x00" in self.code:
-            raise IncorrectLookupParameters(f"{self.CODE} contains a NUL character.")
         self.since = _moment(self.SINCE, given[self.SINCE]) if self.SINCE in given else None
         self.until = _moment(self.UNTIL, given[self.UNTIL]) if self.UNTIL in given else None
 
@@ -346,6 +344,7 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
         then one retry per job (each logged on the job)."""
         if not (self.has_view_permission(request) and self.has_retry_permission(request)):
             raise PermissionDenied
+        refuse_nul(request)
         source = request.POST if request.method == "POST" else request.GET
         job_type = source.get("job_type", "")
         error_code = source.get("error_code", "")

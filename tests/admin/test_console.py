@@ -364,6 +364,38 @@ def test_retrying_a_group_retries_what_the_confirmation_showed_not_later_dead_le
     assert status(late) == "dead_lettered"
 
 
+NUL_URLS = [  # (url, status): never a 500
+    (reverse(DASHBOARD) + "?tenant=a%00", 400),
+    (reverse(DASHBOARD) + "?window=24h&x%00=1", 400),
+    (reverse(GROUP) + "?job_type=console.a%00&error_code=BOOM", 400),
+    (reverse(GROUP) + "?job_type=console.a&error_code=BO%00OM", 400),
+    (reverse(JOBS) + "?tenant=%00", 302),  # the admin's "bad filter" page (?e=1)
+    (reverse(JOBS) + "?q=%00", 302),
+    (reverse(JOBS) + "?failed_with=%00", 302),
+    (reverse(ATTEMPTS) + "?error_code=%00", 302),
+    (reverse(RUNNERS) + "?q=%00", 302),
+    (reverse("admin:django_persistent_jobs_jobschedule_changelist") + "?q=%00", 302),
+    ("/admin/django_persistent_jobs/jobrunnerrecord/a%00/change/", 302),  # "does not exist"
+    ("/admin/django_persistent_jobs/persistentjob/a%00/change/", 302),
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("url", "expected"), NUL_URLS)
+def test_a_nul_character_in_a_parameter_is_a_bad_request_not_a_500(url: str,
+                                                                    expected: int) -> None:
+    """PostgreSQL refuses NUL in text: a query with one raised (500) instead of answering."""
+    dead("console.a", "BOOM")
+    JobRunnerRecord.objects.create(id="a", hostname="h", pid=1, concurrency=1,
+                                   heartbeat_at=db_now())
+    client = Client(raise_request_exception=False)
+    client.force_login(User.objects.create_superuser("root", password=None))
+    assert client.get(url).status_code == expected
+    posted = client.post(reverse(GROUP), {"job_type": "console.a\x00", "error_code": "BOOM",
+                                          "confirm": "yes", "shown_at": db_now().isoformat()})
+    assert posted.status_code == 400
+
+
 # ------------------------------------------------------------------ the job page and list
 
 @pytest.mark.django_db
