@@ -444,8 +444,9 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
             "progress_fraction": fraction, "progress_percent": (
                 round(fraction * 100) if fraction is not None else None),
             "progress_caption": caption,
-            "progress_json": display.pretty_json(job.progress) if job.progress is not None
-            else None,
+            # Progress is handler-reported data like the payload: the same redaction.
+            "progress_json": display.pretty_json(display.redact(job.progress))
+            if job.progress is not None else None,
             "payload_json": display.pretty_json(display.redact(job.payload)),
             "result_json": (display.pretty_json(display.redact(job.result))
                             if job.result is not None else None),

@@ -36,6 +36,7 @@ from ..schedules.services import (
     update_schedule,
 )
 from ..schedules.timing import default_timezone
+from . import display
 from .database import JobsDatabaseMixin, objects
 
 if TYPE_CHECKING:
@@ -183,13 +184,27 @@ class JobScheduleAdmin(JobsDatabaseMixin[JobSchedule], _ScheduleAdminBase):
             return "-"
         return format_html('<a href="{}">runs of {}</a>', runs_url(obj.name), obj.name)
 
+    @admin.display(description="payload")
+    def shown_payload(self, obj: JobSchedule) -> str:
+        return format_html('<pre class="pj-pre">{}</pre>',
+                           display.pretty_json(display.redact(obj.payload)))
+
     # ------------------------------------------------------------------ editing
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        """Where the payload is only shown (a code schedule, a user who may not change it),
+        it is redacted as on the job page (``REDACT_KEYS``). Who may edit it sees it whole:
+        the form saves what it shows."""
+        fields = [f for f in super().get_fields(request, obj) if f != "shown_payload"]
+        if obj is not None and not self.has_change_permission(request, obj):
+            fields = ["shown_payload" if f == "payload" else f for f in fields]
+        return fields
+
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         if obj is None:
             return _INFO_FIELDS
         if obj.is_code:
-            return _DEFINITION_FIELDS + _INFO_FIELDS
-        return ("name", *_INFO_FIELDS)
+            return _DEFINITION_FIELDS + _INFO_FIELDS + ("shown_payload",)
+        return ("name", *_INFO_FIELDS, "shown_payload")
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # A code-declared schedule's page is view-only (its actions stay available in the list).

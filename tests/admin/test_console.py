@@ -417,6 +417,29 @@ def test_the_job_page_redacts_secret_looking_keys_and_reads_as_a_summary() -> No
 
 
 @pytest.mark.django_db
+def test_progress_and_schedule_payloads_are_redacted_like_the_job_payload() -> None:
+    from django_persistent_jobs.schedules.services import add_schedule
+
+    target = job("console.a", progress={"done": 1, "of": 2, "api_token": "pr0gress-t0k"})
+    schedule = add_schedule("nightly", "console.a", interval=3600,
+                            payload={"password": "sch3dule-pw", "keep": "visible"})
+    viewer = staff("viewer", "view_persistentjob", "view_jobschedule")
+    body = html.unescape(page(viewer, job_page(target)))
+    assert "pr0gress-t0k" not in body and '"api_token": "***"' in body
+    shown = html.unescape(page(viewer, reverse("admin:django_persistent_jobs_jobschedule_change",
+                                               args=[schedule.pk])))
+    assert "sch3dule-pw" not in shown
+    assert '"password": "***"' in shown and '"keep": "visible"' in shown
+    # Who may change the schedule edits its payload whole (the form saves what it shows).
+    editor = staff("editor", "view_jobschedule", "change_jobschedule")
+    form = editor.get(reverse("admin:django_persistent_jobs_jobschedule_change",
+                              args=[schedule.pk]))
+    assert "payload" in form.context["adminform"].form.fields
+    edited = html.unescape(form.content.decode())
+    assert "sch3dule-pw" in edited and '"password": "***"' not in edited  # not shown twice
+
+
+@pytest.mark.django_db
 def test_the_redact_keys_setting_is_checked() -> None:
     with override_settings(PERSISTENT_JOBS={"REDACT_KEYS": "password"}):
         ids = {m.id for m in run_checks() if (m.id or "").startswith("persistent_jobs")}
