@@ -20,7 +20,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import quote as admin_quote
 from django.core.exceptions import BadRequest, PermissionDenied
-from django.db.models import CharField, Q, QuerySet
+from django.db.models import CharField, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Cast, Now
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -224,7 +224,12 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
     # ------------------------------------------------------------------ list
     def get_queryset(self, request: HttpRequest) -> QuerySet[PersistentJob]:
         # The database clock, once per query: ages in the list agree with what decides "due".
-        return super().get_queryset(request).annotate(pj_now=Now())
+        # A running job's age counts from its attempt's start, not its claim: one claimed to
+        # wait for a free worker (PREFETCH) has not started (a primary-key lookup per row).
+        current = JobAttempt.objects.filter(pk=OuterRef("lock_token"))
+        return super().get_queryset(request).annotate(
+            pj_now=Now(), pj_started=Subquery(current.values("started")[:1]),
+            pj_started_at=Subquery(current.values("started_at")[:1]))
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[PersistentJob], search_term: str
@@ -268,7 +273,11 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
         if obj.status in JobStatus.terminal():
             line = format_html("ended {}", display.when(obj.finished_at or obj.updated_at, now))
         elif obj.status == JobStatus.RUNNING:
-            line = format_html("started {}", display.when(obj.locked_at, now))
+            if getattr(obj, "pj_started", None) is False:
+                line = format_html("claimed {}, not started", display.when(obj.locked_at, now))
+            else:  # (no attempt row, as from raw SQL: the claim is the best known start)
+                started_at = getattr(obj, "pj_started_at", None) or obj.locked_at
+                line = format_html("started {}", display.when(started_at, now))
         elif obj.is_due(now):
             line = format_html("due {}", display.when(obj.next_run_at, now))
         else:
@@ -417,14 +426,23 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
             if job.status in spec.applies_to and actions.has_permission(request, spec.permission)
             and not (spec.name == "cancel" and job.cancel_requested)
         ]
-        timeout_at = (job.locked_at + timedelta(seconds=job.timeout_seconds)
-                      if job.status == JobStatus.RUNNING and job.locked_at
-                      and job.timeout_seconds is not None else None)
+        # The timeout runs from the current attempt's start; a job claimed to wait for a free
+        # worker has none yet (and is not "past its timeout").
+        current = next((a for a in attempts if a.pk == job.lock_token), None)
+        running_since = None
+        if job.status == JobStatus.RUNNING:
+            # (no attempt row, as from raw SQL: the claim is the best known start)
+            running_since = job.locked_at if current is None else (
+                current.started_at if current.started else None)
+        timeout_at = (running_since + timedelta(seconds=job.timeout_seconds)
+                      if running_since is not None and job.timeout_seconds is not None
+                      else None)
         return {
             "job": job, "now": now, "attempt_rows": [
                 {"a": a, "started": display.when_full(a.started_at, now),
                  "duration": display.duration(a.duration) if a.duration is not None else (
-                     f"running {display.duration(now - a.started_at)}"
+                     (f"running {display.duration(now - a.started_at)}" if a.started
+                      else "waiting for a free worker")
                      if a.outcome == "running" else "-")}
                 for a in attempts],
             "status_badge": status_badge(job.status),
@@ -433,6 +451,8 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
             "updated": display.when_full(job.updated_at, now),
             "finished": display.when_full(job.finished_at, now) if job.finished_at else None,
             "locked": display.when_full(job.locked_at, now) if job.locked_at else None,
+            "running_since": (display.when_full(running_since, now) if running_since
+                              else None),
             "next_run": (display.when_full(job.next_run_at, now)
                          if job.status in JobStatus.waiting() else None),
             "timeout_at": display.when_full(timeout_at, now) if timeout_at else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import logging
+import re
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
@@ -563,3 +564,38 @@ def test_the_demos_admin_hint_uses_the_venvs_python_and_offers_serve() -> None:
     assert f"{python} manage.py runserver" in hint and f"{python} manage.py createsuperuser" in hint
     assert "scripts/demo.sh --serve" in hint
     assert "DJANGO_SETTINGS_MODULE=example_project.settings" in hint
+
+
+@pytest.mark.django_db
+def test_a_job_waiting_in_its_runner_for_a_worker_is_not_shown_running_or_overdue() -> None:
+    """With ``PREFETCH`` a runner claims jobs that wait in it for a free worker: the job page
+    and the list count a running job's time (and its timeout) from its attempt's start, so a
+    job that waited long is neither "running" that long nor "past its timeout"."""
+    from django.db import connection
+
+    from django_persistent_jobs.runner import store
+    from tests.core_support import claim_as
+
+    with connection.cursor() as cursor:
+        store.register_runner(cursor, "host:1:r", "host", 1, None, 1, "test")
+        waiting, started = (job("console.a"), job("console.a"))
+        [claimed_waiting] = claim_as(cursor, "host:1:r", 1, None, direct=0)
+        [claimed_started] = claim_as(cursor, "host:1:r", 1, None, direct=1)
+    assert (claimed_waiting.id, claimed_started.id) == (waiting.id, started.id)
+    long_ago = db_now() - timedelta(minutes=10)
+    PersistentJob.objects.filter(pk__in=[waiting.pk, started.pk]).update(
+        locked_at=long_ago, timeout_seconds=300)
+    JobAttempt.objects.filter(id=claimed_started.token).update(
+        started_at=db_now() - timedelta(seconds=30))
+    client = staff("ops", "view_persistentjob")
+
+    body = page(client, job_page(waiting))
+    assert "waiting for a free worker" in body and "past its timeout" not in body
+    assert "times out" not in body
+    body = page(client, job_page(started))
+    assert "running since" in body and "past its timeout" not in body
+    assert "times out" in body and "waiting for a free worker" not in body
+    listing = page(client, reverse(JOBS) + "?status__exact=running")
+    text = html.unescape(re.sub(r"<[^>]+>", "", listing))
+    assert "claimed 10 min ago, not started" in text
+    assert re.search(r"started 3\d s ago", text)
