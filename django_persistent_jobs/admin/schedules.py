@@ -29,6 +29,7 @@ from ..schedules.services import (
     ScheduleError,
     ScheduleNotFoundError,
     add_schedule,
+    gone_from_code,
     pause_schedule,
     remove_schedule,
     resume_schedule,
@@ -213,7 +214,8 @@ class JobScheduleAdmin(JobsDatabaseMixin[JobSchedule], _ScheduleAdminBase):
         return super().has_change_permission(request, obj)
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        if obj is not None and obj.is_code:
+        # A code schedule comes back with the next sync, unless the code no longer has it.
+        if obj is not None and obj.is_code and not gone_from_code(obj):
             return False
         return super().has_delete_permission(request, obj)
 

@@ -23,8 +23,8 @@ class JobRunnerRecord(models.Model):
     #: job whose type no live runner lists waits, and the console says so. Null for a row
     #: written before the column existed: such a runner counts as handling every type.
     job_types = models.JSONField(null=True, blank=True)
-    #: The schedules its code declares (``@job_handler(cron=...)``), written by each sync of
-    #: its scheduler; null when it runs no scheduler (or has not synced yet). Syncs read it to
+    #: The schedules its code declares (``@job_handler(cron=...)``), written when it registers
+    #: and by each sync of its scheduler; null when it runs no scheduler. Syncs read it to
     #: leave alone a schedule that another live runner still declares: during a rolling deploy
     #: an old runner must not switch off, or rewrite, what a newer one declared (``firing``).
     schedules = models.JSONField(null=True, blank=True)

@@ -749,20 +749,29 @@ def _is_waiting_dedup_conflict(exc: BaseException) -> bool:
 def register_runner(
     cursor: Cursor, runner_id: str, hostname: str, pid: int, queues: tuple[str, ...] | None,
     concurrency: int, version: str, name: str = "", job_types: Sequence[str] | None = None,
-    schedules: Sequence[str] | None = None,
-) -> None:
-    """Insert (or refresh) a runner's row. ``schedules``: the schedules its code declares, for
-    a runner with a scheduler (its syncs keep the list current; ``schedules.firing.Fleet``)."""
+    schedules: Sequence[str] | None = None, started_at: datetime | None = None,
+) -> datetime:
+    """Insert (or refresh) a runner's row; return its ``started_at``.
+
+    ``schedules``: the schedules its code declares, for a runner with a scheduler (its syncs
+    keep the list current). ``started_at``: when it first registered, for a runner registering
+    again after being presumed dead: which live runner started last decides between two
+    releases' declarations of a schedule (``schedules.firing.Fleet``), and a runner does not
+    become "the newest" by being reaped.
+    """
     cursor.execute(
         "INSERT INTO persistent_jobs_runners (id, name, hostname, pid, queues, concurrency, "
-        "version, job_types, schedules) "
-        "VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s::jsonb, %s::jsonb) "
+        "version, job_types, schedules, started_at) "
+        "VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s::jsonb, %s::jsonb, coalesce(%s, now())) "
         "ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), job_types = EXCLUDED.job_types, "
-        "schedules = coalesce(EXCLUDED.schedules, persistent_jobs_runners.schedules)",
+        "schedules = coalesce(EXCLUDED.schedules, persistent_jobs_runners.schedules) "
+        "RETURNING started_at",
         [runner_id, name, hostname, pid, json.dumps(list(queues) if queues else None),
          concurrency, version, None if job_types is None else json.dumps(list(job_types)),
-         None if schedules is None else json.dumps(sorted(schedules))],
+         None if schedules is None else json.dumps(sorted(schedules)), started_at],
     )
+    started: datetime = cursor.fetchone()[0]
+    return started
 
 
 def live_namesakes(

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,8 @@ class Runner:
         self._vouched_until = 0.0  # monotonic time the sidecar's current horizon runs out
         self._vouch_lock = threading.Lock()
         self.enable_scheduler = scheduler
+        #: When this runner first registered (the database clock); kept when it registers again.
+        self._started_at: datetime | None = None
         self.enable_cleanup = cleanup
         # The lifecycle events, shared with the loops (the runner's attributes of the same
         # names are the same objects, for embedding code and the claim loop).
@@ -525,9 +528,10 @@ class Runner:
         # dead), so no other runner's sync takes a schedule only this one declares for gone.
         schedules = [spec.job_type for spec in registry
                      if spec.is_recurring] if self.enable_scheduler else None
-        store.register_runner(
+        self._started_at = store.register_runner(
             cursor, self.runner_id, socket.gethostname(), os.getpid(), self.settings.queues,
             self.settings.concurrency, VERSION, self.name, types, schedules,
+            started_at=self._started_at,
         )
         self._registered = True
         self.liveness.note_listed(types)  # (the next beat need not write them again)

@@ -151,7 +151,8 @@ class Fleet:
     started: tuple[datetime, str] | None = None
     #: Schedule name -> ``(started_at, id)`` of the other live runners that declare it.
     declared: dict[str, list[tuple[datetime, str]]] = field(default_factory=dict)
-    #: Job types other live runners have handlers for; None: one of them predates the list.
+    #: Job types other live runners with a scheduler have handlers for (a runner started with
+    #: ``--no-scheduler`` fires no schedule); None: one of them predates the list.
     handled: set[str] | None = field(default_factory=set)
     #: ``(started_at, id)`` of the other live runners that run a scheduler.
     schedulers: list[tuple[datetime, str]] = field(default_factory=list)
@@ -168,26 +169,35 @@ class Fleet:
             if other == runner_id:
                 fleet.started = (started_at, other)
                 continue
-            if schedules is not None:
-                fleet.schedulers.append((started_at, other))
-            for name in schedules or ():
-                fleet.declared.setdefault(name, []).append((started_at, other))
-            if job_types is None:
+            if job_types is None:  # a row from before the column: it handles every type
                 fleet.handled = None
-            elif fleet.handled is not None:
+            if schedules is None:
+                continue  # runs no scheduler: it neither declares nor fires a schedule
+            fleet.schedulers.append((started_at, other))
+            for name in schedules:
+                fleet.declared.setdefault(name, []).append((started_at, other))
+            if fleet.handled is not None and job_types is not None:
                 fleet.handled.update(job_types)
         return fleet
+
+    @property
+    def lost(self) -> bool:
+        """A runner whose row is gone (another runner presumed it dead) decides nothing until
+        its heartbeat has registered it again: its view of the fleet is not the fleet's."""
+        return self.runner_id is not None and self.started is None
 
     def speaks_for(self, name: str) -> bool:
         """Whether this runner's declaration of ``name`` is the newest live one."""
         if self.started is None:
-            return True  # not registered (yet): it started last
+            return self.runner_id is None  # an explicit call speaks for the code it runs
         return all(other < self.started for other in self.declared.get(name, ()))
 
     def is_newest(self) -> bool:
         """Whether no other live scheduler started after this one (one runner does the
         fleet-wide chores of a sync, not every runner every time)."""
-        return self.started is None or all(other < self.started for other in self.schedulers)
+        if self.started is None:
+            return self.runner_id is None
+        return all(other < self.started for other in self.schedulers)
 
     def declared_elsewhere(self, name: str) -> bool:
         return bool(self.declared.get(name))
@@ -218,8 +228,13 @@ def sync_code_schedules(runner_id: str | None = None) -> SyncReport:
         with connections[alias].cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [_SYNC_LOCK_KEY])
             fleet = Fleet.load(cursor, runner_id)
+        if fleet.lost:
+            logger.info("runner %s: not syncing schedules while it is not registered",
+                        runner_id, extra={"event": "schedule_sync_skipped"})
+            return report
         now = db_now()
-        existing = {s.name: s for s in JobSchedule.objects.using(alias)}
+        # (payloads are read only for the schedules this code declares: ``_sync_one``)
+        existing = {s.name: s for s in JobSchedule.objects.using(alias).defer("payload")}
         synced = []
         for name, spec in declared.items():
             if spec.errors:
@@ -229,7 +244,7 @@ def sync_code_schedules(runner_id: str | None = None) -> SyncReport:
         for schedule in existing.values():
             _check_handler(schedule, declared, known, allow_unknown, now, fleet, report)
         if fleet.is_newest():
-            _unstrand(now, report)
+            _unstrand(report)
         if runner_id is not None:
             with connections[alias].cursor() as cursor:
                 cursor.execute(
@@ -297,29 +312,49 @@ def _sync_one(name: str, spec: HandlerSpec, row: JobSchedule | None, now: dateti
     return True
 
 
-def _unstrand(now: datetime, report: SyncReport) -> None:
+_STRANDED_SQL = """
+SELECT id, name, cron, interval_seconds, timezone, next_run_at
+FROM persistent_jobs_schedules
+WHERE active AND NOT paused AND next_run_at > clock_timestamp() AND (
+    (interval_seconds IS NOT NULL
+     AND next_run_at > clock_timestamp() + interval_seconds * interval '1 second')
+    OR (cron IS NOT NULL AND updated_at > clock_timestamp()))
+"""
+
+
+def _unstrand(report: SyncReport) -> None:
     """Bring back schedules whose next tick lies beyond where their timing can put it (the
-    database clock ran ahead while they fired, then was set back): see ``Timing.stranded``."""
+    database clock ran ahead while they fired, then was set back): see ``Timing.stranded``.
+
+    Only candidates are read: an interval schedule more than one interval away, a cron one
+    written "in the future" (a firing pass stamps ``updated_at`` with the clock that computed
+    its next tick). ``now`` is read after them, so a row another runner wrote meanwhile was
+    computed from an earlier clock; and each update applies only to the value read, so one
+    fired or changed since is left as it is.
+    """
     alias = _alias()
-    rows = JobSchedule.objects.using(alias).filter(active=True, paused=False,
-                                                   next_run_at__gt=now)
-    for schedule in rows.only("pk", "name", "cron", "interval_seconds", "timezone",
-                              "next_run_at"):
-        assert schedule.next_run_at is not None
+    with connections[alias].cursor() as cursor:
+        cursor.execute(_STRANDED_SQL)
+        rows = cursor.fetchall()
+    if not rows:
+        return
+    now = db_now()
+    for pk, name, cron, interval_seconds, zone, next_run_at in rows:
         try:
-            tick = Timing.of(schedule).stranded(schedule.next_run_at, now)
+            tick = Timing(cron or None, interval_seconds, zone or "UTC").stranded(next_run_at, now)
         except Exception:  # an unusable definition is the firing pass's to report
             continue
         if tick is None:
             continue
-        JobSchedule.objects.using(alias).filter(pk=schedule.pk).update(
+        moved = JobSchedule.objects.using(alias).filter(pk=pk, next_run_at=next_run_at).update(
             next_run_at=tick, updated_at=Now())
-        report.rescheduled.append(schedule.name)
+        if not moved:
+            continue
+        report.rescheduled.append(name)
         logger.warning(
             "schedule %s: its next tick %s lies beyond the first tick after now (the database "
-            "clock was set back?); next tick is now %s", schedule.name,
-            schedule.next_run_at.isoformat(), tick.isoformat(),
-            extra={"event": "schedule_rescheduled", "schedule": schedule.name})
+            "clock was set back?); next tick is now %s", name, next_run_at.isoformat(),
+            tick.isoformat(), extra={"event": "schedule_rescheduled", "schedule": name})
 
 
 def _check_handler(schedule: JobSchedule, declared: dict[str, HandlerSpec], known: set[str],

@@ -6,8 +6,9 @@ and raises ``ScheduleError`` (a ``ValueError``) with a message that says what to
 
 Schedules declared in code (``@job_handler(..., cron=...)``) are written into the same table by
 the runner (``firing.sync_code_schedules``). They can be paused, resumed and run now at
-runtime, but not changed or removed there: the next deploy would silently put them back. Change
-the decorator instead.
+runtime, but not changed or removed there: the runners' next sync would silently put them
+back. Change the decorator instead. Only once no live runner's code declares one any more (the
+sync switched it off) can it be removed, for example to reuse its name.
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ def _get(name: str, *, lock: bool = False) -> JobSchedule:
 _GONE_FROM_CODE = (InactiveReason.REMOVED_FROM_CODE, InactiveReason.HANDLER_MISSING)
 
 
+def gone_from_code(schedule: JobSchedule) -> bool:
+    """Whether a code schedule was switched off because no live runner's code has it any more:
+    it may be removed (``remove_schedule``, the admin's delete)."""
+    return (schedule.is_code and not schedule.active
+            and schedule.inactive_reason in _GONE_FROM_CODE)
+
+
 def _refuse_code(schedule: JobSchedule, verb: str) -> None:
-    if not schedule.is_code:
-        return
-    if verb == "remove" and not schedule.active and schedule.inactive_reason in _GONE_FROM_CODE:
+    if not schedule.is_code or (verb == "remove" and gone_from_code(schedule)):
         return
     raise ScheduleError(
         f"Schedule {schedule.name!r} is declared in code (@job_handler on "

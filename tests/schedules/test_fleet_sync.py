@@ -40,11 +40,14 @@ from tests.core_support import pj_settings, wait_for
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def register(runner_id: str, job_types: list[str] | None = None) -> None:
-    """A live runner row, started now (later than every row registered before it)."""
+def register(runner_id: str, job_types: list[str] | None = None, *,
+             scheduler: bool = True) -> None:
+    """A live runner row, started now (later than every row registered before it). One with
+    a scheduler lists the schedules it declares once it syncs (``sync_as``); one without
+    (``--no-scheduler``) lists none."""
     with connection.cursor() as cursor:
         store.register_runner(cursor, runner_id, "test-host", os.getpid(), None, 1, "test",
-                              job_types=job_types)
+                              job_types=job_types, schedules=[] if scheduler else None)
 
 
 def stop(runner_id: str) -> None:
@@ -145,8 +148,22 @@ def test_a_runner_declares_its_schedules_from_registration(
         with connection.cursor() as cursor:  # as if reaped and registering again
             store.unregister_runner(cursor, with_scheduler.runner_id)
             with_scheduler.register(cursor)
-        assert "fleet.kept" in JobRunnerRecord.objects.get(id=with_scheduler.runner_id).schedules
+        record = JobRunnerRecord.objects.get(id=with_scheduler.runner_id)
+        assert "fleet.kept" in record.schedules
         assert JobRunnerRecord.objects.get(id=without.runner_id).schedules is None
+
+
+def test_a_runner_registering_again_keeps_when_it_started(
+    start_runner: Callable[..., Runner],
+) -> None:
+    """Which live runner started last decides between two releases' declarations; a runner
+    reaped (presumed dead) and registering again must not become "the newest"."""
+    runner = start_runner()
+    first = JobRunnerRecord.objects.get(id=runner.runner_id).started_at
+    with connection.cursor() as cursor:
+        store.unregister_runner(cursor, runner.runner_id)
+        runner.register(cursor)
+    assert JobRunnerRecord.objects.get(id=runner.runner_id).started_at == first
 
 
 def test_a_running_runner_takes_its_schedules_back_when_an_old_runner_stops(
@@ -206,8 +223,10 @@ def test_a_schedule_payload_the_enqueue_path_refuses_is_a_check_error(
 def test_a_schedule_stranded_by_a_clock_set_back_is_brought_back() -> None:
     add_schedule("hourly", "test.recurring.work", cron="0 * * * *", timezone="UTC")
     add_schedule("grid", "test.recurring.work", interval=600)
-    # As if the clock had run a day ahead while they fired: next ticks a day away.
-    JobSchedule.objects.update(next_run_at=Now() + timedelta(days=1, seconds=7))
+    # As if the clock had run a day ahead while they fired: next ticks a day away, written
+    # (updated_at) by that clock.
+    JobSchedule.objects.update(next_run_at=Now() + timedelta(days=1, seconds=7),
+                               updated_at=Now() + timedelta(days=1))
     before = {s.name: s.next_run_at for s in JobSchedule.objects.all()}
     assert sorted(sync_code_schedules().rescheduled) == ["grid", "hourly"]
     now = db_now()
