@@ -119,6 +119,8 @@ class _Events:
 
 
 _events: _Events | None = None
+#: Whether ``_count_in_files`` switched an already imported prometheus_client (``_OnlyOurs``).
+_switched = False
 _lock = threading.Lock()
 
 
@@ -357,6 +359,20 @@ class _EventsCollector:
             yield from _events.collect()
 
 
+class _OnlyOurs:
+    """This app's families of a multiprocess collector, after ``_count_in_files`` switched a
+    process whose other metrics were made before the switch: their children made since count
+    in the directory too, and exporting those would show such a metric in part (the series
+    first used after the switch, not the others)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def collect(self) -> Iterator[Any]:
+        return (family for family in self.inner.collect()
+                if family.name.startswith(f"{NAMESPACE}_"))
+
+
 def registry(*, close_connection: bool = False) -> Any:
     from prometheus_client import CollectorRegistry
 
@@ -364,7 +380,8 @@ def registry(*, close_connection: bool = False) -> Any:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 
-        multiprocess.MultiProcessCollector(reg)  # type: ignore[no-untyped-call]  # unannotated upstream
+        files = multiprocess.MultiProcessCollector(None)  # type: ignore[no-untyped-call]  # unannotated upstream
+        reg.register(_OnlyOurs(files) if _switched else files)
     else:
         reg.register(_EventsCollector())
     reg.register(DatabaseCollector(close_connection))
@@ -460,8 +477,9 @@ def use_multiprocess_dir() -> str | None:
     in ``INSTALLED_APPS`` may have imported it before this runs (django-prometheus does): then
     the value class is made again for the directory (``values.get_value_class()``, what
     prometheus_client's own tests do), so every metric made from now on in this process,
-    ours included, counts in the directory. Metrics made before keep counting in memory: they
-    were not exported on this port before either.
+    ours included, counts in the directory. The port then exports only this app's metrics
+    from the directory: another app's metric made before the switch would get only its
+    later series there, a partial metric.
     """
     existing = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     path = existing or tempfile.mkdtemp(prefix="persistent-jobs-metrics-")
@@ -499,9 +517,10 @@ def _count_in_files(path: str) -> bool:
     value_class = make()
     if not getattr(value_class, "_multiprocess", False):
         return False
-    global _events
+    global _events, _switched
     with _lock:
         values.ValueClass = value_class
+        _switched = True
         # Events made before counted in memory, which the directory's exposition does not
         # read: made again, from the new class (nothing has been counted yet at start-up).
         _events = None

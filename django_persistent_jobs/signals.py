@@ -178,14 +178,19 @@ def rescued(job_id: uuid.UUID, token: int, job_type: str, attempt: int, runner_i
     """Another runner's attempt was settled by ``runner_id`` after that runner died.
 
     A started attempt was charged: outcome ``rescued``. One that only waited in the lost
-    runner for a free worker (``started`` false) was handed back, not charged: its outcome is
-    what its attempt row says, ``interrupted`` (``cancelled`` if a cancellation was
-    requested), as for a job a stopping runner hands back unstarted; or, past
-    ``HANDBACK_LIMIT``, the status it was charged into (``failed``, ``dead_lettered``).
-    Reporting it ``rescued`` would count a run that never happened."""
+    runner for a free worker (``started`` false) was handed back: outcome ``interrupted``
+    (``cancelled`` if a cancellation was requested), as a stopping runner reports the jobs it
+    hands back; past ``HANDBACK_LIMIT`` that hand-back is charged, and its status says so
+    (``failed``, ``dead_lettered``, code ``INTERRUPTED``). Reporting it ``rescued`` would count
+    a run that never happened; reporting it ``dead_lettered`` would tell the ``django.tasks``
+    relay that the task's own code had already reported its end (it never ran)."""
     if not _listening():
         return
     job = _RescuedAttempt(id=job_id, token=token, job_type=job_type, attempt=attempt,
                           queue=queue, tenant=tenant)
+    if started:
+        outcome: str | None = "rescued"
+    else:
+        outcome = None if status == "cancelled" else "interrupted"
     finished(job, runner_id, status=status, code=code, message=message,
-             attempt_outcome="rescued" if started else None)
+             attempt_outcome=outcome)

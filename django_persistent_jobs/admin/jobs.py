@@ -117,7 +117,9 @@ def progress_fraction(progress: Any) -> tuple[float | None, str]:
     caption = ""
     fraction: float | None = None
     if isinstance(progress, dict):
-        caption = str(progress.get("message") or progress.get("stage") or "")
+        # Only a plain text: a nested value would show what redaction hides in the JSON.
+        text = progress.get("message") or progress.get("stage")
+        caption = text if isinstance(text, str) else ""
         done = number(progress.get("done", progress.get("current")))
         total = number(progress.get("of", progress.get("total")))
         percent = number(progress.get("percent"))
@@ -420,7 +422,9 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
                 state = runner_state(now - record.heartbeat_at, *runner_thresholds())
                 runner_info = {"state": state, "text": f"{state}, last heartbeat "
                                                        f"{display.age(record.heartbeat_at, now)}"}
-        fraction, caption = progress_fraction(job.progress)
+        # Progress is handler-reported data like the payload: the same redaction (REDACT_KEYS)
+        # for the caption as for the JSON below.
+        fraction, caption = progress_fraction(display.redact(job.progress))
         buttons = [
             spec for spec in actions.ACTIONS.values()
             if job.status in spec.applies_to and actions.has_permission(request, spec.permission)
