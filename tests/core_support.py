@@ -229,3 +229,19 @@ def race_for_key(hold: Callable[[], Any], contend: Callable[[], Any], *,
             release.set()
             pool.shutdown(wait=True)
     return f1, f2
+
+
+def staff_client(username: str, *codenames: str) -> Any:
+    """A logged-in test ``Client`` for a staff user with exactly these permissions of this
+    app (``view_persistentjob``...): what an operator with that role sees."""
+    from django.contrib.auth.models import Permission, User
+    from django.test import Client
+
+    user = User.objects.create_user(username, is_staff=True)
+    perms = Permission.objects.filter(content_type__app_label="django_persistent_jobs",
+                                      codename__in=codenames)
+    assert perms.count() == len(codenames), codenames
+    user.user_permissions.add(*perms)
+    client = Client()
+    client.force_login(user)
+    return client

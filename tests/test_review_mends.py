@@ -9,30 +9,17 @@ import threading
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import Permission, User
 from django.db import connection
-from django.test import Client
 from django.urls import reverse
 
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.models import JobStatus, PersistentJob
-from tests.core_support import claim_as
+from tests.core_support import claim_as, staff_client
 
 
 @job_handler("mends.noop")
 def mends_noop(payload: Any) -> None:
     return None
-
-
-def _staff(username: str, *codenames: str) -> Client:
-    user = User.objects.create_user(username, is_staff=True)
-    perms = Permission.objects.filter(content_type__app_label="django_persistent_jobs",
-                                      codename__in=codenames)
-    assert perms.count() == len(codenames), codenames
-    user.user_permissions.add(*perms)
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 # ---------------------------------------------------------------- a charged unstarted hand-back
@@ -80,7 +67,7 @@ def test_progress_caption_does_not_bypass_redaction() -> None:
     created = enqueue("mends.noop", {})
     PersistentJob.objects.filter(pk=created.pk).update(
         status="running", locked_by="r", progress={"message": {"api_token": "l3aked-t0k"}})
-    viewer = _staff("viewer", "view_persistentjob")
+    viewer = staff_client("viewer", "view_persistentjob")
     body = html.unescape(viewer.get(reverse("admin:django_persistent_jobs_persistentjob_change",
                                             args=[created.pk])).content.decode())
     assert "l3aked-t0k" not in body

@@ -12,14 +12,14 @@ from urllib.parse import urlencode
 
 import pytest
 from django.contrib.admin.models import LogEntry
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.core.checks import run_checks
 from django.test import Client, override_settings
 from django.urls import reverse
 
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
-from tests.core_support import db_now
+from tests.core_support import db_now, staff_client
 
 JOBS = "admin:django_persistent_jobs_persistentjob_changelist"
 DASHBOARD = "admin:django_persistent_jobs_jobdashboard_changelist"
@@ -59,13 +59,7 @@ def dead(job_type: str, code: str, tenant: str | None = None, **fields: Any) -> 
 
 
 def staff(username: str, *codenames: str) -> Client:
-    user = User.objects.create_user(username, is_staff=True)
-    perms = Permission.objects.filter(content_type__app_label="django_persistent_jobs",
-                                      codename__in=codenames)
-    assert perms.count() == len(codenames), codenames
-    user.user_permissions.add(*perms)
-    client = Client()
-    client.force_login(user)
+    client: Client = staff_client(username, *codenames)
     return client
 
 
