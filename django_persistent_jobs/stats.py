@@ -473,7 +473,7 @@ def _runners(
     return result
 
 
-def _run_start() -> Case:
+def run_start() -> Case:
     """When a running job's current attempt began to run: its attempt's ``started_at``, or
     NULL while the attempt only waits in its runner for a free worker (``PREFETCH``: claimed,
     its ``started`` still false) and for a job that is not running. The timeout clock starts
@@ -508,7 +508,7 @@ def _stuck(
     # Spelled inline rather than as an alias: an aggregate filter on an alias that holds a
     # subquery makes Django wrap the whole aggregate in a subquery that computes it for
     # every active row.
-    timeout_at = ExpressionWrapper(_run_start() + timeout, output_field=DateTimeField())
+    timeout_at = ExpressionWrapper(run_start() + timeout, output_field=DateTimeField())
     past_timeout = running & Q(LessThan(timeout_at, Value(now, output_field=DateTimeField())))
     stale_runner = running & Q(locked_by__in=stale_ids)
     unclaimed = due_now & Q(next_run_at__lt=now - unclaimed_after)
@@ -529,7 +529,7 @@ def _stuck(
     total = counts.pop("_any")
     found = list(active.filter(any_kind).order_by("next_run_at", "id").only(
         "id", "job_type", "queue", "status", "tenant", "locked_by", "locked_at", "next_run_at",
-        "timeout_seconds").annotate(run_started=_run_start())[:LIST_LIMIT])
+        "timeout_seconds").annotate(run_started=run_start())[:LIST_LIMIT])
     heartbeat = {r.id: r for r in runners}
     serving = [(r.queues, r.job_types) for r in runners if r.state in ("live", "late")]
     result = []

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import BadRequest
 from django.db.models import Model, QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, QueryDict
 
 from .. import conf
 
@@ -41,8 +41,12 @@ def has_nul(request: HttpRequest) -> bool:
     PostgreSQL text cannot hold NUL: such a value in a filter made the query raise, a 500
     page, where it is only a filter nothing can match.
     """
+    return _nul_in(request.GET) or _nul_in(request.POST)
+
+
+def _nul_in(params: QueryDict) -> bool:
     return any("\x00" in key or any("\x00" in value for value in values)
-               for source in (request.GET, request.POST) for key, values in source.lists())
+               for key, values in params.lists())
 
 
 def refuse_nul(request: HttpRequest) -> None:
@@ -64,8 +68,7 @@ class JobsDatabaseMixin(Generic[ModelT]):
         return queryset.using(alias())
 
     def get_changelist_instance(self, request: HttpRequest) -> Any:
-        if any("\x00" in key or any("\x00" in value for value in values)
-               for key, values in request.GET.lists()):
+        if _nul_in(request.GET):
             raise IncorrectLookupParameters("A filter contains a NUL character.")
         return super().get_changelist_instance(request)  # type: ignore[misc]
 

@@ -20,7 +20,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import quote as admin_quote
 from django.core.exceptions import BadRequest, PermissionDenied
-from django.db.models import CharField, OuterRef, Q, QuerySet, Subquery
+from django.db.models import CharField, Q, QuerySet
 from django.db.models.functions import Cast, Now
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -31,7 +31,7 @@ from django.utils.safestring import SafeString
 
 from ..models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from ..services import failure_group_dead_letters, retry_failure_group
-from ..stats import FAILED_OUTCOMES, runner_state, runner_thresholds
+from ..stats import FAILED_OUTCOMES, run_start, runner_state, runner_thresholds
 from . import actions, display
 from .database import JobsDatabaseMixin, objects, refuse_nul
 from .schedules import schedule_link
@@ -226,12 +226,9 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
     # ------------------------------------------------------------------ list
     def get_queryset(self, request: HttpRequest) -> QuerySet[PersistentJob]:
         # The database clock, once per query: ages in the list agree with what decides "due".
-        # A running job's age counts from its attempt's start, not its claim: one claimed to
-        # wait for a free worker (PREFETCH) has not started (a primary-key lookup per row).
-        current = JobAttempt.objects.filter(pk=OuterRef("lock_token"))
-        return super().get_queryset(request).annotate(
-            pj_now=Now(), pj_started=Subquery(current.values("started")[:1]),
-            pj_started_at=Subquery(current.values("started_at")[:1]))
+        # A running job's age and timeout count from its attempt's start, not its claim (one
+        # claimed to wait for a free worker has not started): the rule the stats use.
+        return super().get_queryset(request).annotate(pj_now=Now(), pj_run_start=run_start())
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[PersistentJob], search_term: str
@@ -275,11 +272,9 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
         if obj.status in JobStatus.terminal():
             line = format_html("ended {}", display.when(obj.finished_at or obj.updated_at, now))
         elif obj.status == JobStatus.RUNNING:
-            if getattr(obj, "pj_started", None) is False:
-                line = format_html("claimed {}, not started", display.when(obj.locked_at, now))
-            else:  # (no attempt row, as from raw SQL: the claim is the best known start)
-                started_at = getattr(obj, "pj_started_at", None) or obj.locked_at
-                line = format_html("started {}", display.when(started_at, now))
+            started_at = getattr(obj, "pj_run_start", None)
+            line = (format_html("started {}", display.when(started_at, now)) if started_at
+                    else format_html("claimed {}, not started", display.when(obj.locked_at, now)))
         elif obj.is_due(now):
             line = format_html("due {}", display.when(obj.next_run_at, now))
         else:
@@ -432,12 +427,7 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
         ]
         # The timeout runs from the current attempt's start; a job claimed to wait for a free
         # worker has none yet (and is not "past its timeout").
-        current = next((a for a in attempts if a.pk == job.lock_token), None)
-        running_since = None
-        if job.status == JobStatus.RUNNING:
-            # (no attempt row, as from raw SQL: the claim is the best known start)
-            running_since = job.locked_at if current is None else (
-                current.started_at if current.started else None)
+        running_since = getattr(job, "pj_run_start", None)  # (``get_queryset``)
         timeout_at = (running_since + timedelta(seconds=job.timeout_seconds)
                       if running_since is not None and job.timeout_seconds is not None
                       else None)
