@@ -174,10 +174,12 @@ def test_completions_of_handlers_that_ran_no_sql_are_batched(
     assert sorted(finished, key=str) == sorted(((i, "completed") for i in ids), key=str)
     assert PersistentJob.objects.filter(id__in=ids, status="completed").count() == total
     assert JobAttempt.objects.filter(job_id__in=ids, outcome="completed").count() == total
-    # One commit per batch instead of one per job: the batches, the claims and the runner's
-    # own bookkeeping (register, heartbeats, unregister) stay well under one per job.
+    # One commit per batch instead of one per job. Completing each job on its own would spend at
+    # least one commit per job on completions alone; with batches, everything the database saw
+    # commit meanwhile (the batches, the claims and the runner's polls, heartbeats and
+    # registration, whose number grows with the time a loaded machine takes) stays under that.
     assert statements <= total // 2, statements
-    assert spent < total // 2, (spent, statements)
+    assert spent < total, (spent, statements)
     # Most of these jobs waited for a worker; each attempt is on record as started, from when
     # it started (written with its completion, or with a claim), not from when it was claimed.
     attempts = JobAttempt.objects.filter(job_id__in=ids)
