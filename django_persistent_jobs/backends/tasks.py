@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+
+from django.utils.module_loading import import_string
 
 from ..errors import PayloadError, PermanentJobError
 from ..payload import PayloadLimits, prepare_payload
@@ -75,6 +77,29 @@ class PersistentTask(_TaskBase):
     def options(self) -> dict[str, Any]:
         """Our options as given (None for those not set)."""
         return {name: getattr(self, name) for name in OPTION_NAMES}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as the module-level task's path plus Django's per-call fields.
+
+        Django 6.1 pickles a Task with every field's value, but ours can be callables pickle
+        cannot carry (a ``backoff`` closure, a ``dedup_key`` lambda), so pickling a task, or a
+        ``TaskResult`` holding one, failed. ``using()`` cannot change our options, so they are
+        taken back from the module-level task when unpickled (this also makes tasks pickle on
+        the Django 5.2 backport, which has no ``__reduce__`` of its own).
+        """
+        django_fields = {f.name: getattr(self, f.name) for f in fields(Task) if f.name != "func"}
+        return (_unpickle_task, (self.module_path, django_fields))
+
+
+def _unpickle_task(module_path: str, django_fields: dict[str, Any]) -> AnyTask:
+    """The task at ``module_path`` with the pickled per-call fields (validated again)."""
+    try:
+        declared = import_string(module_path)
+    except ImportError as exc:
+        raise ValueError(f"Expected {module_path!r} to point to a Task instance.") from exc
+    if not isinstance(declared, Task):
+        raise ValueError(f"Expected {module_path!r} to point to a Task instance.")
+    return replace(declared, **django_fields)
 
 
 def task_options(task: AnyTask) -> dict[str, Any]:

@@ -492,3 +492,24 @@ def test_a_keyboard_interrupt_on_the_last_attempt_is_not_announced_as_the_ending
     assert runner.finished.wait(30), "the runner did not stop on the KeyboardInterrupt"
     assert [s[0] for s in signals_seen if s[1] == stopped.id] == ["enqueued", "started"]
     assert stopped.refresh() is None and stopped.status == TaskResultStatus.RUNNING
+
+
+def test_tasks_and_results_pickle_with_callable_options() -> None:
+    """Django 6.1 pickles Task and TaskResult; ours carry options pickle cannot (a backoff
+    closure, a dedup_key lambda), which ``using()`` cannot change: they come back from the
+    module-level task, and Django's per-call options travel with the copy."""
+    import pickle
+
+    when = timezone.now() + timedelta(hours=1)
+    copy = tasks.flaky.using(priority=7, queue_name="tasks-other", run_after=when)
+    back = pickle.loads(pickle.dumps(copy))
+    assert back == copy and back.backoff is tasks.flaky.backoff
+    assert (back.priority, back.queue_name, back.run_after) == (7, "tasks-other", when)
+    assert pickle.loads(pickle.dumps(tasks.refresh_user)) == tasks.refresh_user
+
+    result = tasks.refresh_user.enqueue(41)
+    fetched = tasks.refresh_user.get_result(result.id)
+    for original in (result, fetched):
+        again = pickle.loads(pickle.dumps(original))
+        assert (again.id, again.task, again.args, again.status) == (
+            original.id, tasks.refresh_user, [41], TaskResultStatus.READY)
