@@ -375,8 +375,10 @@ def _adapter(task: AnyTask) -> Callable[[Any, JobContext], Any]:
         job = PersistentJob.objects.using(alias).get(pk=ctx.job_id)
         attempts = list(JobAttempt.objects.using(alias).filter(job_id=ctx.job_id))
         task_result = build_result(backend, task, job, attempts)
-        task_started.send(sender=type(backend), task_result=task_result)
         try:
+            # Inside the ``try``: a receiver that raises fails the attempt like the task's own
+            # error (as in InProcessBackend), and a final failure still sends task_finished.
+            task_started.send(sender=type(backend), task_result=task_result)
             if task.takes_context:
                 value = task.call(TaskContext(task_result=task_result), *args, **kwargs)
             else:

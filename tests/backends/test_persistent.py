@@ -513,3 +513,27 @@ def test_tasks_and_results_pickle_with_callable_options() -> None:
         again = pickle.loads(pickle.dumps(original))
         assert (again.id, again.task, again.args, again.status) == (
             original.id, tasks.refresh_user, [41], TaskResultStatus.READY)
+
+
+def test_a_failing_task_started_receiver_still_ends_with_task_finished(
+    signals_seen: list[Any],
+) -> None:
+    """A ``task_started`` receiver that raises fails the attempt like the task's own error
+    would (as in ``InProcessBackend``); on the last attempt ``task_finished`` still follows,
+    FAILED, with the receiver's exception as the error."""
+    result = tasks.one_try.enqueue(5)
+
+    def broken(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        if task_result.id == result.id:
+            raise RuntimeError("a task_started receiver's bug")
+
+    task_started.connect(broken)
+    try:
+        assert Runner(burst=True, cleanup=False, concurrency=1).run() == 0
+    finally:
+        task_started.disconnect(broken)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert [e.exception_class_path for e in result.errors] == ["builtins.RuntimeError"]
+    assert [(name, status) for name, rid, status in signals_seen if rid == result.id] == [
+        ("enqueued", "READY"), ("started", "RUNNING"), ("finished", "FAILED")]

@@ -103,3 +103,9 @@ def interrupted() -> None:
     """Raises ``KeyboardInterrupt`` on its only attempt: the runner stops without settling it,
     so the task's ending is decided by the rescue, not by this attempt."""
     raise KeyboardInterrupt
+
+
+@task(max_retries=0)
+def one_try(value: int) -> int:
+    """Succeeds, with no retry: its one attempt is also its last."""
+    return value
