@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from django.apps import AppConfig
+import django
+from django.apps import AppConfig, apps
 from django.conf import settings as django_settings
 from django.core import checks
 
@@ -122,3 +123,24 @@ def _schedule_payload_problems(spec: HandlerSpec) -> list[checks.CheckMessage]:
         return []
     check_id, hint = HANDLER_CHECKS[SCHEDULE_INVALID]
     return [checks.Error(message, hint=hint, obj=spec.origin, id=check_id)]
+
+
+@checks.register("persistent_jobs")
+def check_task_backport_app(app_configs: Sequence[AppConfig] | None = None,
+                            **kwargs: Any) -> list[checks.CheckMessage]:
+    """On Django 5.2 the check that runs each task backend's own checks (E201-E207), and the
+    signal receivers that log tasks and reset backends on a settings change, belong to the
+    ``django_tasks`` backport's app config: without that app in INSTALLED_APPS a misconfigured
+    backend of ours passes ``check`` silently, so say what is missing."""
+    if django.VERSION >= (6, 0) or apps.is_installed("django_tasks"):
+        return []
+    from .backends.discovery import uses_our_backends
+
+    if not uses_our_backends():
+        return []
+    return [checks.Error(
+        "settings.TASKS uses a django-persistent-jobs task backend, but 'django_tasks' is not "
+        "in INSTALLED_APPS: on Django 5.2 the task API comes from the django-tasks backport, "
+        "whose app runs the task backends' system checks.",
+        hint="Add 'django_tasks' to INSTALLED_APPS.", id="persistent_jobs.E208",
+    )]

@@ -14,7 +14,8 @@ from django.conf import settings
 from django.utils.module_loading import autodiscover_modules, import_string
 
 
-def _durable_backends() -> list[dict[str, Any]]:
+def _configured_backends(durable_only: bool) -> list[dict[str, Any]]:
+    """The ``settings.TASKS`` entries whose backend is ours (only the durable one, or both)."""
     configured = getattr(settings, "TASKS", None)
     if not isinstance(configured, dict):
         return []
@@ -27,11 +28,23 @@ def _durable_backends() -> list[dict[str, Any]]:
             backend_class = import_string(path)
         except ImportError:
             continue  # Django's own check reports a backend that does not import
+        from .inprocess import InProcessBackend
         from .persistent import PersistentJobsBackend
 
-        if isinstance(backend_class, type) and issubclass(backend_class, PersistentJobsBackend):
+        ours = PersistentJobsBackend if durable_only else (PersistentJobsBackend,
+                                                            InProcessBackend)
+        if isinstance(backend_class, type) and issubclass(backend_class, ours):
             found.append(params)
     return found
+
+
+def _durable_backends() -> list[dict[str, Any]]:
+    return _configured_backends(durable_only=True)
+
+
+def uses_our_backends() -> bool:
+    """Whether ``settings.TASKS`` names one of our backends (for the checks)."""
+    return bool(_configured_backends(durable_only=False))
 
 
 #: ``OPTIONS["MODULES"]`` entries that do not exist, with the import error: the backend's check

@@ -537,3 +537,34 @@ def test_a_failing_task_started_receiver_still_ends_with_task_finished(
     assert [e.exception_class_path for e in result.errors] == ["builtins.RuntimeError"]
     assert [(name, status) for name, rid, status in signals_seen if rid == result.id] == [
         ("enqueued", "READY"), ("started", "RUNNING"), ("finished", "FAILED")]
+
+
+_CHECKS_WITHOUT_THE_BACKPORT_APP = """
+import django
+from django.conf import settings
+settings.configure(
+    INSTALLED_APPS=["django_persistent_jobs"],
+    DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "unused"}},
+    TASKS={"default": {"BACKEND": "django_persistent_jobs.backends.PersistentJobsBackend",
+                       "OPTIONS": {"BOGUS": 1}}},
+)
+django.setup()
+from django.core import checks
+print(sorted(m.id for m in checks.run_checks()))
+"""
+
+
+def test_django_52_without_the_backport_app_is_a_check_error() -> None:
+    """On Django 5.2 the check that runs each task backend's own checks (E201-E207) is
+    registered by the ``django_tasks`` app: without it in INSTALLED_APPS a misconfigured
+    backend passed ``check`` silently. Our own check says the app is missing."""
+    import subprocess
+    import sys
+
+    import django
+
+    if django.VERSION >= (6, 0):
+        pytest.skip("Django 6 has django.tasks built in")
+    done = subprocess.run([sys.executable, "-c", _CHECKS_WITHOUT_THE_BACKPORT_APP],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert "persistent_jobs.E208" in done.stdout, done.stdout + done.stderr
