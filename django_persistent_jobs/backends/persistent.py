@@ -1,8 +1,9 @@
 """``PersistentJobsBackend``: ``django.tasks`` on our jobs table, run by ``runjobs``.
 
 A task is a job whose type is the task's module path and whose payload is
-``{"args": [...], "kwargs": {...}}``. The backend registers an adapter handler for each task
-when the task is defined (``@task`` validates it with the backend), so the runner executes tasks
+``{"args": [...], "kwargs": {...}}`` (plus ``run_after`` when given). The backend registers an
+adapter handler for each task when the task is defined (``@task`` validates it with the
+backend), so the runner executes tasks
 through the same path as every other job: the task's database writes and the fenced completion
 commit together, failures retry with backoff, timeouts and rescue apply, and exhausted tasks are
 dead-lettered. Nothing here writes SQL: enqueueing goes through ``enqueue()``, results are read
@@ -16,6 +17,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.core import checks
@@ -287,6 +289,10 @@ class PersistentJobsBackend(BaseTaskBackend):
 
         self.validate_task(task)
         payload = encode_arguments(task, args, kwargs)
+        if task.run_after is not None:
+            # Kept beside the arguments: ``next_run_at`` moves with each retry, and a result
+            # read back by id (another process, a later request) must show the task as enqueued.
+            payload[RUN_AFTER_KEY] = task.run_after.isoformat()
         job = enqueue(
             job_type_of(task), payload, run_at=task.run_after, queue=task.queue_name,
             priority=task.priority,
@@ -333,13 +339,30 @@ def _attempt_error(attempt: Any) -> TaskError:
     return TaskError(exception_class_path=path, traceback=trace)
 
 
+#: The payload key that keeps a task's ``run_after`` (ISO 8601, aware) for results read by id.
+RUN_AFTER_KEY = "run_after"
+
+
+def _run_after(payload: Any) -> datetime | None:
+    """The ``run_after`` the task was enqueued with, or None (none given, or a job enqueued
+    before it was kept)."""
+    text = payload.get(RUN_AFTER_KEY) if isinstance(payload, dict) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return value if value.tzinfo is not None else None
+
+
 def build_result(
     backend: BaseTaskBackend, task: AnyTask, job: Any, attempts: list[Any],
 ) -> AnyTaskResult:
     """A TaskResult from a job row and its attempt rows."""
     try:
         shown = task.using(priority=_clamp_priority(job.priority), queue_name=job.queue,
-                           backend=backend.alias)
+                           backend=backend.alias, run_after=_run_after(job.payload))
     except Exception:  # an operator moved the job to a queue this backend does not list
         shown = task
     counted = [a for a in attempts if a.outcome != "interrupted"]

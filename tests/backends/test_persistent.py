@@ -186,6 +186,18 @@ def test_priority_run_after_and_queues(spawn_runner: Spawn) -> None:
     assert later.status == TaskResultStatus.READY
 
 
+def test_a_result_read_back_by_id_keeps_the_tasks_run_after() -> None:
+    when = (timezone.now() + timedelta(hours=2)).replace(microsecond=123456)
+    later = tasks.record.using(run_after=when).enqueue("later")
+    now = tasks.record.enqueue("now")
+    backend = tasks.record.get_backend()
+    assert backend.get_result(later.id).task.run_after == when
+    assert async_to_sync(backend.aget_result)(later.id).task.run_after == when
+    assert backend.get_result(now.id).task.run_after is None
+    # The arguments the task gets are still only its own.
+    assert backend.get_result(later.id).args == ["later"]
+
+
 def test_enqueue_joins_the_callers_transaction(signals_seen: list[Any]) -> None:
     class Boom(Exception):
         pass
