@@ -14,6 +14,7 @@ from typing import Any
 
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, QueryDict
+from django.views.decorators.csrf import csrf_exempt
 
 from .. import bounds, conf, queries, services, stats
 from ..enqueuing import enqueue, enqueue_as_tenant
@@ -289,9 +290,14 @@ def openapi_view(request: HttpRequest) -> HttpResponse:
     return json_response(openapi.document(request.path.rsplit("/", 1)[0] or "/"))
 
 
+@csrf_exempt
 def unknown_route_view(request: HttpRequest, rest: str) -> HttpResponse:
     """Any other path under the API's prefix: a JSON 404 naming the routes, instead of Django's
-    HTML page (a client that appends a slash, ``<id>/``, learns why it missed)."""
+    HTML page (a client that appends a slash, ``<id>/``, learns why it missed).
+
+    CSRF-exempt like the endpoints (it changes nothing): otherwise the CSRF middleware would
+    answer a bearer client's POST to ``<id>/retry/`` with its HTML 403 instead of this 404.
+    """
     from ..urls import urlpatterns  # (the routes import this module)
 
     prefix = request.path[:len(request.path) - len(rest)]

@@ -254,6 +254,29 @@ def test_other_paths_under_the_prefix_are_json_404(client: Client, operator_toke
     assert table_fingerprint() == before
 
 
+def test_paths_under_the_prefix_stay_json_behind_the_csrf_middleware(operator_token: str,
+                                                                   settings: Any):
+    """Every real project runs ``CsrfViewMiddleware``. A bearer client that POSTs to a path the
+    API does not have (``<id>/retry/`` with a slash) must get the JSON 404 naming the routes,
+    not the middleware's HTML "CSRF verification failed" page: a token client sends no CSRF
+    cookie, so that page would send it hunting for a CSRF problem it does not have."""
+    settings.MIDDLEWARE = [*settings.MIDDLEWARE, "django.middleware.csrf.CsrfViewMiddleware"]
+    client = Client(enforce_csrf_checks=True)
+    job = stage(status="failed")
+    before = table_fingerprint()
+    for path in (f"/jobs/{job.id}/retry/", f"/jobs/{job.id}/cancel/", "/jobs/stats/"):
+        response = client.post(path, data=b"{}", content_type="application/json",
+                               **bearer(operator_token))
+        assert response.status_code == 404, (path, response.content[:200])
+        assert response["Content-Type"].startswith("application/json")
+        assert response.json()["error"]["code"] == "not_found"
+    # The real endpoints, for comparison: a bearer POST needs no CSRF token there either.
+    response = client.post(f"/jobs/{job.id}/retry", data=b"", content_type="application/json",
+                           **bearer(operator_token))
+    assert response.status_code == 200
+    assert table_fingerprint() != before
+
+
 def test_a_body_over_the_upload_limit_is_json_413(client: Client, operator_token: str,
                                                   settings: Any):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
