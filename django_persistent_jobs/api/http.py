@@ -7,14 +7,18 @@ scripts to branch on, ``message`` is for people, ``field`` (400 only) names the 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable
 from functools import wraps
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.db import InterfaceError, OperationalError, connections, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
+
+logger = logging.getLogger("django_persistent_jobs.api")
 
 
 class ApiError(Exception):
@@ -81,9 +85,34 @@ def read_json_object(request: HttpRequest, *, optional: bool = False) -> dict[st
 
 View = Callable[..., HttpResponse]
 
+#: Seconds a client is told to wait before trying again when the database is unavailable.
+RETRY_AFTER_SECONDS = 15
+
+
+def database_unavailable(exc: BaseException) -> ApiError:
+    """A 503 for a database the request could not use (down, restarting, failing over, a lock
+    or statement timeout): a transient condition clients and load balancers retry, answered in
+    JSON like every other error instead of Django's HTML 500 page.
+
+    The cause is logged, not returned: psycopg's message names the database's host and port,
+    and the caller may not even be authenticated yet (checking a token needs the database).
+    Any transaction the request is inside (``ATOMIC_REQUESTS``) is marked for rollback, since
+    the failed statement left it unusable.
+    """
+    for alias in connections:
+        connection = connections[alias]
+        if connection.in_atomic_block:
+            transaction.set_rollback(True, using=alias)
+    logger.warning("operator API: database unavailable: %s", str(exc).strip().split("\n")[0],
+                   extra={"event": "api_database_unavailable"})
+    return ApiError(503, "database_unavailable",
+                    "The database is unavailable; nothing was done. Try again shortly.",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
 
 def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
-    """Allowed methods answered with JSON 405 otherwise; ``ApiError`` rendered as JSON.
+    """Allowed methods answered with JSON 405 otherwise; ``ApiError`` rendered as JSON, and a
+    database that cannot be used as a JSON 503 (``database_unavailable``).
 
     The view is exempt from the CSRF middleware on purpose: bearer-token requests carry no
     cookie and need no CSRF token, and session requests are checked by ``auth.authenticate``
@@ -104,6 +133,8 @@ def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
                 return view(request, *args, **kwargs)
             except ApiError as error:
                 return error_response(error)
+            except (OperationalError, InterfaceError) as exc:
+                return error_response(database_unavailable(exc))
 
         return csrf_exempt(wrapper)
 

@@ -290,6 +290,45 @@ def test_a_body_over_the_upload_limit_is_json_413(client: Client, operator_token
     assert table_fingerprint() == before
 
 
+def test_an_unreachable_database_is_a_json_503_on_every_endpoint() -> None:
+    """Every answer is JSON, errors included (docs/api.md): with the database down (a failover,
+    a restart) a client gets a JSON 503 with ``Retry-After``, what HTTP clients and load
+    balancers retry, not Django's HTML 500 page. The message does not name the database's
+    host: an unauthenticated caller gets it too."""
+    import subprocess
+    import sys
+
+    from tests.core_support import ROOT, subprocess_env
+
+    script = (
+        "import django, json; django.setup()\n"
+        "from django.test import Client\n"
+        "c = Client(raise_request_exception=False)\n"
+        "h = {'HTTP_AUTHORIZATION': 'Bearer pjt_x'}\n"
+        "id = '01a225aa-0000-7000-8000-000000000000'\n"
+        "for method, path in [('get', '/jobs/'), ('post', '/jobs/'), ('get', '/jobs/' + id),\n"
+        "                     ('post', '/jobs/' + id + '/retry'),\n"
+        "                     ('post', '/jobs/' + id + '/cancel'), ('get', '/jobs/stats')]:\n"
+        "    r = getattr(c, method)(path, **h)\n"
+        "    print(json.dumps([method.upper(), path, r.status_code, r['Content-Type'],\n"
+        "                      r.get('Retry-After'), r.content.decode()]))\n"
+    )
+    env = {**subprocess_env(), "DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere",
+           "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(lines) == 6, done.stdout
+    for method, path, status, content_type, retry_after, content in lines:
+        assert (status, content_type, retry_after) == (503, "application/json", "15"), (
+            method, path, status, content[:300])
+        body = json.loads(content)
+        assert body["error"]["code"] == "database_unavailable"
+        assert "127.0.0.1" not in content and "port 1" not in content
+        assert_matches_schema(method, path, status, body)
+
+
 def test_retry_400_for_a_bad_mode(client: Client, operator_token: str):
     job = stage(status="failed")
     response = call(client, "POST", f"/jobs/{job.id}/retry", operator_token, {"mode": "soon"})
