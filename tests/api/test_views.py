@@ -101,6 +101,34 @@ def test_retry_modes(client: Client, operator_token: str, mode: str):
     assert response.json()["status"] == "pending"
 
 
+def test_api_actions_are_on_the_job_s_admin_history(client: Client):
+    """The admin's job page says *History* lists every action taken on the job, by whom and
+    when (operations.md): a retry or cancel through the API is an action by a Django user too,
+    so it is recorded there, naming the user and the token, as the admin's own buttons are."""
+    from django.contrib.admin.models import CHANGE, LogEntry
+
+    user = make_user("oncall", *ALL_PERMS, staff=True)
+    secret = make_token(user, name="pager-bot")
+    job = stage(status="failed", attempts=1)
+    assert call(client, "POST", f"/jobs/{job.id}/retry", secret,
+                {"mode": "reset"}).status_code == 200
+    assert call(client, "POST", f"/jobs/{job.id}/cancel", secret).status_code == 200
+    refused = call(client, "POST", f"/jobs/{job.id}/cancel", secret)
+    assert refused.status_code == 409
+    entries = list(LogEntry.objects.filter(object_id=str(job.id)).order_by("id"))
+    assert [(e.user_id, e.action_flag) for e in entries] == [(user.pk, CHANGE)] * 2
+    assert "Retry from scratch" in entries[0].change_message
+    assert "Cancel" in entries[1].change_message
+    assert all("pager-bot" in e.change_message for e in entries)
+    # The job's History page in the admin shows them.
+    make_user("auditor", "view_persistentjob", staff=True)
+    admin = Client()
+    assert admin.login(username="auditor", password="pw-123456")
+    page = admin.get(f"/admin/django_persistent_jobs/persistentjob/{job.id}/history/")
+    assert page.status_code == 200
+    assert page.content.decode().count("pager-bot") == 2
+
+
 def test_retry_without_body_means_now(client: Client, operator_token: str):
     job = stage(status="failed")
     assert call(client, "POST", f"/jobs/{job.id}/retry", operator_token).status_code == 200
