@@ -15,7 +15,11 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
 
+from .auth import ADD, CANCEL, RETRY, VIEW
 from .tokens import DISPLAY_CHARS, TOKEN_PREFIX, ApiToken, hash_token
+
+#: What a token can do with the jobs: the permissions the API checks.
+JOB_PERMISSIONS = (VIEW, ADD, RETRY, CANCEL)
 
 if TYPE_CHECKING:
     _Base = admin.ModelAdmin[ApiToken]
@@ -34,10 +38,32 @@ class ApiTokenForm(forms.ModelForm):  # type: ignore[type-arg]
         model = ApiToken
         fields = ("name", "tenant")
 
+    #: Who is filling the form in (set by ``ApiTokenAdmin.get_form``).
+    requester: Any = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.instance.pk is not None and "user" in self.fields:
             self.fields["user"].initial = self.instance.user
+
+    def clean_user(self) -> Any:
+        """Refuse a user with a job permission the requester lacks (or a superuser, for a
+        requester who is not one): the token would act as that user, so whoever may add
+        tokens could otherwise do through the API what the admin refuses them."""
+        user = self.cleaned_data["user"]
+        requester = self.requester
+        if requester is None or requester.is_superuser or user.pk == requester.pk:
+            return user
+        if user.is_superuser:
+            raise forms.ValidationError(
+                "Only a superuser can create a token for a superuser: the token would have "
+                "every permission.")
+        lacking = [p for p in JOB_PERMISSIONS if user.has_perm(p) and not requester.has_perm(p)]
+        if lacking:
+            raise forms.ValidationError(
+                f"{user} has the permission {lacking[0]!r}, which you do not have; the token "
+                "would act with it. Ask someone who has it to create this token.")
+        return user
 
     def save(self, commit: bool = True) -> ApiToken:
         if "user" in self.cleaned_data:
@@ -54,6 +80,11 @@ class ApiTokenAdmin(_Base):
     search_fields = ("name", "key_prefix", "user_pk", "tenant")
     readonly_fields = ("key_prefix", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke_tokens",)
+
+    def get_form(self, request: HttpRequest, obj: ApiToken | None = None, change: bool = False,
+                 **kwargs: Any) -> Any:
+        form = super().get_form(request, obj, change=change, **kwargs)
+        return type(form.__name__, (form,), {"requester": request.user})
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiToken | None = None) -> Any:
         # Who a token acts as and what it may reach are fixed at creation: changing them later

@@ -56,3 +56,33 @@ def test_renaming_a_token_keeps_its_user_and_tenant(client: Client):
     token.refresh_from_db()
     assert (token.name, token.user, token.tenant) == ("ci-renamed", owner, "acme")
     assert ApiToken.objects.authenticate(secret) == token
+
+
+def test_a_token_never_carries_job_permissions_its_creator_lacks(client: Client):
+    """A token acts as the user chosen for it. Staff allowed to add tokens but not to retry
+    jobs (or not a superuser) must not mint a token for a user who may: that token would let
+    them do through the API what the admin refuses them. They may make tokens for themselves
+    and for users with no job permission they lack; a superuser for anyone."""
+    from django.contrib.auth.models import Permission
+
+    root = User.objects.create_superuser("root", password="pw-123456")
+    oncall = make_user("oncall", "view_persistentjob", "retry_persistentjob",
+                       "cancel_persistentjob")
+    viewer = make_user("viewer-bot", "view_persistentjob")
+    clerk = make_user("clerk", "view_persistentjob", staff=True)
+    clerk.user_permissions.add(*Permission.objects.filter(
+        content_type__app_label="django_persistent_jobs", codename__endswith="_apitoken"))
+    assert client.login(username="clerk", password="pw-123456")
+    for target in (root, oncall):
+        response = client.post("/admin/django_persistent_jobs/apitoken/add/",
+                               {"name": "mine-now", "user": target.pk, "tenant": ""})
+        assert response.status_code == 200, target  # the form again, with the error
+        assert "permission" in response.content.decode()
+        assert not ApiToken.objects.exists()
+    for target in (clerk, viewer):
+        response = client.post("/admin/django_persistent_jobs/apitoken/add/",
+                               {"name": f"for-{target.username}", "user": target.pk,
+                                "tenant": ""})
+        assert response.status_code == 302, response.content.decode()[:2000]
+    assert sorted(t.user.username for t in ApiToken.objects.all()) == ["clerk", "viewer-bot"]
+
