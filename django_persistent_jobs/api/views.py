@@ -305,7 +305,11 @@ def stats_view(request: HttpRequest) -> HttpResponse:
     caller = auth.authenticate(request)
     caller.require(auth.VIEW)
     _refuse_query(request, ("window",))
-    raw = request.GET.get("window")
+    try:
+        # Once at most, as the list's parameters: the last of two would win silently.
+        raw = _single(request.GET, "window")
+    except queries.QueryError as exc:
+        raise bad_request(exc.field, exc.message) from None
     window = timedelta(hours=24)
     if raw is not None:
         try:

@@ -573,7 +573,8 @@ def test_stats_of_a_tenant_bound_token_cover_its_tenant_only(client: Client):
     assert [t["tenant"] for t in data["tenants"]] in (["acme"], [])
 
 
-@pytest.mark.parametrize("query", ["window=10", "window=x", "window=", "colour=red"])
+@pytest.mark.parametrize("query", ["window=10", "window=x", "window=", "colour=red",
+                                   "window=x&window=3600", "window=60&window=3600"])
 def test_stats_400(client: Client, operator_token: str, query: str):
     response = call(client, "GET", f"/jobs/stats?{query}", operator_token)
     assert response.status_code == 400
