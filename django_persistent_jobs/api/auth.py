@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.auth import get_user
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest
 from django.middleware.csrf import CsrfViewMiddleware
 
-from .http import ApiError
+from .http import ApiError, body_too_large
 from .tokens import ApiToken
 
 APP = "django_persistent_jobs"
@@ -59,7 +60,11 @@ def _no_response(request: HttpRequest) -> Any:  # pragma: no cover - never calle
 def _check_csrf(request: HttpRequest) -> None:
     check = _CsrfCheck(_no_response)
     check.process_request(request)
-    reason = check.process_view(request, None, (), {})  # type: ignore[arg-type]
+    try:
+        reason = check.process_view(request, None, (), {})  # type: ignore[arg-type]
+    except RequestDataTooBig:
+        # Without an X-CSRFToken header the check reads a form body for csrfmiddlewaretoken.
+        raise body_too_large() from None
     if reason:
         raise ApiError(403, "csrf_failed", f"CSRF check failed: {reason}. Send the csrftoken "
                                            "cookie's value in the X-CSRFToken header.")

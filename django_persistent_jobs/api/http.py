@@ -15,7 +15,7 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError, OperationalError, connections, transaction
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse, RawPostDataException
 from django.views.decorators.csrf import csrf_exempt
 
 logger = logging.getLogger("django_persistent_jobs.api")
@@ -52,6 +52,14 @@ def json_response(data: Any, status: int = 200) -> JsonResponse:
     return JsonResponse(data, status=status, safe=False)
 
 
+def body_too_large() -> ApiError:
+    return ApiError(
+        413, "body_too_large",
+        f"The request body is larger than DATA_UPLOAD_MAX_MEMORY_SIZE "
+        f"({settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes); nothing was read or written.",
+        field="body")
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -61,11 +69,13 @@ def read_json_object(request: HttpRequest, *, optional: bool = False) -> dict[st
     try:
         raw = request.body
     except RequestDataTooBig:
-        raise ApiError(
-            413, "body_too_large",
-            f"The request body is larger than DATA_UPLOAD_MAX_MEMORY_SIZE "
-            f"({settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes); nothing was read or written.",
-            field="body") from None
+        raise body_too_large() from None
+    except RawPostDataException:
+        # A session's CSRF check read a multipart form (an HTML <form>) looking for
+        # csrfmiddlewaretoken, which consumes the stream: whatever it was, it was no JSON.
+        raise ApiError(400, "invalid_json", "The request body must be a JSON object sent as "
+                                            "application/json, not a form.",
+                       field="body") from None
     if not raw.strip():
         if optional:
             return {}

@@ -460,6 +460,34 @@ def test_session_auth_requires_csrf_on_post(operator_token: str):
     assert call(plain, "POST", f"/jobs/{other.id}/cancel", operator_token).status_code == 200
 
 
+def test_a_session_post_of_a_form_is_json_400_or_413_not_a_500(settings: Any):
+    """A browser form posted with the session (an HTML ``<form>`` with its
+    ``csrfmiddlewaretoken``) is not a JSON body: a JSON 400 naming the body, not a 500 (the CSRF
+    check had read the multipart stream, and reading the body then raised); an oversized one
+    is the API's JSON 413, not Django's HTML 400."""
+    make_user("staffer", *ALL_PERMS)
+    browser = Client(enforce_csrf_checks=True)
+    assert browser.login(username="staffer", password="pw-123456")
+    browser.get("/admin/login/")
+    csrf = browser.cookies["csrftoken"].value
+    job = stage(status="failed")
+    before = table_fingerprint()
+    for path, form in ((f"/jobs/{job.id}/retry", {"mode": "reset"}),
+                       ("/jobs/", {"job_type": "test.noop"})):
+        response = browser.post(path, {"csrfmiddlewaretoken": csrf, **form})  # multipart
+        assert response.status_code == 400, (path, response.content[:300])
+        assert response["Content-Type"].startswith("application/json")
+        assert response.json()["error"]["field"] == "body"
+        assert_matches_schema("POST", path, 400, response.json())
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    response = browser.post(
+        f"/jobs/{job.id}/cancel", f"csrfmiddlewaretoken={csrf}&pad={'x' * 2000}",
+        content_type="application/x-www-form-urlencoded", HTTP_X_CSRFTOKEN=csrf)
+    assert response.status_code == 413, response.content[:300]
+    assert response.json()["error"]["code"] == "body_too_large"
+    assert table_fingerprint() == before
+
+
 # ------------------------------------------------------------------ tenant confinement
 def test_tenant_bound_token_is_confined_by_id_and_by_filter(client: Client):
     user = make_user("tenant-op", *ALL_PERMS)
