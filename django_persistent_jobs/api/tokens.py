@@ -26,6 +26,8 @@ from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from .. import bounds
+
 if TYPE_CHECKING:
     from django.contrib.auth.base_user import AbstractBaseUser
 
@@ -43,9 +45,17 @@ class ApiTokenManager(models.Manager["ApiToken"]):
     def create_token(
         self, *, user: AbstractBaseUser, name: str, tenant: str | None = None,
     ) -> tuple[ApiToken, str]:
-        """Create a token and return it with its secret, which is shown this once only."""
+        """Create a token and return it with its secret, which is shown this once only.
+
+        ``tenant=None`` makes a token that sees every tenant; any other value must be a usable
+        tenant name. An empty string is refused rather than read as None: it is what an unset
+        variable gives, and reading it as None would hand out an unconfined token.
+        """
+        problem = bounds.tenant_problem(tenant)
+        if problem is not None:
+            raise ValueError(f"{problem} Give tenant=None for a token that sees every tenant.")
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        token = self.create(user_pk=str(user.pk), name=name, tenant=tenant or None,
+        token = self.create(user_pk=str(user.pk), name=name, tenant=tenant,
                             key_prefix=secret[:DISPLAY_CHARS], key_hash=hash_token(secret))
         return token, secret
 

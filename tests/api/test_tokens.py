@@ -27,6 +27,18 @@ def test_a_token_acts_as_its_user_and_dies_with_it():
     assert ApiToken.objects.authenticate(secret) is None
 
 
+@pytest.mark.parametrize("tenant", ["", 42, "x" * 201, "a\x00b"])
+def test_a_token_for_an_unusable_tenant_is_refused_not_left_unbound(tenant: object):
+    """``tenant=""`` (an unset variable, a blank form value) made an *unbound* token, one that
+    sees every tenant: the opposite of what the caller was confining. As for a job's tenant
+    (``bounds.tenant_problem``), only ``None`` means "no tenant"; anything else unusable is an
+    error, and no token is created."""
+    user = get_user_model().objects.create_user("ops-bot", password="x")
+    with pytest.raises(ValueError, match="tenant"):
+        ApiToken.objects.create_token(user=user, name="acme-bot", tenant=tenant)
+    assert not ApiToken.objects.exists()
+
+
 def test_a_token_whose_user_is_gone_or_inactive_authenticates_nobody():
     user = get_user_model().objects.create_user("ops-bot", password="x")
     _, secret = ApiToken.objects.create_token(user=user, name="grafana")
