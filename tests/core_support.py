@@ -4,6 +4,8 @@ overrides, extra connections and the environment of subprocesses."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -144,6 +146,19 @@ def notifications_until_marker(
             return payloads
         payloads.append(note.payload)
     raise AssertionError(f"marker notification not received within {timeout}s; got {payloads}")
+
+
+#: A database URL nothing answers at (port 1): for what happens when the database is down.
+UNREACHABLE_DATABASE_URL = "postgres://postgres@127.0.0.1:1/nowhere"
+
+
+def run_without_database(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python *args`` from the repository root with the suite's settings and a database
+    that does not answer: a dead database's answers, from a process of its own (this one's
+    connections stay as they are)."""
+    env = {**subprocess_env(), "DATABASE_URL": UNREACHABLE_DATABASE_URL}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
 
 
 def subprocess_env() -> dict[str, str]:

@@ -391,10 +391,8 @@ def test_names_follow_prometheus_conventions(client: Client, viewer_token: str):
 def test_the_view_answers_503_when_the_database_is_unreachable() -> None:
     """Credentials cannot be checked without the database: a JSON 503 (Prometheus: up == 0),
     not a 500 HTML page."""
-    import subprocess
-    import sys
 
-    from tests.core_support import ROOT, subprocess_env
+    from tests.core_support import run_without_database
 
     script = (
         "import django; django.setup()\n"
@@ -402,9 +400,6 @@ def test_the_view_answers_503_when_the_database_is_unreachable() -> None:
         "r = Client().get('/metrics', HTTP_AUTHORIZATION='Bearer pjt_x')\n"
         "print(r.status_code, r['Content-Type'], r.get('Retry-After'), r.json()['error']['code'])\n"
     )
-    env = {**subprocess_env(), "DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere",
-           "DJANGO_SETTINGS_MODULE": "tests.settings"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = run_without_database("-c", script)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["503", "application/json", "15", "database_unavailable"]

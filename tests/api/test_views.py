@@ -323,10 +323,8 @@ def test_an_unreachable_database_is_a_json_503_on_every_endpoint() -> None:
     a restart) a client gets a JSON 503 with ``Retry-After``, what HTTP clients and load
     balancers retry, not Django's HTML 500 page. The message does not name the database's
     host: an unauthenticated caller gets it too."""
-    import subprocess
-    import sys
 
-    from tests.core_support import ROOT, subprocess_env
+    from tests.core_support import run_without_database
 
     script = (
         "import django, json; django.setup()\n"
@@ -341,10 +339,7 @@ def test_an_unreachable_database_is_a_json_503_on_every_endpoint() -> None:
         "    print(json.dumps([method.upper(), path, r.status_code, r['Content-Type'],\n"
         "                      r.get('Retry-After'), r.content.decode()]))\n"
     )
-    env = {**subprocess_env(), "DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere",
-           "DJANGO_SETTINGS_MODULE": "tests.settings"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = run_without_database("-c", script)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(lines) == 6, done.stdout
