@@ -129,22 +129,30 @@ def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
     instead, which rejects them with a JSON 403 rather than the middleware's HTML page.
     """
     allowed = tuple(m.upper() for m in methods)
+    if "GET" in allowed and "HEAD" not in allowed:
+        # HTTP: a resource that answers GET answers HEAD with the same status and headers and
+        # no body (health checks, link checkers and some proxies send it).
+        allowed += ("HEAD",)
 
     def decorate(view: View) -> View:
         @wraps(view)
         def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            if request.method not in allowed:
-                return error_response(ApiError(
-                    405, "method_not_allowed",
-                    f"{request.method} is not allowed here; use {', '.join(allowed)}.",
-                    headers={"Allow": ", ".join(allowed)},
-                ))
             try:
-                return view(request, *args, **kwargs)
+                if request.method not in allowed:
+                    raise ApiError(
+                        405, "method_not_allowed",
+                        f"{request.method} is not allowed here; use {', '.join(allowed)}.",
+                        headers={"Allow": ", ".join(allowed)})
+                response = view(request, *args, **kwargs)
             except ApiError as error:
-                return error_response(error)
+                response = error_response(error)
             except (OperationalError, InterfaceError) as exc:
-                return error_response(database_unavailable(exc))
+                response = error_response(database_unavailable(exc))
+            if request.method == "HEAD":
+                length = len(response.content)
+                response.content = b""
+                response["Content-Length"] = str(length)
+            return response
 
         return csrf_exempt(wrapper)
 

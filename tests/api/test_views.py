@@ -380,8 +380,22 @@ def test_409_when_the_state_does_not_allow_the_action(client: Client, operator_t
 def test_405_is_json_with_allow(client: Client, operator_token: str):
     response = client.delete("/jobs/", **bearer(operator_token))
     assert response.status_code == 405
-    assert response["Allow"] == "GET, POST"
+    assert response["Allow"] == "GET, POST, HEAD"
     assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_head_answers_like_get_without_a_body(client: Client, operator_token: str):
+    job = stage()
+    for path in ("/jobs/", f"/jobs/{job.id}", "/jobs/stats", "/jobs/openapi.json"):
+        got = client.get(path, **bearer(operator_token))
+        head = client.head(path, **bearer(operator_token))
+        assert (head.status_code, head["Content-Type"]) == (200, got["Content-Type"]), path
+        assert head.content == b"" and int(head["Content-Length"]) > 0, path
+    missing = client.head(f"/jobs/{uuid.uuid4()}", **bearer(operator_token))
+    assert (missing.status_code, missing.content) == (404, b"")
+    assert client.head("/jobs/", **bearer("pjt_not-a-token")).status_code == 401
+    refused = client.head(f"/jobs/{job.id}/retry", **bearer(operator_token))
+    assert (refused.status_code, refused["Allow"], refused.content) == (405, "POST", b"")
 
 
 # ------------------------------------------------------------------ authentication
