@@ -290,6 +290,39 @@ def _is_coroutine_function(code: Any) -> bool:
     return not inspect.isroutine(code) and inspect.iscoroutinefunction(call)
 
 
+def _as_payload_ctx(code: Callable[..., Any], origin: str,
+                    is_async: bool) -> Callable[[Any, JobContext], Any]:
+    """``code`` (a function, a callable object or a ``JobHandler``'s bound ``execute``) as the
+    ``(payload, ctx)`` callable the runner calls.
+
+    One shape rule for functions and classes alike: one positional parameter gets the payload
+    only, two get the payload and the context, anything else is refused here, at import. A
+    class's ``execute(self, payload)`` would otherwise be registered as it is and fail every
+    attempt with a ``TypeError`` until its job is dead-lettered.
+    """
+    arity = _positional_arity(code)
+    if arity == 1 and is_async:
+        async def one_async(payload: Any, ctx: JobContext,
+                            _f: Callable[[Any], Any] = code) -> Any:
+            return await _f(payload)
+        return one_async
+    if arity == 1:
+        def one_arg(payload: Any, ctx: JobContext, _f: Callable[[Any], Any] = code) -> Any:
+            return _f(payload)
+        return one_arg
+    if arity == 2 and is_async and not inspect.iscoroutinefunction(code):
+        async def two_async(payload: Any, ctx: JobContext,  # an async __call__
+                            _f: Callable[[Any, JobContext], Any] = code) -> Any:
+            return await _f(payload, ctx)
+        return two_async
+    if arity == 2:
+        return code
+    raise ConfigurationError(
+        f"Handler {origin} must accept (payload) or (payload, ctx); "
+        f"it takes {arity} positional parameters."
+    )
+
+
 @overload
 def job_handler(job_type: type[T], /) -> type[T]: ...
 @overload
@@ -353,39 +386,15 @@ def job_handler(
                 resolved_atomic = getattr(target, "atomic", None)
             if options["validator"] is None and type(instance).validate is not JobHandler.validate:
                 options["validator"] = instance.validate
-            func: Callable[[Any, JobContext], Any] = instance.execute
             origin = f"{target.__module__}.{target.__qualname__}"
             is_async = _is_coroutine_function(instance.execute)
             body_problem = _body_problem(instance.execute, origin)
+            func = _as_payload_ctx(instance.execute, origin, is_async)
         elif callable(target):
             origin = f"{target.__module__}.{getattr(target, '__qualname__', repr(target))}"
             is_async = _is_coroutine_function(target)
             body_problem = _body_problem(target, origin)
-            arity = _positional_arity(target)
-            if arity == 1 and is_async:
-                one_async: Callable[[Any], Any] = target
-
-                async def func(payload: Any, ctx: JobContext,
-                               _f: Callable[[Any], Any] = one_async) -> Any:
-                    return await _f(payload)
-            elif arity == 1:
-                one_arg: Callable[[Any], Any] = target
-
-                def func(payload: Any, ctx: JobContext, _f: Callable[[Any], Any] = one_arg) -> Any:
-                    return _f(payload)
-            elif arity == 2 and is_async and not inspect.iscoroutinefunction(target):
-                two_async: Callable[[Any, JobContext], Any] = target  # an async __call__
-
-                async def func(payload: Any, ctx: JobContext,
-                               _f: Callable[[Any, JobContext], Any] = two_async) -> Any:
-                    return await _f(payload, ctx)
-            elif arity == 2:
-                func = target
-            else:
-                raise ConfigurationError(
-                    f"Handler {origin} must accept (payload) or (payload, ctx); "
-                    f"it takes {arity} positional parameters."
-                )
+            func = _as_payload_ctx(target, origin, is_async)
         else:
             raise ConfigurationError(f"@job_handler cannot decorate {target!r}.")
         if not resolved_type:

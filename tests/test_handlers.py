@@ -205,6 +205,49 @@ def test_bad_handler_shapes_fail_at_decoration() -> None:
             "core.reg.class", "core.reg.one", "core.reg.two"]
 
 
+def test_a_class_handlers_execute_is_held_to_the_same_shapes_as_a_function() -> None:
+    """``execute(self, payload)`` gets the payload only, as a one-parameter function does; any
+    other shape is refused at decoration, not found out by every attempt failing with a
+    ``TypeError`` until the job is dead-lettered."""
+    import asyncio
+
+    with registry.isolated():
+        @job_handler("core.reg.class_one")
+        class ClassOne(JobHandler):
+            def execute(self, payload: Any) -> str:  # type: ignore[override]
+                return f"one {payload}"
+
+        @job_handler("core.reg.class_one_async")
+        class ClassOneAsync(JobHandler):
+            async def execute(self, payload: Any) -> str:  # type: ignore[override]
+                return f"async one {payload}"
+
+        ctx = JobContext(job_id=uuid.uuid4(), job_type="core.reg.class_one", attempt=1,
+                         max_retries=0, runner_id="r")
+        one, one_async = registry.get("core.reg.class_one"), registry.get(
+            "core.reg.class_one_async")
+        assert one is not None and one_async is not None
+        assert not one.errors and not one_async.errors and one_async.is_async
+        assert one.func({"a": 1}, ctx) == "one {'a': 1}"
+        assert asyncio.run(one_async.func(5, ctx)) == "async one 5"  # type: ignore[arg-type]
+
+        with pytest.raises(ConfigurationError, match=r"must accept \(payload\) or \(payload, ctx\);"
+                                                     " it takes 0 positional parameters"):
+            @job_handler("core.reg.class_zero")
+            class ClassZero(JobHandler):
+                def execute(self) -> None:  # type: ignore[override]
+                    return None
+
+        with pytest.raises(ConfigurationError, match="it takes 3 positional parameters"):
+            @job_handler("core.reg.class_three")
+            class ClassThree(JobHandler):
+                def execute(self, payload: Any, ctx: JobContext,  # type: ignore[override]
+                            extra: Any) -> None:
+                    return None
+        assert "core.reg.class_zero" not in registry
+        assert "core.reg.class_three" not in registry
+
+
 def test_handler_options_merge_over_settings_at_call_time() -> None:
     spec = HandlerSpec(job_type="core.reg.bare", func=lambda p, c: None, origin="x")
     assert (spec.effective_max_retries(), spec.effective_timeout(), spec.effective_dedup(),
