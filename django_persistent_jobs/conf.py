@@ -33,8 +33,11 @@ from . import bounds
 RUNJOBS_DEFAULT_PROCESSES = 0
 
 TERMINAL_RETENTION_KEYS = ("completed", "cancelled", "dead_lettered")
-#: Retention must fit PostgreSQL's interval arithmetic; timedelta's own maximum does.
-_MAX_RETENTION_SECONDS = timedelta.max.total_seconds()
+#: The longest retention: cleanup computes ``now() - retention``, which PostgreSQL refuses
+#: past its timestamp range (``timedelta.max`` passed the check and then failed every cleanup
+#: with "timestamp out of range"). The bound of every other seconds value; to keep jobs
+#: longer, keep them forever (``None``).
+_MAX_RETENTION_SECONDS = bounds.MAX_SECONDS
 
 
 class ConfigurationError(ImproperlyConfigured):
@@ -238,10 +241,8 @@ def _retention_of(raw: Any) -> dict[str, float | None]:
     if raw is None or (isinstance(raw, int | float | timedelta) and not isinstance(raw, bool)):
         # One value applies to completed and cancelled; dead letters are kept for operators.
         base = None if raw is None else seconds(raw)
-        if base is not None and not 0 < base <= _MAX_RETENTION_SECONDS:
-            raise ConfigurationError(
-                f"PERSISTENT_JOBS['RETENTION'] must be positive and finite, got {raw!r}."
-            )
+        if base is not None:
+            _check_retention(base, raw, "PERSISTENT_JOBS['RETENTION']")
         return {"completed": base, "cancelled": base, "dead_lettered": None}
     if not isinstance(raw, dict):
         raise ConfigurationError(
@@ -258,19 +259,26 @@ def _retention_of(raw: Any) -> dict[str, float | None]:
                 f"PERSISTENT_JOBS['RETENTION']['{status}'] must be a timedelta, seconds or "
                 f"None, got {bounds.show(item)}."
             )
-        if not 0 < seconds(item) <= _MAX_RETENTION_SECONDS:
-            raise ConfigurationError(
-                f"PERSISTENT_JOBS['RETENTION']['{status}'] must be positive and finite, "
-                f"got {item!r}."
-            )
+        _check_retention(seconds(item), item, f"PERSISTENT_JOBS['RETENTION']['{status}']")
         result[status] = seconds(item)
     unknown = set(raw) - set(TERMINAL_RETENTION_KEYS)
     if unknown:
+        # Sorted by repr: keys of mixed types (a stray int) do not sort among themselves.
         raise ConfigurationError(
-            f"PERSISTENT_JOBS['RETENTION'] has unknown statuses {sorted(unknown)}; "
+            f"PERSISTENT_JOBS['RETENTION'] has unknown statuses {sorted(unknown, key=repr)}; "
             f"use {list(TERMINAL_RETENTION_KEYS)}."
         )
     return result
+
+
+def _check_retention(value: float, raw: Any, name: str) -> None:
+    if not (value > 0 and math.isfinite(value)):  # (NaN fails the first test)
+        raise ConfigurationError(f"{name} must be positive and finite, got {raw!r}.")
+    if value > _MAX_RETENTION_SECONDS:
+        raise ConfigurationError(
+            f"{name} must be at most {_MAX_RETENTION_SECONDS:.0f} seconds (about 10 years), "
+            f"got {bounds.show(raw)}; use None to keep these jobs forever."
+        )
 
 
 def _optional_seconds(value: Any) -> float | None:

@@ -89,6 +89,13 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "PERSISTENT_JOBS['RETENTION']['dead_lettered'] must be positive and finite"),
     ({"RETENTION": {"done": 60}}, "persistent_jobs.E009",
      "PERSISTENT_JOBS['RETENTION'] has unknown statuses ['done']"),
+    # Past what cleanup's ``now() - interval`` can compute: PostgreSQL fails the statement.
+    ({"RETENTION": timedelta(days=10**8)}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION'] must be at most 315360000 seconds"),
+    ({"RETENTION": {"dead_lettered": timedelta.max}}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION']['dead_lettered'] must be at most 315360000 seconds"),
+    ({"RETENTION": {"done": 60, 7: 60}}, "persistent_jobs.E009",  # keys that do not sort
+     "PERSISTENT_JOBS['RETENTION'] has unknown statuses ['done', 7]"),
     ({"QUEUES": []}, "persistent_jobs.E010",
      "PERSISTENT_JOBS['QUEUES'] must be a non-empty list of queue names (strings of 1..100 "
      "characters) or None, got []."),

@@ -112,3 +112,19 @@ def test_cleanup_deletes_in_batches_until_done() -> None:
     assert cleanup_once("default") == 12345
     assert remaining() == {keep.id}
     assert JobAttempt.objects.count() == 0
+
+
+@pytest.mark.django_db
+def test_the_longest_retention_the_check_accepts_is_one_cleanup_can_compute() -> None:
+    """The check's bound is what cleanup's ``finished_at < now() - interval`` can compute: a
+    larger one passed the check and then failed every cleanup ("timestamp out of range")."""
+    from django_persistent_jobs import bounds
+
+    kept = finished("dead_lettered", timedelta(days=3000))
+    longest = timedelta(seconds=bounds.MAX_SECONDS)
+    with pj_settings(RETENTION={"completed": longest, "cancelled": longest,
+                                "dead_lettered": longest}):
+        assert cleanup_once("default") == 0
+    with pj_settings(RETENTION={"dead_lettered": timedelta(days=2000)}):
+        assert cleanup_once("default") == 1
+    assert kept.id not in remaining()
