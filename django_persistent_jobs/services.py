@@ -72,7 +72,9 @@ def retry_job(
     now) and return it.
 
     ``now``: due immediately, attempt count kept; ``later``: due after the backoff for its
-    attempt count; ``reset``: attempts and errors cleared, due now. When ``now``/``later`` find
+    attempt count; ``reset``: attempts, hand-backs and errors cleared, due now (a fresh start:
+    a job dead-lettered for hand-backs past ``HANDBACK_LIMIT`` would otherwise have its next
+    hand-back charged at once). When ``now``/``later`` find
     the retries used up, the job is granted one more attempt (``max_retries`` is raised by one),
     because an operator asking for a retry means it.
 
@@ -95,6 +97,7 @@ def retry_job(
         "UPDATE persistent_jobs SET status = 'pending', "
         "next_run_at = now() + %s * interval '1 second', "
         "attempts = CASE WHEN %s THEN 0 ELSE attempts END, "
+        "handbacks = CASE WHEN %s THEN 0 ELSE handbacks END, "
         "max_retries = CASE WHEN NOT %s AND attempts >= max_retries + 1 THEN attempts "
         "ELSE max_retries END, "
         "last_error = CASE WHEN %s THEN '' ELSE last_error END, "
@@ -106,7 +109,7 @@ def retry_job(
     )
     try:
         with transaction.atomic(using=_alias()), connections[_alias()].cursor() as cursor:
-            cursor.execute(sql, [delay, reset, reset, reset, reset, job.id, list(allowed)])
+            cursor.execute(sql, [delay, reset, reset, reset, reset, reset, job.id, list(allowed)])
             row = cursor.fetchone()
             if row is not None and delay == 0:
                 cursor.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, str(job.id)])

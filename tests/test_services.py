@@ -115,6 +115,20 @@ def test_retry_reset_starts_over() -> None:
 
 
 @pytest.mark.django_db
+def test_retry_reset_frees_the_hand_backs_too_and_the_other_modes_keep_them() -> None:
+    """A job dead-lettered for hand-backs past ``HANDBACK_LIMIT`` (``INTERRUPTED``) and reset
+    starts over: its next hand-back (a deploy stopping its runner) is free again rather than
+    charged at once as a failed attempt."""
+    job = make("dead_lettered", attempts=4, max_retries=3, handbacks=7,
+               last_error_code="INTERRUPTED")
+    assert retry_job(job.id, mode="reset").handbacks == 0
+    assert PersistentJob.objects.get(id=job.id).handbacks == 0
+    for mode in ("now", "later"):
+        kept = make("dead_lettered", attempts=4, max_retries=3, handbacks=7)
+        assert retry_job(kept.id, mode=mode).handbacks == 7, mode
+
+
+@pytest.mark.django_db
 def test_retry_applies_to_failed_cancelled_and_pending_jobs() -> None:
     failed = make("failed", attempts=1, next_run_at=db_now() + timedelta(hours=1))
     assert retry_job(failed.id).next_run_at == db_now()  # no need to wait for the backoff
