@@ -46,6 +46,12 @@ class JobError(Exception):
     def __init__(self, message: str = "", code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if code is not None and not isinstance(code, str):
+            # Refused here, where the traceback points at the mistake: ``code=429`` failed
+            # with "'int' object is not subscriptable", and ``code=b"X"`` was stored as "b'X'".
+            raise ValueError(
+                f"code must be a string (for example 'RATE_LIMITED'), got {bounds.show(code)}"
+            )
         # The code is stored in a 64-character column; a longer one is cut rather than allowed
         # to make recording the outcome fail.
         self.code = (code or self.default_code)[:64]

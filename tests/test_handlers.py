@@ -315,6 +315,17 @@ def test_transient_error_refuses_a_retry_after_the_database_cannot_schedule(bad:
         TransientJobError("later", retry_after=bad)
 
 
+@pytest.mark.parametrize("error", ["TransientJobError", "PermanentJobError"])
+@pytest.mark.parametrize("bad", [429, b"RATE_LIMITED", ["RATE_LIMITED"]])
+def test_an_error_code_that_is_not_a_string_is_refused_saying_so(error: str, bad: Any) -> None:
+    """Codes are stored as text and grouped by the admin's filter: ``code=429`` failed with
+    "'int' object is not subscriptable", and ``code=b"X"`` was stored as ``"b'X'"``."""
+    import django_persistent_jobs as pj
+
+    with pytest.raises(ValueError, match=r"code must be a string \(for example 'RATE_LIMITED'\)"):
+        getattr(pj, error)("failed", code=bad)
+
+
 def test_transient_error_accepts_seconds_or_a_timedelta() -> None:
     from django_persistent_jobs import PermanentJobError, TransientJobError
 
