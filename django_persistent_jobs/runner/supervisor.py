@@ -44,6 +44,7 @@ from .db import (
     DatabaseUnreachable,
     error_line,
     is_connection_error,
+    open_progress_connection,
     reset_connection,
     run_with_retry,
     sqlstate,
@@ -765,13 +766,7 @@ class Runner:
             for _ in range(2):
                 try:
                     if self._side is None:
-                        self._side = connections.create_connection(self.alias)
-                        self._side.inc_thread_sharing()
-                        with self._side.cursor() as cursor:
-                            # Progress is advisory: a job row locked by someone else's
-                            # transaction (even the reporting handler's own) must not hold up
-                            # every handler that reports progress.
-                            cursor.execute("SET lock_timeout = '1s'")
+                        self._side = open_progress_connection(self.alias)
                     with self._side.cursor() as cursor:
                         store.report_progress(cursor, ctx.job_id, item.job.token, progress)
                     return

@@ -71,3 +71,16 @@ def hang_first(payload: dict[str, Any], ctx: JobContext) -> None:
     if ctx.attempt == 1:
         time.sleep(float(payload.get("sleep", 60)))
     LedgerEntry.objects.create(job_id=ctx.job_id, note="hang_first")
+
+
+@job_handler("test.progress_mark", max_retries=0, timeout=60)
+def progress_mark(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Once the file ``payload["go"]`` exists, reports progress, then creates the file
+    ``payload["mark"]``: a test that holds the job's row lock meanwhile sees from outside the
+    runner (and its worker processes) whether reporting progress waited for the lock."""
+    deadline = time.monotonic() + 30
+    while not os.path.exists(payload["go"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ctx.report_progress({"step": 1})
+    with open(payload["mark"], "w") as mark:
+        mark.write("reported")

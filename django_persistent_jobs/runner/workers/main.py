@@ -526,7 +526,7 @@ class Worker:
     def _report_progress(self, ctx: Any, progress: Any) -> None:
         """Progress goes through a connection of its own, outside the job's transaction."""
         from .. import store
-        from ..db import is_connection_error
+        from ..db import LOCK_NOT_AVAILABLE, is_connection_error, open_progress_connection, sqlstate
 
         token = self.tokens.get(ctx.job_id)
         if token is None:
@@ -535,15 +535,17 @@ class Worker:
             for _ in range(2):
                 try:
                     if self.side is None:
-                        self.side = self.connections.create_connection(self.alias)
-                        self.side.inc_thread_sharing()
+                        self.side = open_progress_connection(self.alias)
                     with self.side.cursor() as cursor:
                         store.report_progress(cursor, ctx.job_id, token, progress)
                     return
                 except Exception as exc:
+                    if sqlstate(exc) == LOCK_NOT_AVAILABLE:
+                        break
                     if not is_connection_error(exc):
                         raise
                     self._close_side()
+            logger.warning("could not record progress of job %s", ctx.job_id)
 
     def _close_side(self) -> None:
         if self.side is not None:
