@@ -151,8 +151,11 @@ def run_at_problem(value: Any) -> str | None:
     if not isinstance(value, datetime):
         return f"run_at must be a datetime, got {type(value).__name__}."
     if value.tzinfo is None or value.utcoffset() is None:
-        return ("run_at must be timezone-aware (for example timezone.now() + timedelta(...)); "
-                "a naive datetime is ambiguous.")
+        # The hint must work whatever USE_TZ says: without time zone support
+        # ``timezone.now()`` is naive itself.
+        return ("run_at must be timezone-aware (for example datetime.now(UTC) + timedelta(...), "
+                "or timezone.now() + timedelta(...) with USE_TZ = True); a naive datetime is "
+                "ambiguous.")
     try:
         in_range = value.astimezone(UTC) < MAX_RUN_AT
     except OverflowError:  # beyond year 1 or 9999 once converted to UTC

@@ -342,6 +342,23 @@ def test_bad_arguments_are_refused_before_anything_is_written(
 
 
 @pytest.mark.django_db
+def test_a_naive_run_at_is_refused_with_a_hint_that_works_without_time_zone_support(
+    settings: Any,
+) -> None:
+    """With ``USE_TZ = False``, ``timezone.now()`` is naive itself: the message suggested it
+    (and following the hint raised the same error). It names an aware value that works under
+    either setting, and that value is accepted."""
+    settings.USE_TZ = False
+    with pytest.raises(EnqueueError) as info:
+        enqueue("test.noop", run_at=datetime.now())
+    message = str(info.value)
+    assert "run_at must be timezone-aware" in message and "datetime.now(UTC)" in message
+    assert "timezone.now() + timedelta(...) with USE_TZ = True" in message
+    job = enqueue("test.noop", run_at=datetime.now(UTC) + timedelta(minutes=5))
+    assert PersistentJob.objects.filter(id=job.id).exists()
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("job_type", ["", None, 5])
 def test_job_type_must_be_a_non_empty_string(job_type: Any) -> None:
     with pytest.raises(EnqueueError, match=r"job_type must be a string of 1\.\.200 characters"):
