@@ -144,17 +144,20 @@ class Runner:
                     raise ConfigurationError(f"queues: {problem}")
         if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
             raise ConfigurationError(f"processes must be >= 0, got {processes!r}.")
+        # Capped like the settings of the same names (``bounds.MAX_SECONDS``): a longer wait
+        # overflows the thread waits it feeds (``threading.TIMEOUT_MAX``), which would surface
+        # as a traceback at start-up or a loop that dies once the runner runs.
         for option, value, low in (("poll_interval", poll_interval, "> 0"),
-                                   ("shutdown_grace", shutdown_grace, ">= 0")):
+                                   ("shutdown_grace", shutdown_grace, ">= 0"),
+                                   ("database_wait", database_wait, ">= 0")):
             if value is None:
                 continue
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not number or not math.isfinite(value) or (
+            if not number or not math.isfinite(value) or value > bounds.MAX_SECONDS or (
                     value <= 0 if low == "> 0" else value < 0):
                 raise ConfigurationError(
-                    f"{option} must be a finite number of seconds {low}, got {value!r}.")
-        if database_wait is not None and not database_wait >= 0:
-            raise ConfigurationError(f"database_wait must be >= 0, got {database_wait!r}.")
+                    f"{option} must be a finite number of seconds {low} (at most "
+                    f"{bounds.MAX_SECONDS:.0f}), got {value!r}.")
         # ``runner_id`` is an alias of ``name``: an operator-chosen label, never the fencing
         # identity itself (see ``make_runner_id``).
         configured = name if name is not None else runner_id

@@ -43,6 +43,13 @@ def _finish(proc: subprocess.Popen[bytes], timeout: float = 30) -> tuple[int, st
         (["--poll-interval", "-1"], "--poll-interval"),
         (["--queues", ","], "--queues"),
         (["--queues", " , ,"], "--queues"),
+        # Beyond what a thread can wait (``threading.TIMEOUT_MAX``): refused at start, not a
+        # traceback at the first wait or a claim loop that dies after the runner started.
+        # ``--burst`` so that a regression ends instead of running on.
+        (["--burst", "--poll-interval", "1e300"], "poll_interval"),
+        (["--burst", "--grace", "1e300"], "shutdown_grace"),
+        (["--burst", "--database-wait", "inf"], "database_wait"),
+        (["--burst", "--database-wait", "1e300"], "database_wait"),
     ],
 )
 def test_bad_arguments_are_command_errors(args: list[str], message: str) -> None:
