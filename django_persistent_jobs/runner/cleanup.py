@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from django.db import connections
 
 from .. import conf
 from . import store
@@ -20,7 +23,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("django_persistent_jobs.runner")
 
 
-def cleanup_once(alias: str, interrupt: Any = None) -> int:
+def cleanup_once(alias: str, interrupt: Any = None, *, wait_for_database: bool = True) -> int:
+    """Delete every finished job past its retention now; the number deleted.
+
+    The runner's loop waits out a database outage (``run_with_retry``); ``manage.py jobs
+    prune`` passes ``wait_for_database=False``: an operator's shell or cron job must get the
+    database error at once, not wait for as long as the outage lasts."""
+    def run(delete_batch: Callable[[Cursor], int]) -> int | None:
+        if wait_for_database:
+            return run_with_retry(alias, delete_batch, what="cleanup", interrupt=interrupt)
+        with connections[alias].cursor() as cursor:
+            return delete_batch(cursor)
+
     total = 0
     for status, keep in conf.settings.RETENTION.items():
         if keep is None:
@@ -29,7 +43,7 @@ def cleanup_once(alias: str, interrupt: Any = None) -> int:
             return store.cleanup(cursor, status, keep)
 
         while True:
-            deleted = run_with_retry(alias, delete_batch, what="cleanup", interrupt=interrupt)
+            deleted = run(delete_batch)
             if not deleted:
                 break
             total += deleted

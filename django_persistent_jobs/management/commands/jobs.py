@@ -233,7 +233,7 @@ class Command(BaseCommand):
     def do_prune(self, options: dict[str, Any]) -> int:
         from django_persistent_jobs.runner.cleanup import cleanup_once
 
-        deleted = cleanup_once(conf.settings.DATABASE)
+        deleted = cleanup_once(conf.settings.DATABASE, wait_for_database=False)
         self.emit(options, {"deleted": deleted},
                   f"Deleted {deleted} finished job(s) older than their retention.")
         return EXIT_OK

@@ -173,8 +173,11 @@ def test_stats_json_and_human():
     assert jobs("stats", "--window", "5")[0] == 2
 
 
-def test_a_database_it_cannot_reach_is_one_line_and_exit_1():
-    done = run_without_database("manage.py", "jobs", "list")
+@pytest.mark.parametrize("action", [["list"], ["prune"]])
+def test_a_database_it_cannot_reach_is_one_line_and_exit_1(action: list[str]) -> None:
+    """Every action answers at once, ``prune`` too: it shares the runner's cleanup, whose loop
+    waits out an outage, and a cron job or a shell must get its error instead of waiting."""
+    done = run_without_database("manage.py", "jobs", *action)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("CommandError: database error: ") and "port 1" in done.stderr
