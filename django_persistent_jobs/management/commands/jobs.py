@@ -115,6 +115,10 @@ class Command(BaseCommand):
             # line that says which, and the exit code scripts treat as an error.
             message = " ".join(str(exc).split())
             raise CommandError(f"database error: {message}", returncode=EXIT_ERROR) from exc
+        except ConfigurationError as exc:
+            # Settings the system checks would refuse, reached past ``--skip-checks``: the
+            # setting's own message, as ``runjobs`` gives it, not a traceback.
+            raise CommandError(str(exc), returncode=EXIT_ERROR) from exc
         if code:
             sys.exit(code)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from django.core.management import load_command_class
+from django.test import override_settings
 from django.utils import timezone
 
 from django_persistent_jobs.models import PersistentJob
@@ -150,6 +151,18 @@ def test_usage_errors_exit_2(args: list[str]):
     assert code == 2, err
     assert err.strip() and "Traceback" not in err
     assert PersistentJob.objects.get(pk=waiting.pk).status == "pending"
+
+
+def test_invalid_settings_past_skip_checks_are_one_line_and_exit_1():
+    """``--skip-checks`` lets the command start with settings the checks would refuse; the
+    setting's own message then ends it, as ``runjobs`` does, rather than a traceback."""
+    stage(status="completed", finished_at=timezone.now() - timedelta(days=30))
+    with override_settings(PERSISTENT_JOBS={"RETENTION": {"completed": -5}}):
+        code, out, err = jobs("--skip-checks", "prune")
+    assert code == 1, (out, err)
+    assert err.startswith("CommandError: ") and "RETENTION" in err, err
+    assert "Traceback" not in err and not out
+    assert PersistentJob.objects.count() == 1
 
 
 def test_prune_deletes_expired_finished_jobs_now():
