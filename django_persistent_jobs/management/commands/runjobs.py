@@ -57,7 +57,7 @@ class Command(BaseCommand):
         if options["database_wait"] is not None and not options["database_wait"] >= 0:
             raise CommandError("--database-wait must be a number of seconds, 0 or more.")
         queues = None
-        if options["queues"]:
+        if options["queues"] is not None:  # ``--queues ""`` (an unset variable) is no "all"
             queues = [q.strip() for q in options["queues"].split(",") if q.strip()]
             if not queues:
                 raise CommandError("--queues needs at least one queue name.")

@@ -50,6 +50,9 @@ def _finish(proc: subprocess.Popen[bytes], timeout: float = 30) -> tuple[int, st
         (["--burst", "--grace", "1e300"], "shutdown_grace"),
         (["--burst", "--database-wait", "inf"], "database_wait"),
         (["--burst", "--database-wait", "1e300"], "database_wait"),
+        # An empty value (``--queues "$QUEUES"`` with the variable unset) names no queue: it
+        # must not quietly serve every queue, as leaving the option out does.
+        (["--burst", "--queues", ""], "--queues"),
     ],
 )
 def test_bad_arguments_are_command_errors(args: list[str], message: str) -> None:
