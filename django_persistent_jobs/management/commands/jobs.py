@@ -60,7 +60,9 @@ def _filter_from(options: dict[str, Any]) -> queries.JobFilter:
         "error_code": options["error_code"],
     }
     for name in ("created_after", "created_before"):
-        if options.get(name):
+        # ``is not None``: an empty value (an unset shell variable) must reach the check and be
+        # refused, not be taken for no filter and widen a bulk retry or cancel to every date.
+        if options.get(name) is not None:
             values[name] = [options[name]]
     try:
         return queries.build_filter(values)

@@ -141,6 +141,10 @@ def test_cancel_by_id_and_by_filter():
     # A filter that names nothing would match every job.
     ["cancel", "--queue", ","],
     ["list", "--tenant", " , "],
+    # An empty date (``--created-after "$SINCE"`` with the variable unset) is no date: ignoring
+    # it would cancel every job of the type, whenever created.
+    ["cancel", "--job-type", "test.noop", "--created-after", ""],
+    ["list", "--created-before", ""],
     # Not UTF-8 on the command line (a lone surrogate in Python): refused, not a traceback.
     ["stats", "--tenant", "\udcff"],
     ["list", "--tenant", "\udcff"],
