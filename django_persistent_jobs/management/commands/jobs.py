@@ -88,8 +88,10 @@ class Command(BaseCommand):
         show.add_argument("job_id")
         show.add_argument("--json", action="store_true")
 
-        for name, text in (("retry", "Retry jobs by id, or every job matching filters."),
-                           ("cancel", "Cancel jobs by id, or every job matching filters.")):
+        for name, text in (("retry", "Retry jobs by id, or the jobs matching filters (without "
+                                     "--status: the failed and dead-lettered ones)."),
+                           ("cancel", "Cancel jobs by id, or the jobs matching filters (without "
+                                      "--status: the pending and failed ones).")):
             act = sub.add_parser(name, help=text)
             act.add_argument("job_ids", nargs="*", metavar="ID")
             _add_filters(act)
