@@ -90,6 +90,10 @@ EXIT_NEVER_CONNECTED = 3
 RECALL_ANSWER_SECONDS = 1.0
 #: How long a ``--burst`` run waits for an unreachable database before it gives up.
 BURST_DATABASE_WAIT = 30.0
+#: The least time the first connection attempt gets, whatever is left of ``database_wait``:
+#: ``--database-wait 0`` means one attempt and no waiting, and an attempt needs a moment (a
+#: connection takes milliseconds; a host that drops packets is given up on after this).
+FIRST_CONNECT_SECONDS = 1.0
 #: A job without a timeout lets the liveness sidecar vouch for an unresponsive runner for this
 #: many stale-lock timeouts (one with a timeout: until its deadline).
 NO_TIMEOUT_VOUCH_FACTOR = 10
@@ -652,8 +656,14 @@ class Runner:
         deadline = None if limit is None else time.monotonic() + limit
         backoff = Backoff(first=0.5, cap=5.0)
         last_error = ""
+        tried = False
         while True:  # one attempt even if a stop came first: "stopped" then means "connected"
             remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and not tried:
+                # One attempt even with no time left (``--database-wait 0``): giving up on a
+                # database that was never tried would fail every start, reachable or not.
+                remaining = max(remaining, FIRST_CONNECT_SECONDS)
+            tried = True
             if remaining is not None and remaining <= 0:
                 raise DatabaseUnreachable(
                     f"could not reach database {self.alias!r} within {limit:g}s"

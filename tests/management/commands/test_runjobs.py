@@ -139,6 +139,15 @@ def test_a_line_per_completed_job_only_from_verbosity_2_failures_always(
         assert f"job {job.id} completed" in output, output
 
 
+def test_database_wait_zero_tries_once_and_runs(spawn_runner: Spawn) -> None:
+    """``--database-wait 0`` (documented: >= 0) means "do not wait for a database that is
+    down", not "give up before trying": against a reachable database the burst runs."""
+    job = enqueue("test.ledger", {"note": "no wait"})
+    code, output = _finish(spawn_runner("--burst", "--database-wait", "0", env=LOG_ENV))
+    assert code == 0, output
+    assert get_job(job.id).status == JobStatus.COMPLETED
+
+
 def test_burst_with_nothing_due_exits_zero(spawn_runner: Spawn) -> None:
     later = enqueue("test.ledger", {}, delay=3600)
     code, output = _finish(spawn_runner("--burst", env=LOG_ENV))

@@ -43,6 +43,18 @@ def test_burst_against_an_unreachable_database_fails_after_a_bounded_wait(
 
 
 @pytest.mark.django_db
+def test_database_wait_zero_gives_up_after_one_attempt(spawn_runner: Spawn) -> None:
+    env = {"DATABASE_URL": _unreachable_url(), "PJ_TEST_LOG": "INFO"}
+    began = time.monotonic()
+    code, output = OutputReader(spawn_runner("--burst", "--database-wait", "0",
+                                             env=env)).finish(timeout=60)
+    assert code == 1, output
+    assert "could not reach database 'default' within 0s (connection failed" in output, output
+    assert "Traceback" not in output, output
+    assert time.monotonic() - began < 30
+
+
+@pytest.mark.django_db
 def test_burst_waits_a_bounded_time_by_default(spawn_runner: Spawn) -> None:
     """The default bound is 30 s: the first retry says when the burst gives up (the test above
     shows that it does give up then, with a bound short enough to wait out)."""
