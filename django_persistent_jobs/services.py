@@ -221,3 +221,24 @@ def retry_failure_group(
         except (InvalidJobStateError, JobNotFoundError, ConfigurationError) as exc:
             refused.append(str(exc))
     return retried, refused
+
+
+#: The statuses a bulk retry or cancel selected by filters acts on when no status is named:
+#: retrying a completed job, or cancelling a finished one, would only be refused job by job.
+BULK_ACTION_STATUSES: dict[str, tuple[str, ...]] = {
+    "retry": (JobStatus.FAILED.value, JobStatus.DEAD_LETTERED.value),
+    "cancel": (JobStatus.PENDING.value, JobStatus.FAILED.value),
+}
+
+
+def prune_finished(*, wait_for_database: bool = False) -> int:
+    """Delete every finished job past its ``RETENTION`` now; return how many were deleted.
+
+    The runners' cleanup loop does this on its own schedule; this is the operator's "now"
+    (``manage.py jobs prune``, a cron job). An operator's call gets a database error at once
+    (``wait_for_database=False``) instead of waiting out the outage as a runner does.
+    """
+    from .runner.cleanup import cleanup_once
+
+    return cleanup_once(_alias(), wait_for_database=wait_for_database)
+

@@ -19,7 +19,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
-from django_persistent_jobs import bounds, conf, queries, services
+from django_persistent_jobs import bounds, queries, services
 from django_persistent_jobs.api.serialize import job_detail, job_summary
 from django_persistent_jobs.errors import (
     ConfigurationError,
@@ -33,14 +33,6 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_REFUSED = 4
-
-#: Statuses a filter-selected bulk action touches unless --status says otherwise: retrying a
-#: completed job or cancelling a finished one would only be refused, one by one.
-_DEFAULT_STATUSES = {
-    "retry": ("failed", "dead_lettered"),
-    "cancel": ("pending", "failed"),
-}
-
 
 def _add_filters(parser: CommandParser) -> None:
     parser.add_argument("--status", action="append", default=[],
@@ -181,7 +173,7 @@ class Command(BaseCommand):
                                returncode=EXIT_USAGE)
         if not job_filter.statuses:
             job_filter = dataclasses.replace(
-                job_filter, statuses=_DEFAULT_STATUSES[options["action"]])
+                job_filter, statuses=services.BULK_ACTION_STATUSES[options["action"]])
         return list(queries.iter_matching(job_filter))
 
     def _act(self, options: dict[str, Any], act: Any) -> int:
@@ -239,9 +231,7 @@ class Command(BaseCommand):
         return EXIT_OK
 
     def do_prune(self, options: dict[str, Any]) -> int:
-        from django_persistent_jobs.runner.cleanup import cleanup_once
-
-        deleted = cleanup_once(conf.settings.DATABASE, wait_for_database=False)
+        deleted = services.prune_finished()
         self.emit(options, {"deleted": deleted},
                   f"Deleted {deleted} finished job(s) older than their retention.")
         return EXIT_OK
