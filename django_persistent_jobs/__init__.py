@@ -97,6 +97,7 @@ if TYPE_CHECKING:
         JobNotFoundError,
         PayloadError,
         PermanentJobError,
+        PreparedStatementLostError,
         ScheduleError,
         ScheduleNotFoundError,
         TransientJobError,

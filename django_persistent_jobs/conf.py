@@ -68,7 +68,8 @@ def seconds(value: Any) -> float:
 
 # ----------------------------------------------------------------------------- value checks
 # Each returns why ``value`` is unusable for ``key``, or None.
-def _number_problem(key: str, value: Any, *, integer: bool, allow_zero: bool) -> str | None:
+def _number_problem(key: str, value: Any, *, integer: bool, allow_zero: bool,
+                    unit: str = "seconds") -> str | None:
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if integer else "a number"
@@ -81,7 +82,7 @@ def _number_problem(key: str, value: Any, *, integer: bool, allow_zero: bool) ->
         kind = "an integer" if integer else "a finite number"
         return f"{_name(key)} must be {kind} {bound}, got {bounds.show(value)}."
     if not integer and number > bounds.MAX_SECONDS:
-        return (f"{_name(key)} must be at most {bounds.MAX_SECONDS:.0f} seconds, "
+        return (f"{_name(key)} must be at most {bounds.MAX_SECONDS:.0f} {unit}, "
                 f"got {bounds.show(value)}.")
     return None
 
@@ -110,9 +111,9 @@ def _optional_int(*, allow_zero: bool) -> Callable[[str, Any], str | None]:
     return check
 
 
-def _optional_number(key: str, value: Any) -> str | None:
+def _optional_mib(key: str, value: Any) -> str | None:
     return None if value is None else _number_problem(key, value, integer=False,
-                                                      allow_zero=False)
+                                                      allow_zero=False, unit="MiB")
 
 
 def _seconds_problem(*, allow_zero: bool = False, optional: bool = False,
@@ -424,7 +425,7 @@ class Settings:
     #: Recycle a worker process after this many jobs; None: never.
     MAX_JOBS_PER_WORKER = Setting[int | None](None, _optional_int(allow_zero=False), _same)
     #: Recycle a worker process whose RSS exceeds this many MiB; None: never.
-    MAX_MEMORY_PER_WORKER = Setting[float | None](None, _optional_number, _same)
+    MAX_MEMORY_PER_WORKER = Setting[float | None](None, _optional_mib, _same)
     #: Seconds a timed-out handler's thread gets to return before its worker is recycled.
     TIMEOUT_GRACE = Setting[float](5.0, _seconds_problem(), seconds)
     #: Payload and result keys the admin shows as "***" (case-insensitive substrings of the

@@ -24,6 +24,7 @@ BAD = [
     ({"PROCESSES": True}, "persistent_jobs.E031", "PROCESSES'] must be an integer"),
     ({"MAX_JOBS_PER_WORKER": 0}, "persistent_jobs.E032", "MAX_JOBS_PER_WORKER'] must be"),
     ({"MAX_MEMORY_PER_WORKER": -5}, "persistent_jobs.E033", "MAX_MEMORY_PER_WORKER'] must be"),
+    ({"MAX_MEMORY_PER_WORKER": 1e12}, "persistent_jobs.E033", "at most 315360000 MiB"),
     ({"TIMEOUT_GRACE": 0}, "persistent_jobs.E034", "TIMEOUT_GRACE'] must be a finite number"),
     ({"TIMEOUT_GRACE": None}, "persistent_jobs.E034", "TIMEOUT_GRACE'] must be a number"),
 ]
