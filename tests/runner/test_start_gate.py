@@ -86,6 +86,52 @@ def test_a_gate_whose_thread_could_not_start_says_so_and_starts_one_next_time(
     gate.close(10)
 
 
+def test_a_start_whose_reply_was_lost_is_admitted_when_written_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server commits the start, then the connection drops before the answer arrives: the
+    gate writes it again, and the job it did start must be admitted, not refused (refused, it
+    stayed started and ``running`` under a live runner that no longer ran it). A job handed
+    back meanwhile is still refused."""
+    from django.db import OperationalError
+
+    from django_persistent_jobs import enqueue
+    from django_persistent_jobs.models import JobAttempt
+    from tests.core_support import claim_as
+
+    kept, handed = enqueue("test.noop", {}), enqueue("test.noop", {})
+    with raw_connection() as conn, conn.cursor() as cursor:
+        claimed = {job.id: job for job in claim_as(cursor, "gate-test", 2, direct=0)}
+        cursor.execute("UPDATE persistent_jobs_attempts SET outcome = 'interrupted' "
+                       "WHERE id = %s", [claimed[handed.id].token])  # handed back meanwhile
+    token = claimed[kept.id].token
+    real_admit = starts.store.admit
+    lost = []
+
+    def reply_lost(cursor: Any, tokens: Any) -> Any:
+        answer = real_admit(cursor, tokens)  # (autocommit: committed)
+        if not lost:
+            lost.append(answer)
+            raise OperationalError("server closed the connection unexpectedly")
+        return answer
+
+    monkeypatch.setattr(starts.store, "admit", reply_lost)
+    connection.ensure_connection()
+    gate = StartGate(connection.alias)
+    try:
+        assert gate.admit(token) is True
+        assert gate.admit(claimed[handed.id].token) is False
+    finally:
+        gate.close(10)
+    assert lost == [{token}]
+    first = JobAttempt.objects.get(id=token)
+    assert first.started and first.started_at is not None
+    # Written again, the start keeps its first time.
+    with raw_connection() as conn, conn.cursor() as cursor:
+        assert real_admit(cursor, [token]) == {token}
+    assert JobAttempt.objects.get(id=token).started_at == first.started_at
+
+
 def test_a_gate_thread_that_dies_answers_its_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     """The gate's thread dies of a ``BaseException`` while writing (here ``SystemExit`` from
     the write): the lane waiting on it hears "gave up" (the job is not run, and stays claimed
