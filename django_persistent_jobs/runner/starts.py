@@ -316,8 +316,14 @@ class StartGate:
     def _write(self, batch: list[_Request]) -> None:
         tokens = sorted({request.token for request in batch})
 
+        tries = 0
+
         def write(cursor: Cursor) -> set[int]:
-            return store.admit(cursor, tokens)
+            # A retry may follow a try that committed and lost its answer: it admits what that
+            # try started (``store.admit``'s ``again``).
+            nonlocal tries
+            tries += 1
+            return store.admit(cursor, tokens, again=tries > 1)
 
         admitted: set[int] | None = None
         try:

@@ -290,27 +290,33 @@ def mark_started(cursor: Cursor, tokens: Sequence[int], times: Sequence[datetime
                      prepare=False)
 
 
-def admit(cursor: Cursor, tokens: Sequence[int]) -> set[int]:
+def admit(cursor: Cursor, tokens: Sequence[int], *, again: bool = False) -> set[int]:
     """Record the start of these waiting attempts, now; the ones that were still waiting under
     this runner's claim (the others were handed back or settled meanwhile: not ours to run).
 
     Fenced by the attempt row itself: a hand-back of a waiting job locks that row and requires
     it unstarted (``release_waiting``), so of the two, exactly one succeeds.
 
-    Idempotent: an attempt this statement already started, and that is still running, is
-    admitted again with its first start time. A retry after a lost reply (the server
-    committed, the connection dropped before the answer came) must admit the jobs the first
-    try did; refusing them would leave them started and ``running`` under a live runner that
-    no longer runs them, never rescued while it lives. Only this runner's gate starts its
-    waiting attempts this way, once each, so an attempt already started and still running
-    here was started by that first try.
+    ``again``: this write is a retry of one that may have committed although its answer was
+    lost (the connection dropped after the server committed). An attempt already started and
+    still running is then admitted too, with its first start time: refusing it would leave it
+    started and ``running`` under a live runner that no longer runs it, never rescued while
+    that runner lives. Only the gate's first try is strict (an attempt started by anything
+    else, a claim, is not admitted twice).
     """
-    cursor.execute(
-        "UPDATE persistent_jobs_attempts SET started = true, "
-        "started_at = CASE WHEN started THEN started_at ELSE now() END "
-        "WHERE id = ANY(%s) AND outcome = 'running' RETURNING id",
-        [list(tokens)],
-    )
+    if again:
+        cursor.execute(
+            "UPDATE persistent_jobs_attempts SET started = true, "
+            "started_at = CASE WHEN started THEN started_at ELSE now() END "
+            "WHERE id = ANY(%s) AND outcome = 'running' RETURNING id",
+            [list(tokens)],
+        )
+    else:
+        cursor.execute(
+            "UPDATE persistent_jobs_attempts SET started = true, started_at = now() "
+            "WHERE id = ANY(%s) AND NOT started AND outcome = 'running' RETURNING id",
+            [list(tokens)],
+        )
     return {int(row[0]) for row in cursor.fetchall()}
 
 

@@ -108,8 +108,8 @@ def test_a_start_whose_reply_was_lost_is_admitted_when_written_again(
     real_admit = starts.store.admit
     lost = []
 
-    def reply_lost(cursor: Any, tokens: Any) -> Any:
-        answer = real_admit(cursor, tokens)  # (autocommit: committed)
+    def reply_lost(cursor: Any, tokens: Any, **kwargs: Any) -> Any:
+        answer = real_admit(cursor, tokens, **kwargs)  # (autocommit: committed)
         if not lost:
             lost.append(answer)
             raise OperationalError("server closed the connection unexpectedly")
@@ -126,9 +126,10 @@ def test_a_start_whose_reply_was_lost_is_admitted_when_written_again(
     assert lost == [{token}]
     first = JobAttempt.objects.get(id=token)
     assert first.started and first.started_at is not None
-    # Written again, the start keeps its first time.
+    # Written again, the start keeps its first time; a first try never admits it twice.
     with raw_connection() as conn, conn.cursor() as cursor:
-        assert real_admit(cursor, [token]) == {token}
+        assert real_admit(cursor, [token], again=True) == {token}
+        assert real_admit(cursor, [token]) == set()
     assert JobAttempt.objects.get(id=token).started_at == first.started_at
 
 
@@ -140,7 +141,7 @@ def test_a_gate_thread_that_dies_answers_its_requests(monkeypatch: pytest.Monkey
     gate = StartGate(connection.alias)
     real_admit = starts.store.admit
 
-    def die(cursor: Any, tokens: Any) -> Any:
+    def die(cursor: Any, tokens: Any, **kwargs: Any) -> Any:
         raise SystemExit("the gate's thread is told to exit")
 
     monkeypatch.setattr(starts.store, "admit", die)
