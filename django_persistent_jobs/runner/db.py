@@ -13,7 +13,6 @@ import psycopg
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 
 if TYPE_CHECKING:
-    from django.db.backends.base.base import BaseDatabaseWrapper
     from django.db.backends.utils import CursorWrapper as Cursor
 
 logger = logging.getLogger("django_persistent_jobs.runner")
@@ -27,31 +26,6 @@ LOG_EVERY_SECONDS = 5.0
 ROW_LOCK_TIMEOUT_SECONDS = 0.2
 #: SQLSTATE of "lock not available" (a ``lock_timeout`` expired, or ``NOWAIT``).
 LOCK_NOT_AVAILABLE = "55P03"
-
-
-#: How long ``ctx.report_progress`` waits for the job's row lock before it drops that report:
-#: progress is advisory, and a row locked by another session (or by the reporting handler's
-#: own transaction) must not hold the handler up.
-PROGRESS_LOCK_TIMEOUT = "1s"
-
-
-def open_progress_connection(alias: str) -> BaseDatabaseWrapper:
-    """A connection of its own for ``ctx.report_progress`` (outside the job's transaction),
-    shared by a process's handler threads, its row-lock waits bounded by
-    ``PROGRESS_LOCK_TIMEOUT``; the caller drops a report that meets ``LOCK_NOT_AVAILABLE``.
-
-    One implementation for threads (the supervisor) and worker processes: the workers' copy
-    set no lock timeout, so there a report waited for a locked row up to the job's timeout.
-    """
-    side = connections.create_connection(alias)
-    side.inc_thread_sharing()
-    try:
-        with side.cursor() as cursor:
-            cursor.execute(f"SET lock_timeout = '{PROGRESS_LOCK_TIMEOUT}'")
-    except BaseException:
-        side.close()
-        raise
-    return side
 
 
 class DatabaseUnreachable(Exception):

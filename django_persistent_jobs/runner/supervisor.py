@@ -39,15 +39,12 @@ from . import budget, store
 from .claimer import ADAPTIVE_PREFETCH_FACTOR, ADAPTIVE_PREFETCH_FLOOR, Claiming, claim_loop
 from .cleanup import cleanup_loop
 from .db import (
-    LOCK_NOT_AVAILABLE,
     Backoff,
     DatabaseUnreachable,
     error_line,
     is_connection_error,
-    open_progress_connection,
     reset_connection,
     run_with_retry,
-    sqlstate,
 )
 from .execute import (
     RUNJOBS_LOGGERS,
@@ -62,6 +59,7 @@ from .heartbeat import Liveness, heartbeat_loop, rescue_loop
 from .lifecycle import Lifecycle
 from .listener import listen_loop
 from .loop import Loop
+from .progress import ProgressWriter
 from .starts import Lease, StartGate, StartLog
 from .threads import ThreadExecutor
 from .timeouts import TimeoutEnforcer
@@ -220,8 +218,7 @@ class Runner:
         self._supervisor: threading.Thread | None = None
         self._launched = False  # run() or start() was called: stop() has something to wait for
         self.failure: BaseException | None = None  # why run() raised (boot failure), if it did
-        self._side_lock = threading.Lock()
-        self._side: Any = None
+        self._progress = ProgressWriter(self.alias)
         self._stop_requested_at: float | None = None
         self._signals_received = 0  # written only by the signal handler (see below)
         self._extra_loops: list[tuple[str, Callable[[Runner], None]]] = []
@@ -450,7 +447,7 @@ class Runner:
     def _close_connections(self) -> None:
         """The runner's last step: its side connection, the liveness sidecar, and this
         thread's connections."""
-        self._close_side()
+        self._progress.close()
         self._stop_sidecar()
         connections.close_all()
 
@@ -773,29 +770,8 @@ class Runner:
 
     def _report_progress(self, ctx: JobContext, progress: Any) -> None:
         item = self.pool.in_flight.get(ctx.job_id)
-        if item is None:
-            return
-        with self._side_lock:
-            for _ in range(2):
-                try:
-                    if self._side is None:
-                        self._side = open_progress_connection(self.alias)
-                    with self._side.cursor() as cursor:
-                        store.report_progress(cursor, ctx.job_id, item.job.token, progress)
-                    return
-                except Exception as exc:
-                    if sqlstate(exc) == LOCK_NOT_AVAILABLE:
-                        break
-                    if not is_connection_error(exc):
-                        raise
-                    self._close_side()
-            logger.warning("could not record progress of job %s", ctx.job_id)
-
-    def _close_side(self) -> None:
-        if self._side is not None:
-            with contextlib.suppress(Exception):
-                self._side.close()
-            self._side = None
+        if item is not None:
+            self._progress.write(ctx.job_id, item.job.token, progress)
 
     def _supervise(self) -> None:
         while True:

@@ -168,9 +168,10 @@ class Worker:
         self.finished: list[tuple[str, Any]] = []
         self.reporting = False
         self.never = threading.Event()  # settling retries until done: the supervisor kills us
-        self.side: Any = None
-        self.side_lock = threading.Lock()
         from ..completer import Completer
+        from ..progress import ProgressWriter
+
+        self.progress = ProgressWriter(self.alias)  # ``ctx.report_progress``'s connection
 
         self.completer = Completer()  # batches the completions of handlers that ran no SQL
         # The jobs of one batch are settled one after the other on the completer's thread:
@@ -224,7 +225,7 @@ class Worker:
         """Leave at once (after the completions handed over are written): whatever still runs
         here was settled by the supervisor already."""
         with contextlib.suppress(Exception):
-            self._close_side()
+            self.progress.close()
         with contextlib.suppress(Exception):
             self.completer.close(EXIT_COMPLETION_SECONDS)
         logging.shutdown()
@@ -525,30 +526,6 @@ class Worker:
     # ------------------------------------------------------------------ progress
     def _report_progress(self, ctx: Any, progress: Any) -> None:
         """Progress goes through a connection of its own, outside the job's transaction."""
-        from .. import store
-        from ..db import LOCK_NOT_AVAILABLE, is_connection_error, open_progress_connection, sqlstate
-
         token = self.tokens.get(ctx.job_id)
-        if token is None:
-            return
-        with self.side_lock:
-            for _ in range(2):
-                try:
-                    if self.side is None:
-                        self.side = open_progress_connection(self.alias)
-                    with self.side.cursor() as cursor:
-                        store.report_progress(cursor, ctx.job_id, token, progress)
-                    return
-                except Exception as exc:
-                    if sqlstate(exc) == LOCK_NOT_AVAILABLE:
-                        break
-                    if not is_connection_error(exc):
-                        raise
-                    self._close_side()
-            logger.warning("could not record progress of job %s", ctx.job_id)
-
-    def _close_side(self) -> None:
-        if self.side is not None:
-            with contextlib.suppress(Exception):
-                self.side.close()
-            self.side = None
+        if token is not None:
+            self.progress.write(ctx.job_id, token, progress)
