@@ -304,19 +304,12 @@ def admit(cursor: Cursor, tokens: Sequence[int], *, again: bool = False) -> set[
     that runner lives. Only the gate's first try is strict (an attempt started by anything
     else, a claim, is not admitted twice).
     """
-    if again:
-        cursor.execute(
-            "UPDATE persistent_jobs_attempts SET started = true, "
-            "started_at = CASE WHEN started THEN started_at ELSE now() END "
-            "WHERE id = ANY(%s) AND outcome = 'running' RETURNING id",
-            [list(tokens)],
-        )
-    else:
-        cursor.execute(
-            "UPDATE persistent_jobs_attempts SET started = true, started_at = now() "
-            "WHERE id = ANY(%s) AND NOT started AND outcome = 'running' RETURNING id",
-            [list(tokens)],
-        )
+    cursor.execute(
+        "UPDATE persistent_jobs_attempts SET started = true, "
+        "started_at = CASE WHEN started THEN started_at ELSE now() END "
+        "WHERE id = ANY(%s) AND outcome = 'running' AND (%s OR NOT started) RETURNING id",
+        [list(tokens), again],
+    )
     return {int(row[0]) for row in cursor.fetchall()}
 
 
