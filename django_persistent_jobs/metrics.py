@@ -400,8 +400,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     from django.db import DatabaseError
 
     from .api import auth
-    from .api.http import ApiError, error_response
-    from .runner.db import error_line
+    from .api.http import ApiError, database_unavailable, error_response
 
     try:
         if request.method not in ("GET", "HEAD"):
@@ -411,11 +410,9 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         except DatabaseError as exc:
             # Checking the credentials needs the database; without it nobody can be told
             # apart, so no numbers. A 503 is what Prometheus records as the target being down
-            # (``up == 0``), which the documented alert for this case watches.
-            raise ApiError(503, "database_unavailable",
-                           f"The database is unreachable, so the credentials cannot be "
-                           f"checked: {error_line(exc)}",
-                           headers={"Retry-After": "15"}) from None
+            # (``up == 0``), which the documented alert for this case watches. The API's own
+            # answer: the cause is logged, not shown to a caller nobody could authenticate.
+            raise database_unavailable(exc) from None
         caller.require(auth.VIEW)
         caller.require_unconfined()
         if not enable():
