@@ -87,6 +87,15 @@ def signals_seen() -> Iterator[list[tuple[str, str, str]]]:
     task_finished.disconnect(receivers["finished"])
 
 
+def _burst_while_connected(signal: Any, receiver: Callable[..., None]) -> None:
+    """Drain what is due with an embedded ``--burst`` runner while ``receiver`` listens."""
+    signal.connect(receiver)
+    try:
+        assert Runner(burst=True, cleanup=False, concurrency=1).run() == 0
+    finally:
+        signal.disconnect(receiver)
+
+
 def test_backend_capabilities() -> None:
     backend = task_backends["default"]
     assert type(backend).__name__ == "PersistentJobsBackend"
@@ -310,17 +319,12 @@ def test_a_skipped_duplicate_returns_the_waiting_task_as_it_is_and_is_not_announ
 def test_a_failing_receiver_does_not_hide_the_tasks_own_error() -> None:
     """A ``task_finished`` receiver that raises, for a task failing for good: the task's own
     exception is what its result records (the receiver's error is logged)."""
-    from django_persistent_jobs.runner import Runner
 
     def broken(**kwargs: Any) -> None:
         raise RuntimeError("a receiver's bug")
 
     result = tasks.fails_for_good.enqueue()
-    task_finished.connect(broken)
-    try:
-        assert Runner(burst=True, cleanup=False, concurrency=1).run() == 0
-    finally:
-        task_finished.disconnect(broken)
+    _burst_while_connected(task_finished, broken)
     result.refresh()
     assert result.status == TaskResultStatus.FAILED
     assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"]
@@ -539,11 +543,7 @@ def test_a_failing_task_started_receiver_still_ends_with_task_finished(
         if task_result.id == result.id:
             raise RuntimeError("a task_started receiver's bug")
 
-    task_started.connect(broken)
-    try:
-        assert Runner(burst=True, cleanup=False, concurrency=1).run() == 0
-    finally:
-        task_started.disconnect(broken)
+    _burst_while_connected(task_started, broken)
     result.refresh()
     assert result.status == TaskResultStatus.FAILED
     assert [e.exception_class_path for e in result.errors] == ["builtins.RuntimeError"]
