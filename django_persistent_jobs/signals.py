@@ -16,6 +16,9 @@ All are sent with ``sender=PersistentJob`` and keyword arguments only (see ``doc
     status), ``error_code`` ("" on success) and ``duration`` (seconds the handler ran in this
     process, or None when the attempt was settled elsewhere, e.g. rescued). A job that only
     waited in a lost runner for a free worker is handed back ``interrupted``, not ``rescued``.
+    Sent once per attempt, by whoever wrote its outcome: a completion that lands just as the
+    timeout enforcer takes the job over is reported by the path that wrote it, not again by
+    the enforcer (``runner.execute.record_outcome``'s ``report_completion``).
 ``job_dead_lettered``
     when a job reached ``dead_lettered``: ``job_id``, ``job_type``, ``queue``, ``tenant``,
     ``attempt``, ``error_code``, ``error_message``.

@@ -98,6 +98,12 @@ class InFlight:
     #: A worker process reported this job done (a job reaches ``DONE`` once, whichever of its
     #: lane and its completion gets there first).
     done_reported: bool = False
+    #: The handler returned: its thread now runs only the runner's own code (the completion,
+    #: its commit, its ``job_finished``). A take-over from here on injects no ``JobInterrupted``
+    #: (``WorkerPool.interrupt``, the worker's ``_interrupt``): one landing between a commit
+    #: and its signal would leave a completed attempt unreported, since the supervisor leaves
+    #: a completion to the path that wrote it (``record_outcome``'s ``report_completion``).
+    returned: bool = False
 
 
 @dataclass
@@ -254,7 +260,7 @@ def _settle(
 def record_outcome(
     alias: str, job: ClaimedJob, outcome: Outcome, runner_id: str,
     interrupt: threading.Event | None, attempt_outcome: str | None = None,
-    bounded: bool = False,
+    bounded: bool = False, report_completion: bool = True,
 ) -> str | None:
     """Apply a fenced transition, retrying through connection loss; returns the new status.
 
@@ -268,6 +274,14 @@ def record_outcome(
     ``bounded`` (the supervisor): wait at most ``ROW_LOCK_TIMEOUT_SECONDS`` for the job's row
     lock and do not wait for an unreachable database; raise ``NotNow`` instead, and the caller
     tries again later.
+
+    ``report_completion``: whether to send ``job_finished`` when the statement finds the
+    attempt already completed by its own execution. True for the thread that ran the handler
+    (its commit landed although its answer was lost: nobody else will report it). False for
+    the supervisor settling a job it took from a live execution (timeout, shutdown): that
+    completion was written by the handler's thread or by the batch writer of completions,
+    in this process or in a worker process, and the path that wrote it reports it, so that
+    an attempt's outcome is reported once whichever of the two got there first.
     """
     status, error = _settle(alias, job, outcome, interrupt, attempt_outcome, bounded)
     if error is not None:
@@ -299,7 +313,10 @@ def record_outcome(
                       else run_with_retry(alias, read, what=what, interrupt=interrupt))
     log_transition(job, status, outcome, runner_id, settled_as)
     if status is None and settled_as == "completed":
-        signals.finished(job, runner_id, status="completed")  # its commit did land
+        if report_completion:
+            signals.finished(job, runner_id, status="completed")  # its commit did land
+        # (Else not even ``finished(status=None)``: the start time it would drop is the one
+        # the writer's report gives its duration from.)
     else:
         # As stored (``storable_text``): a NUL or a lone surrogate in a handler's code would
         # otherwise reach receivers that cannot carry it (a metric label, a log, a webhook).
@@ -460,6 +477,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         if spec.atomic:
             with transaction.atomic(using=alias):
                 result = _call_handler(spec, inflight)
+                inflight.returned = True
                 # psycopg sends BEGIN lazily, so an idle connection here means the handler ran
                 # no SQL on it: there is nothing to commit atomically with the completion, which
                 # then goes to the completer (or runs as one autocommit statement) instead of
@@ -476,6 +494,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             # Autocommit: whatever the handler wrote has committed as it ran; its completion
             # has nothing to be atomic with.
             result = _call_handler(spec, inflight)
+            inflight.returned = True
             if _close_open_transaction(connection):
                 raise RuntimeError(
                     f"the handler for {job.job_type!r} (atomic=False) returned with a "
@@ -495,7 +514,13 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         raise
     except BaseException as exc:
         if inflight.taken_over.is_set():
-            # The supervisor already recorded a timeout or hand-back for this attempt.
+            # The supervisor settles this attempt (timeout, hand-back) and reports what it
+            # writes; but a completion of ours may have committed just before the supervisor
+            # cut our session, and that one is ours to report.
+            if inflight.returned:
+                if is_connection_error(exc):
+                    reset_connection(alias)
+                _report_if_completed(alias, job, runner_id)
             return False
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -537,6 +562,24 @@ def _completed(job: ClaimedJob, runner_id: str) -> None:
             extra={"event": "success", "job_id": str(job.id), "job_type": job.job_type,
                    "attempt": job.attempt, "runner_id": runner_id},
         )
+
+
+def _report_if_completed(alias: str, job: ClaimedJob, runner_id: str) -> None:
+    """A job taken over after its handler returned failed to write its completion: if the
+    attempt row says it completed after all (the commit landed, its answer was lost with the
+    session the supervisor terminated), report it, since the supervisor leaves a completion
+    to the path that wrote it. Bounded: this thread is abandoned, and a database that cannot
+    answer now costs only the report, not the job (the row is right either way)."""
+    try:
+        settled = run_bounded(alias, lambda cursor: store.attempt_outcome(cursor, job.token),
+                              what=f"reading the outcome of job {job.id}")
+    except Exception as exc:
+        logger.warning("job %s: could not read whether its completion committed (%s); "
+                       "job_finished not sent", job.id, type(exc).__name__,
+                       extra={"event": "completion_unknown", "job_id": str(job.id)})
+        return
+    if settled == "completed":
+        _completed(job, runner_id)
 
 
 def _claim_lost(job: ClaimedJob, spec: HandlerSpec, runner_id: str) -> None:

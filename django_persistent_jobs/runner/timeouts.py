@@ -45,6 +45,10 @@ class Unsettled:
     terminated: bool = False
     locked: bool = False  # the last try found the job's row locked (not the database away)
     retry_at: float = 0.0  # while the database is away, not before this (monotonic)
+    #: Taken from a worker process that died (``lost``): nothing else will report a completion
+    #: it wrote, so a settling that finds the attempt completed reports it here. Otherwise the
+    #: execution is alive and reports its own completion (``record_outcome``).
+    orphaned: bool = False
 
 
 class TimeoutEnforcer:
@@ -97,17 +101,19 @@ class TimeoutEnforcer:
             self.take_over(item, Outcome(
                 "retry", "WORKER_LOST", why,
                 delay=_backoff_for(registry.get(item.job.job_type), item.job.attempt),
-            ), None)
+            ), None, orphaned=True)
 
-    def take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str | None) -> None:
+    def take_over(self, item: InFlight, outcome: Outcome, attempt_outcome: str | None, *,
+                  orphaned: bool = False) -> None:
         """Take a job from the executor, then settle it: kill the handler's connection (so it
-        can commit nothing), interrupt its thread, record the outcome (fenced)."""
+        can commit nothing), interrupt its thread, record the outcome (fenced). ``orphaned``:
+        the process that ran it is gone (see ``Unsettled.orphaned``)."""
         with self._taking_lock:
             self._taking += 1
         try:
             if not self.executor.take_over(item):
                 return  # it finished on its own
-            self.unsettled.append(Unsettled(item, outcome, attempt_outcome))
+            self.unsettled.append(Unsettled(item, outcome, attempt_outcome, orphaned=orphaned))
         finally:
             with self._taking_lock:
                 self._taking -= 1
@@ -139,10 +145,12 @@ class TimeoutEnforcer:
         try:
             status = record_outcome(self.alias, item.job, entry.outcome, self.runner_id,
                                     self.forced, attempt_outcome=entry.attempt_outcome,
-                                    bounded=True)
+                                    bounded=True, report_completion=entry.orphaned)
         except NotNow as exc:
             entry.locked = exc.locked
             return False
         if status is None:
+            # Its handler returned just in time and its completion (or its failure) landed
+            # first: whoever wrote that outcome reports it (one ``job_finished`` per attempt).
             logger.info("job %s finished just as it was taken over", item.job.id)
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -183,3 +184,74 @@ def test_timeout_given_at_enqueue_overrides_the_handler(
     gate.open()
     assert dead.timeout_seconds == 0.5 and dead.last_error_code == "TIMEOUT"
     assert runner.exit_code == 0
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_batched_completion_that_lands_as_its_timeout_is_settled_is_reported_once(
+    start_runner: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: int,
+) -> None:
+    """A handler that ran no SQL returns just at its deadline: its completion goes to the
+    batch writer, and the timeout enforcer takes the job over before the runner knows it
+    returned. The batch commits first; the enforcer's ``TIMEOUT`` then finds the attempt
+    completed. The job is completed once, and its attempt is reported once: by the batch
+    writer, not a second time by the enforcer (which reported it ``completed`` too).
+
+    The window is widened, not faked: with threads the handler's thread waits, once it has
+    handed its completion over, until the enforcer took the job (as a thread descheduled
+    there would); with a worker process the supervisor reads the worker's report that the
+    handler returned only once the enforcer took the job (as a busy manager thread would).
+    The worker sends ``job_finished`` in its own process: every process appends the ones it
+    sends to one file."""
+    from django_persistent_jobs.runner.workers import protocol
+    from django_persistent_jobs.runner.workers.manager import ProcessExecutor
+    from tests.core_support import subprocess_env
+    from tests.testapp.jobs import FINISHED_LOG_ENV, record_finished
+
+    log = tmp_path / "finished"
+    for name, value in subprocess_env().items():  # worker processes use the test database
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(FINISHED_LOG_ENV, str(log))  # ... and log what they send there
+    record_finished(str(log))  # (this process: the supervisor, and the threads' runner)
+    job = enqueue("test.noop", {}, timeout=1, max_retries=0)
+    held: list[Any] = []
+
+    if processes:
+        real_handle = ProcessExecutor._handle
+        watched = protocol.wire_id(job.id)
+
+        def handle(self: ProcessExecutor, worker: Any, message: tuple[Any, ...]) -> None:
+            if message[0] in (protocol.RETURNED, protocol.DONE) and watched in message[1]:
+                item = self.in_flight.get(job.id)
+                if item is not None:
+                    held.append(item)
+                    item.taken_over.wait(30)
+            real_handle(self, worker, message)
+
+        monkeypatch.setattr(ProcessExecutor, "_handle", handle)
+    else:
+        real_execute = Runner._execute
+
+        def execute(self: Runner, item: Any) -> None:
+            real_execute(self, item)
+            if item.job.id == job.id:
+                held.append(item)
+                item.taken_over.wait(30)
+
+        monkeypatch.setattr(Runner, "_execute", execute)
+    try:
+        runner: Runner = start_runner(concurrency=1, processes=processes)
+        done = wait_status(job.id, JobStatus.COMPLETED, timeout=30)
+        wait_for(lambda: held and held[0].taken_over.is_set(), timeout=30,
+                 message="the enforcer to take the job over")
+        wait_for(lambda: not runner.timeouts.settling, timeout=30,
+                 message="the enforcer to settle it")
+        assert runner.stop(timeout=30) == 0  # every signal of the attempt has been sent now
+    finally:
+        from django_persistent_jobs.signals import job_finished
+
+        job_finished.disconnect(dispatch_uid=f"tests-finished-log-{log}")
+    assert done.attempts == 1 and done.last_error_code == ""
+    [attempt] = attempts_of(job.id)
+    assert attempt.outcome == "completed"  # the completion landed first: the race was run
+    reports = [line.split()[1:] for line in log.read_text().splitlines()]
+    assert reports == [[str(job.id), "1", "completed", "completed"]]

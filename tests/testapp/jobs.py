@@ -84,3 +84,32 @@ def progress_mark(payload: dict[str, Any], ctx: JobContext) -> None:
     ctx.report_progress({"step": 1})
     with open(payload["mark"], "w") as mark:
         mark.write("reported")
+
+
+#: A file to which every ``job_finished`` this process sends is appended, one line each
+#: (``pid job_id attempt status outcome``), when set in the environment before the process
+#: starts: worker processes send the signals of the jobs they run, and a test in the
+#: supervisor's process reads theirs from the file (``record_finished``).
+FINISHED_LOG_ENV = "PJ_TEST_FINISHED_LOG"
+
+
+def record_finished(path: str) -> Any:
+    """Connect a ``job_finished`` receiver that appends to ``path``; returns it (to
+    disconnect). One ``write`` per line on an ``O_APPEND`` file: lines from several processes
+    never interleave."""
+    from django_persistent_jobs.signals import job_finished
+
+    def receiver(*, job_id: Any, attempt: int, status: str, outcome: str, **kwargs: Any) -> None:
+        line = f"{os.getpid()} {job_id} {attempt} {status} {outcome}\n".encode()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    job_finished.connect(receiver, weak=False, dispatch_uid=f"tests-finished-log-{path}")
+    return receiver
+
+
+if os.environ.get(FINISHED_LOG_ENV):
+    record_finished(os.environ[FINISHED_LOG_ENV])
