@@ -440,12 +440,16 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         admitted = inflight.gate.admit(job.token)
         if not admitted:
             # Handed back by another runner while it waited here (this runner's lease had
-            # lapsed), or the runner is stopping with the database away: it must not run.
+            # lapsed), or its start could not be written (an error retrying does not fix, the
+            # gate's thread died, the runner is stopping with the database away): it must not
+            # run.
             logger.warning("job %s: not started, %s", job.id,
                            "it was handed back while it waited for a worker"
                            if admitted is False else "its start could not be recorded",
                            extra={"event": "start_refused", "job_id": str(job.id),
                                   "runner_id": runner_id})
+            if admitted is None:
+                _hand_back_unadmitted(alias, job, runner_id)
             return False
     signals.started(job, runner_id)
     spec = registry.get(job.job_type)
@@ -562,6 +566,33 @@ def _completed(job: ClaimedJob, runner_id: str) -> None:
             extra={"event": "success", "job_id": str(job.id), "job_type": job.job_type,
                    "attempt": job.attempt, "runner_id": runner_id},
         )
+
+
+#: Code of a waiting job handed back because its start could not be recorded.
+START_FAILED = "START_FAILED"
+
+
+def _hand_back_unadmitted(alias: str, job: ClaimedJob, runner_id: str) -> None:
+    """Hand back, now, a waiting job whose start the gate could not write: it will not run
+    here, and left claimed by a runner that goes on living, nobody would run it until this
+    runner exits. Uncharged (it never ran) but counted against ``HANDBACK_LIMIT``, as a lost
+    runner's waiting job is (``store.release_waiting``): a job whose start can never be
+    written ends dead-lettered instead of being claimed and handed back for ever.
+
+    Bounded (``run_bounded``): with the database away, or the row locked, or even the
+    hand-back failing, the job stays claimed as before, and is handed back when this runner
+    stops or rescued once it is gone; this thread does not wait for the database."""
+    try:
+        record_outcome(alias, job, Outcome(
+            "handback", START_FAILED,
+            f"runner {runner_id} could not record the start of attempt {job.attempt}; "
+            "handed back unstarted",
+        ), runner_id, None, attempt_outcome="interrupted", bounded=True)
+    except Exception as exc:  # NotNow, SettleFailed: no worse than before, and not fatal
+        logger.warning("job %s: could not hand it back either (%s); it stays claimed until "
+                       "this runner stops, or is rescued", job.id, type(exc).__name__,
+                       extra={"event": "start_handback_failed", "job_id": str(job.id),
+                              "runner_id": runner_id})
 
 
 def _report_if_completed(alias: str, job: ClaimedJob, runner_id: str) -> None:

@@ -264,8 +264,9 @@ class StartGate:
     def admit(self, token: int) -> bool | None:
         """Record the start of the waiting attempt ``token``; True once it is on record (run
         the job), False if the attempt is not this runner's any more (do not run it), None if
-        the gate gave up (the runner is stopping while the database is away: do not run it;
-        the job stays claimed and is handed back or rescued)."""
+        the gate gave up (an error retrying does not fix, this thread died, or the runner is
+        stopping while the database is away): do not run it; the caller hands it back
+        (``execute``), or leaves it claimed to be handed back or rescued if that fails too."""
         request = _Request(token)
         with self._cond:
             self._queue.append(request)
@@ -333,8 +334,8 @@ class StartGate:
             admitted = None
         finally:
             # Every request is answered, even when this thread dies of a ``BaseException``:
-            # its lanes would otherwise wait for ever ("gave up" leaves the jobs claimed, to
-            # be handed back or rescued).
+            # its lanes would otherwise wait for ever ("gave up": the lanes do not run those
+            # jobs, and hand them back, see ``admit``).
             if admitted is not None:
                 self.statements += 1
                 self.admitted += len(admitted)

@@ -188,3 +188,73 @@ def test_a_job_refused_at_its_start_sends_no_job_started() -> None:
     finally:
         job_started.disconnect(receiver)
     assert seen == []
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_waiting_job_whose_start_cannot_be_written_is_handed_back_at_once(
+    start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, processes: int,
+) -> None:
+    """A waiting job goes through the gate (the runner's LISTEN session, and with it its
+    lease, was lost after the claim) and the gate cannot write its start: a real trigger
+    rejects that one update, an error retrying does not fix. The job must not run on that
+    attempt; it used to stay claimed by the live runner, run by nobody, until the runner
+    exited. It is handed back at once, uncharged (counted, code ``START_FAILED``), and the
+    runner, still running, claims and runs it again."""
+    from django_persistent_jobs import enqueue
+    from django_persistent_jobs.models import JobStatus
+    from django_persistent_jobs.runner.store import LEASE_NAMESPACE
+    from tests.core_support import subprocess_env
+    from tests.faults.batch_handlers import runs_of
+    from tests.runner_support import attempts_of, get_job, wait_status
+
+    for name, value in subprocess_env().items():  # worker processes use the test database
+        monkeypatch.setenv(name, value)
+    settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "PREFETCH": 1}
+    runs, open_gate = tmp_path / "runs", tmp_path / "gate"
+    runner = start_runner(concurrency=1, processes=processes, poll_interval=0.1)
+    wait_for(lambda: runner.lease.period() is not None, timeout=10,
+             message="the runner to hold its lease (jobs claimed then may start fast)")
+    enqueue("faults.solo", {"runs": str(runs), "gate": str(open_gate)}, priority=5)
+    waiting = enqueue("test.noop", {})
+    wait_for(lambda: len(runs_of(runs)) == 1, timeout=30, message="the first job to run")
+    wait_status(waiting.id, JobStatus.RUNNING)  # claimed, waiting for the busy slot
+    token = get_job(waiting.id).lock_token
+    period = runner.pool.in_flight[waiting.id].job.lease_period
+    assert period is not None and runner.lease.fresh(period)
+    with connection.cursor() as cursor:
+        cursor.execute(f"""
+            CREATE FUNCTION pj_test_refuse_start() RETURNS trigger AS $$
+            BEGIN
+                IF NEW.started AND NOT OLD.started AND OLD.id = {int(token)} THEN
+                    RAISE EXCEPTION 'refusing to record the start of attempt {int(token)}';
+                END IF;
+                RETURN NEW;
+            END $$ LANGUAGE plpgsql;
+            CREATE TRIGGER pj_test_refuse_start BEFORE UPDATE ON persistent_jobs_attempts
+                FOR EACH ROW EXECUTE FUNCTION pj_test_refuse_start();
+        """)
+    try:
+        # The LISTEN session holds the lease: ending it ends the period the job was claimed
+        # in, so the job's start goes through the gate.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND granted AND objsubid = 2 AND classid = %s AND database = (SELECT oid "
+                "FROM pg_database WHERE datname = current_database()) "
+                "AND objid = (hashtext(%s)::bigint & 4294967295)::text::oid",
+                [LEASE_NAMESPACE, runner.runner_id])
+            assert cursor.fetchall() == [(True,)]
+        wait_for(lambda: not runner.lease.fresh(period), timeout=10,
+                 message="the lease period the job was claimed in to end")
+        open_gate.touch()  # the first job returns; the waiting one starts, through the gate
+        done = wait_status(waiting.id, JobStatus.COMPLETED, timeout=20)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER IF EXISTS pj_test_refuse_start "
+                           "ON persistent_jobs_attempts; "
+                           "DROP FUNCTION IF EXISTS pj_test_refuse_start()")
+    assert runner.failure is None and not runner.finished.is_set()  # it ran on
+    assert (done.attempts, done.handbacks) == (1, 1)
+    assert [(a.attempt, a.outcome, a.error_code, a.started) for a in attempts_of(waiting.id)
+            ] == [(1, "interrupted", "START_FAILED", False), (1, "completed", "", True)]
