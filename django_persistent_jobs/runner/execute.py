@@ -193,11 +193,12 @@ def log_transition(
         logger.error("job %s dead-lettered after attempt %d (%s: %s)", job.id, job.attempt,
                      code, message, extra=extra)
     elif status is None and settled_as == "completed":
-        # The completion committed, but the runner did not hear back (the connection died
-        # during COMMIT): the job is done, exactly once, and there is nothing to retry.
+        # The completion committed before this outcome could be: the runner did not hear
+        # back (the connection died during COMMIT), or the handler returned just as the
+        # supervisor took the job over (a timeout). Done, exactly once; nothing to retry.
         extra["event"] = "completed_unacknowledged"
-        logger.info("job %s: attempt %d had committed its completion although its connection "
-                    "failed (%s); nothing to retry", job.id, job.attempt, code,
+        logger.info("job %s: attempt %d had already committed its completion (%s not "
+                    "recorded); nothing to retry", job.id, job.attempt, code,
                     extra=extra)
     elif status is None:
         logger.warning("job %s: claim lost before the failure could be recorded (attempt "
