@@ -5,9 +5,11 @@ their completion in their own transaction."""
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,9 +20,11 @@ from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.runner import Runner, store
 from django_persistent_jobs.runner.completer import Completer
+from django_persistent_jobs.runner.db import sqlstate
 from django_persistent_jobs.runner.starts import StartLog
-from tests.core_support import claim_as, pj_settings, raw_connection, wait_for
-from tests.runner_support import Gate, finished, isolated_registry
+from tests.core_support import claim_as, pj_settings, raw_connection, subprocess_env, wait_for
+from tests.faults.batch_handlers import runs_of
+from tests.runner_support import Gate, attempts_of, finished, isolated_registry
 from tests.testapp.models import LedgerEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -28,8 +32,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 __all__ = ["finished", "isolated_registry"]  # fixtures, used by name
 
 StartRunner = Callable[..., Runner]
-
-
 
 def commits() -> int:
     with raw_connection() as conn:
@@ -68,6 +70,39 @@ def blocked_flushes() -> list[int]:
         return [row[0] for row in conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
             "AND wait_event_type = 'Lock' AND query LIKE '%%unnest%%'").fetchall()]
+
+
+@pytest.fixture
+def refuse_completion() -> Iterator[Callable[[Any], None]]:
+    """A trigger that makes PostgreSQL reject the completion of one job's first attempt with an
+    error retrying does not fix (``check_violation``, as a trigger or constraint of the
+    project's own would raise). Its retry, attempt 2, may complete."""
+
+    def install(job_id: Any) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(f"""
+                CREATE FUNCTION pj_test_refuse_completion() RETURNS trigger AS $$
+                BEGIN
+                    IF NEW.status = 'completed' AND OLD.id = '{job_id}'::uuid
+                            AND OLD.attempts = 1 THEN
+                        RAISE EXCEPTION 'refusing to complete job {job_id}'
+                            USING ERRCODE = 'check_violation';
+                    END IF;
+                    RETURN NEW;
+                END $$ LANGUAGE plpgsql;
+                CREATE TRIGGER pj_test_refuse_completion BEFORE UPDATE ON persistent_jobs
+                    FOR EACH ROW EXECUTE FUNCTION pj_test_refuse_completion();
+            """)
+
+    yield install
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TRIGGER IF EXISTS pj_test_refuse_completion ON persistent_jobs; "
+                       "DROP FUNCTION IF EXISTS pj_test_refuse_completion()")
+
+
+def split_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [record for record in caplog.records
+            if getattr(record, "event", None) == "completion_split"]
 
 
 # ------------------------------------------------------------------ the completer itself
@@ -120,6 +155,40 @@ def test_a_fenced_out_job_does_not_complete_and_the_rest_of_its_batch_does() -> 
     outcomes = dict(JobAttempt.objects.values_list("id", "outcome"))
     assert outcomes == {jobs[0].token: "completed", lost.token: "failed",
                         jobs[2].token: "completed"}
+
+
+def test_a_batch_one_job_of_which_cannot_be_completed_is_split_and_the_others_complete(
+    refuse_completion: Callable[[Any], None], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The database rejects one job's completion with an error retrying does not fix: the
+    batch statement fails whole, so the completer writes its completions one at a time
+    (``completion_split``). The others complete, each once; the one it cannot write is
+    answered with its error (its runner then fails the attempt, see below) and stays as it
+    was, running under its claim."""
+    caplog.set_level(logging.WARNING, logger="django_persistent_jobs.runner")
+    enqueue_many([("test.noop", {"i": i}) for i in range(4)])
+    jobs = claim(4)
+    assert len(jobs) == 4
+    bad = jobs[2]
+    refuse_completion(bad.id)
+    completer = Completer(max_batch=4, linger=30.0)  # the four go in one batch
+    try:
+        answers = complete_from_threads(completer, jobs)
+    finally:
+        assert completer.close(10)
+    error = answers.pop(bad.id)
+    assert isinstance(error, Exception) and sqlstate(error) == "23514", error
+    assert answers == {job.id: True for job in jobs if job is not bad}
+    [split] = split_records(caplog)
+    assert "completing 4 jobs in one statement failed" in split.getMessage()
+    assert "refusing to complete job" in split.getMessage()
+    # The failed batch committed nothing; then one statement per job, three of them landed.
+    assert (completer.statements, completer.completed) == (3, 3)
+    statuses = dict(PersistentJob.objects.values_list("id", "status"))
+    assert statuses == {job.id: "running" if job is bad else "completed" for job in jobs}
+    outcomes = dict(JobAttempt.objects.values_list("id", "outcome"))
+    assert outcomes == {job.token: "running" if job is bad else "completed" for job in jobs}
+    assert PersistentJob.objects.get(id=bad.id).lock_token == bad.token  # still its claim
 
 
 def test_a_completion_whose_commit_landed_before_its_connection_failed_is_reported_done() -> None:
@@ -241,6 +310,64 @@ def test_a_flush_cut_off_by_a_dropped_connection_completes_each_job_exactly_once
     assert dict(PersistentJob.objects.filter(id__in=ids).values_list("id", "attempts")) == {
         i: 1 for i in ids}
     assert JobAttempt.objects.filter(job_id__in=ids, outcome="completed").count() == 4
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_runner_whose_batch_fails_for_one_job_fails_only_that_attempt(
+    start_runner: StartRunner, refuse_completion: Callable[[Any], None], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str], finished: list[tuple[Any, str | None]], processes: int,
+) -> None:
+    """Through a runner, on threads and in a worker process: four SQL-less handlers return
+    while the completer is busy with a fifth job's batch (held by a row lock), so their four
+    completions form the next batch, which the database rejects for one of them. The split
+    completes the three others, once each; the fourth fails its attempt (charged, as
+    guarantees.md 2a says: the error costs only its own job) and its retry completes it.
+    Nothing is lost, nothing completes twice, and the runner goes on."""
+    for name, value in subprocess_env().items():  # worker processes use the test database
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PJ_TEST_LOG", "INFO")  # a worker process logs to its stdout
+    caplog.set_level(logging.WARNING, logger="django_persistent_jobs.runner")
+    runs, first_gate, gate = tmp_path / "runs", tmp_path / "first", tmp_path / "gate"
+    first = enqueue("faults.solo", {"runs": str(runs), "gate": str(first_gate)})
+    ids = [job.id for job in enqueue_many(
+        [("faults.solo", {"runs": str(runs), "gate": str(gate), "n": i}) for i in range(4)])]
+    bad = ids[1]
+    refuse_completion(bad)
+    runner = start_runner(concurrency=5, processes=processes, poll_interval=0.1)
+    wait_for(lambda: len(runs_of(runs)) == 5, timeout=30, message="every handler to start")
+    with raw_connection(autocommit=False) as blocker:
+        blocker.execute("SELECT id FROM persistent_jobs WHERE id = %s FOR UPDATE", [first.id])
+        first_gate.touch()  # the first job returns alone; its batch waits for its row
+        wait_for(blocked_flushes, timeout=20, message="the first batch to wait for the row")
+        gate.touch()  # the four return and queue behind it
+        wait_for(lambda: runner.pool.completing == 5, timeout=20,
+                 message="the four completions to be handed over")
+        blocker.rollback()
+    everyone = [first.id, *ids]
+    wait_for(lambda: PersistentJob.objects.filter(id__in=everyone, status="completed").count()
+             == 5, timeout=30, message="every job to complete")
+    assert runner.failure is None and not runner.finished.is_set()  # it ran on
+    assert runs_of(runs) == {str(job_id): 2 if job_id == bad else 1 for job_id in everyone}
+    for job_id in everyone:
+        attempts = [(a.attempt, a.outcome) for a in attempts_of(job_id)]
+        assert attempts == ([(1, "failed"), (2, "completed")] if job_id == bad
+                            else [(1, "completed")]), (job_id, attempts)
+    [refused] = [a for a in attempts_of(bad) if a.outcome == "failed"]
+    assert refused.error_code == "HANDLER_ERROR"
+    assert "refusing to complete job" in refused.error_message
+    done = PersistentJob.objects.get(id=bad)
+    assert (done.attempts, done.handbacks) == (2, 0)
+    if processes:
+        out = capfd.readouterr().out
+        assert out.count("completing 4 jobs in one statement failed") == 1, out
+    else:
+        [split] = split_records(caplog)
+        assert "completing 4 jobs in one statement failed" in split.getMessage()
+        # Each job's signal once per attempt: the three and the first completed once, the
+        # refused one failed, then completed.
+        assert sorted(finished, key=str) == sorted(
+            [(job_id, "completed") for job_id in everyone] + [(bad, "failed")], key=str)
 
 
 def test_stopping_waits_for_completions_being_written(
