@@ -164,9 +164,13 @@ class Completer:
         with self._cond:
             self._unanswered -= 1
 
-    def close(self, timeout: float) -> bool:
+    def close(self, timeout: float, settle: float = 5.0) -> bool:
         """Write what is waiting, then stop; give up on it after ``timeout`` seconds (the
-        database is away). True if everything handed over was answered."""
+        database is away), and wait up to ``settle`` more for the thread to answer what is
+        left. A thread inside a statement that waits for a row lock answers only when the
+        statement ends: a forced stop passes a short ``settle`` rather than wait for it (the
+        statement, fenced, may still commit on the server after the runner is gone). True if
+        everything handed over was answered."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -176,7 +180,7 @@ class Completer:
         thread.join(max(0.0, timeout))
         if thread.is_alive():
             self._give_up.set()  # retries stop; what is left is answered "not written"
-            thread.join(5.0)
+            thread.join(max(0.0, settle))
         return not thread.is_alive()
 
     # ------------------------------------------------------------------ the thread

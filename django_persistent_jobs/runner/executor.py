@@ -169,4 +169,7 @@ class Executor(Protocol):
     def close(self) -> None:
         """No more work: let threads or processes exit."""
 
-    def join(self, timeout: float) -> None: ...
+    def join(self, timeout: float, settle: float = 5.0) -> None:
+        """Wait up to ``timeout`` for the threads or processes to end; then stop what is left
+        (give up on completions still being written, kill workers) and wait up to ``settle``
+        more for that to take effect."""

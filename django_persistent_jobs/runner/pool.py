@@ -315,12 +315,12 @@ class WorkerPool(SlotWaits):
         for _ in range(count):
             self.queue.put(None)
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float, settle: float = 5.0) -> None:
         """Wait for the workers, then for the completions still being written (the supervisor
         waited for the jobs already, so normally none are)."""
         deadline = time.monotonic() + timeout
         for worker in list(self.workers):
             worker.thread.join(max(0.0, deadline - time.monotonic()))
-        self.completer.close(max(0.0, deadline - time.monotonic()))
+        self.completer.close(max(0.0, deadline - time.monotonic()), settle)
         if self.gate is not None:
             self.gate.close(max(0.0, deadline - time.monotonic()))

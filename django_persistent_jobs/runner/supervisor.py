@@ -99,6 +99,10 @@ NO_TIMEOUT_VOUCH_FACTOR = 10
 #: before it leaves those jobs to be rescued once this runner's row is gone (while the database
 #: is unreachable it keeps trying until it is back or a second signal forces the stop).
 SETTLE_AT_EXIT_SECONDS = 5.0
+#: After a second signal, how long the executor's threads (its completion writer) or worker
+#: processes are waited for, and again once told to stop or killed: a forced stop exits within
+#: about a second whatever a statement of theirs waits for.
+FORCED_JOIN_SECONDS = 0.5
 #: The longest runner name: the id adds a separator and 8 hex digits within 200 characters.
 MAX_NAME_LENGTH = 180
 
@@ -442,7 +446,13 @@ class Runner:
         self.pool.close()
         for loop in self.loops:
             loop.join(timeout=5)
-        self.pool.join(timeout=2)
+        if self.forced.is_set():
+            # Stop now means now: a completion statement stuck behind a row lock (or a worker
+            # that does not exit) is not waited for. The statement is fenced and may still
+            # commit on the server after we are gone; otherwise the job is rescued.
+            self.pool.join(timeout=FORCED_JOIN_SECONDS, settle=FORCED_JOIN_SECONDS)
+        else:
+            self.pool.join(timeout=2)
 
     def _close_connections(self) -> None:
         """The runner's last step: its side connection, the liveness sidecar, and this

@@ -140,6 +140,39 @@ def test_sigterm_writes_the_completions_being_written_before_exiting(
     report("batched_completion_sigterm", jobs=JOBS)
 
 
+def test_a_second_signal_while_completions_wait_for_a_row_lock_stops_at_once(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    """A second signal must stop the runner at once even while its completion writer is
+    inside a statement that waits for row locks (it used to wait 2 s for the writer, then 5 s
+    more after giving up on it). What happens to those jobs is what a crash in that window
+    gives: the statement the server already has may still commit once the locks go (fenced:
+    the job completed by its only run), or the job is rescued and runs again; never lost,
+    never completed twice."""
+    runner, ids, runs, blocker = _hold_completions(
+        fleet, tmp_path, "forced", settings={"SHUTDOWN_GRACE": 60})
+    with blocker:
+        mark = runner.mark()
+        runner.send(signal.SIGTERM)
+        runner.wait_line(r"stopping: no new claims", since=mark)
+        assert runner.alive  # waiting for the completions, which wait for the rows
+        forced_at = time.monotonic()
+        runner.send(signal.SIGTERM)
+        assert runner.wait_exit(15) == 1
+        took = time.monotonic() - forced_at
+        assert took < 3.0, took  # at once: not the writer's 2 + 5 s
+        blocker.rollback()
+    fleet.spawn("rescuer", concurrency=JOBS)
+    wait_all_terminal(ids, timeout=30)
+    assert status_counts(ids) == {"completed": JOBS}
+    for job_id in ids:
+        outcomes = [a.outcome for a in attempts_of([job_id])]
+        assert outcomes.count("completed") == 1, (job_id, outcomes)
+        assert runs_of(runs)[job_id] == len(outcomes), (job_id, outcomes)
+    report("batched_completion_second_signal", jobs=JOBS, exit_s=round(took, 2),
+           runs=sum(runs_of(runs).values()))
+
+
 def test_slots_are_free_while_completions_are_written(fleet: Fleet, tmp_path: Path) -> None:
     """Every slot's job has returned and waits for its completion: the next jobs still run, up
     to one more per slot and ``COMPLETING_ALLOWANCE`` (five batches) more per completion writer

@@ -394,7 +394,7 @@ class ProcessExecutor(SlotWaits):
             self._send(worker, (protocol.STOP,))
         self._wake()
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float, settle: float = 5.0) -> None:
         """Wait for the workers to exit; kill those that do not within ``timeout``."""
         if self._thread.ident is None:
             self._close_wake_pipe()
@@ -405,7 +405,7 @@ class ProcessExecutor(SlotWaits):
         for worker in left:
             self._kill(worker)
         if left:
-            self._thread.join(5)
+            self._thread.join(max(0.0, settle))
         if not self._thread.is_alive():
             self._close_wake_pipe()
 
