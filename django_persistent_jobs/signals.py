@@ -16,9 +16,11 @@ All are sent with ``sender=PersistentJob`` and keyword arguments only (see ``doc
     status), ``error_code`` ("" on success) and ``duration`` (seconds the handler ran in this
     process, or None when the attempt was settled elsewhere, e.g. rescued). A job that only
     waited in a lost runner for a free worker is handed back ``interrupted``, not ``rescued``.
-    Sent once per attempt, by whoever wrote its outcome: a completion that lands just as the
-    timeout enforcer takes the job over is reported by the path that wrote it, not again by
-    the enforcer (``runner.execute.record_outcome``'s ``report_completion``).
+    Sent once per attempt: a completion that lands just as the timeout enforcer takes the job
+    over is reported by the handler's thread, the batch writer or the enforcer, whichever
+    claims it first (``runner.execute.InFlight.claim_report``; with ``--processes``, by the
+    worker). A worker process killed between sending it and its supervisor hearing the job was
+    done can have it sent twice (the supervisor reports a dead worker's completions).
 ``job_dead_lettered``
     when a job reached ``dead_lettered``: ``job_id``, ``job_type``, ``queue``, ``tenant``,
     ``attempt``, ``error_code``, ``error_message``.

@@ -98,12 +98,27 @@ class InFlight:
     #: A worker process reported this job done (a job reaches ``DONE`` once, whichever of its
     #: lane and its completion gets there first).
     done_reported: bool = False
-    #: The handler returned: its thread now runs only the runner's own code (the completion,
-    #: its commit, its ``job_finished``). A take-over from here on injects no ``JobInterrupted``
-    #: (``WorkerPool.interrupt``, the worker's ``_interrupt``): one landing between a commit
-    #: and its signal would leave a completed attempt unreported, since the supervisor leaves
-    #: a completion to the path that wrote it (``record_outcome``'s ``report_completion``).
+    #: The handler returned: what its thread runs from here on (the completion, its commit,
+    #: the handler's ``on_commit`` callbacks, ``job_finished`` receivers) may already have
+    #: committed the completion, so an interruption from here on reads the attempt back and
+    #: reports it if it did (``_report_if_completed``).
     returned: bool = False
+    #: ``job_finished(completed)`` for this attempt has been claimed by one sender
+    #: (``claim_report``): the thread that wrote the completion, the completer, or the timeout
+    #: enforcer that found it written. An attempt is reported once whichever gets there first.
+    report_claimed: bool = False
+
+    def claim_report(self) -> bool:
+        """True for the first caller only: that caller sends the attempt's completion."""
+        with _REPORT_LOCK:
+            if self.report_claimed:
+                return False
+            self.report_claimed = True
+            return True
+
+
+#: Guards ``InFlight.claim_report`` (held for a flag's test and set: one lock for all jobs).
+_REPORT_LOCK = threading.Lock()
 
 
 @dataclass
@@ -261,7 +276,7 @@ def _settle(
 def record_outcome(
     alias: str, job: ClaimedJob, outcome: Outcome, runner_id: str,
     interrupt: threading.Event | None, attempt_outcome: str | None = None,
-    bounded: bool = False, report_completion: bool = True,
+    bounded: bool = False, claim_report: Callable[[], bool] | None = None,
 ) -> str | None:
     """Apply a fenced transition, retrying through connection loss; returns the new status.
 
@@ -276,13 +291,13 @@ def record_outcome(
     lock and do not wait for an unreachable database; raise ``NotNow`` instead, and the caller
     tries again later.
 
-    ``report_completion``: whether to send ``job_finished`` when the statement finds the
-    attempt already completed by its own execution. True for the thread that ran the handler
-    (its commit landed although its answer was lost: nobody else will report it). False for
-    the supervisor settling a job it took from a live execution (timeout, shutdown): that
-    completion was written by the handler's thread or by the batch writer of completions,
-    in this process or in a worker process, and the path that wrote it reports it, so that
-    an attempt's outcome is reported once whichever of the two got there first.
+    ``claim_report``: asked, when the statement finds the attempt already completed by its
+    own execution, whether this call sends its ``job_finished`` (None: it does; the thread
+    that ran the handler, whose commit landed although its answer was lost). The supervisor
+    settling a job it took from a live execution (timeout, shutdown) passes the job's
+    ``InFlight.claim_report`` where that execution shares it (threads, a dead worker's jobs),
+    so that the attempt is reported once whichever of the two gets there first, and a claim
+    that always fails for a live worker process, which reports its own completions.
     """
     status, error = _settle(alias, job, outcome, interrupt, attempt_outcome, bounded)
     if error is not None:
@@ -314,7 +329,7 @@ def record_outcome(
                       else run_with_retry(alias, read, what=what, interrupt=interrupt))
     log_transition(job, status, outcome, runner_id, settled_as)
     if status is None and settled_as == "completed":
-        if report_completion:
+        if claim_report is None or claim_report():
             signals.finished(job, runner_id, status="completed")  # its commit did land
         # (Else not even ``finished(status=None)``: the start time it would drop is the one
         # the writer's report gives its duration from.)
@@ -516,16 +531,21 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         _claim_lost(job, spec, runner_id)
         return False
     except JobInterrupted:
+        # Taken over (timeout, shutdown). After the handler returned, the interruption may have
+        # landed after the completion's commit (in an ``on_commit`` callback, say): then the
+        # attempt completed, and is reported here unless the enforcer reported it already.
+        if inflight.returned:
+            _report_if_completed(alias, inflight, runner_id)
         raise
     except BaseException as exc:
         if inflight.taken_over.is_set():
             # The supervisor settles this attempt (timeout, hand-back) and reports what it
             # writes; but a completion of ours may have committed just before the supervisor
-            # cut our session, and that one is ours to report.
+            # cut our session, and that one is reported here or by the supervisor, once.
             if inflight.returned:
                 if is_connection_error(exc):
                     reset_connection(alias)
-                _report_if_completed(alias, job, runner_id)
+                _report_if_completed(alias, inflight, runner_id)
             return False
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -555,11 +575,15 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             return True
         _completion_abandoned(job, runner_id)
         return False
-    _completed(job, runner_id)
+    _completed(inflight, runner_id)
     return False
 
 
-def _completed(job: ClaimedJob, runner_id: str) -> None:
+def _completed(inflight: InFlight, runner_id: str) -> None:
+    """Report the attempt completed, unless another path reported it already."""
+    if not inflight.claim_report():
+        return
+    job = inflight.job
     signals.finished(job, runner_id, status="completed")
     if completions_logger.isEnabledFor(logging.INFO):
         completions_logger.info(
@@ -596,22 +620,31 @@ def _hand_back_unadmitted(alias: str, job: ClaimedJob, runner_id: str) -> None:
                               "runner_id": runner_id})
 
 
-def _report_if_completed(alias: str, job: ClaimedJob, runner_id: str) -> None:
-    """A job taken over after its handler returned failed to write its completion: if the
-    attempt row says it completed after all (the commit landed, its answer was lost with the
-    session the supervisor terminated), report it, since the supervisor leaves a completion
-    to the path that wrote it. Bounded: this thread is abandoned, and a database that cannot
-    answer now costs only the report, not the job (the row is right either way)."""
-    try:
-        settled = run_bounded(alias, lambda cursor: store.attempt_outcome(cursor, job.token),
-                              what=f"reading the outcome of job {job.id}")
-    except Exception as exc:
-        logger.warning("job %s: could not read whether its completion committed (%s); "
-                       "job_finished not sent", job.id, type(exc).__name__,
-                       extra={"event": "completion_unknown", "job_id": str(job.id)})
+def _report_if_completed(alias: str, inflight: InFlight, runner_id: str) -> None:
+    """A job taken over after its handler returned: if the attempt row says it completed
+    after all (the commit landed before the interruption, or its answer was lost with the
+    session the supervisor terminated), report it, once (``InFlight.claim_report``): a live
+    worker process's supervisor leaves that to the worker. Bounded: this thread is abandoned,
+    and a database that cannot answer now costs only the report, not the job (the row is
+    right either way). Two tries: the first may meet the session the supervisor ended."""
+    job = inflight.job
+    if inflight.report_claimed:
         return
+    settled: str | None = None
+    for tries_left in (1, 0):
+        try:
+            settled = run_bounded(alias, lambda cursor: store.attempt_outcome(cursor, job.token),
+                                  what=f"reading the outcome of job {job.id}")
+            break
+        except Exception as exc:
+            if tries_left and isinstance(exc, NotNow):
+                continue
+            logger.warning("job %s: could not read whether its completion committed (%s); "
+                           "job_finished not sent", job.id, type(exc).__name__,
+                           extra={"event": "completion_unknown", "job_id": str(job.id)})
+            return
     if settled == "completed":
-        _completed(job, runner_id)
+        _completed(inflight, runner_id)
 
 
 def _claim_lost(job: ClaimedJob, spec: HandlerSpec, runner_id: str) -> None:
@@ -640,7 +673,7 @@ def _answered(
     elif not written:
         _claim_lost(job, spec, runner_id)
     else:
-        _completed(job, runner_id)
+        _completed(inflight, runner_id)
 
 
 def _call_handler(spec: HandlerSpec, inflight: InFlight) -> str | None:

@@ -115,6 +115,11 @@ class Executor(Protocol):
     #: yes for handler threads in this process; no for worker processes, which decode their
     #: own, so that the supervisor does no per-payload work.
     decode_at_claim: bool
+    #: Whether the handlers run with the very ``InFlight`` objects the supervisor holds
+    #: (threads) or with copies of their own (worker processes). Where they do, the timeout
+    #: enforcer may report a completion it finds written (``InFlight.claim_report`` decides
+    #: which of it and the handler's thread does); where not, the worker reports its own.
+    shares_items: bool
 
     def start(self) -> None:
         """Start the threads or processes; returns once jobs can be accepted."""

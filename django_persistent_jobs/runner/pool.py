@@ -118,6 +118,7 @@ class WorkerPool(SlotWaits):
     #: threads instead, a drain of jobs with 900-byte payloads ran 15-25% slower (three
     #: interleaved pairs).
     decode_at_claim = True
+    shares_items = True
 
     def __init__(
         self, size: int, execute: Callable[[InFlight], None],
@@ -288,15 +289,10 @@ class WorkerPool(SlotWaits):
         just as it was taken over) its thread id may even belong to a new thread by now, and an
         exception injected there would kill an innocent job. The check and the injection happen
         under the lock the worker takes to leave the job, so they cannot race.
-
-        Nor once the handler has returned (``InFlight.returned``): its thread then runs only
-        the runner's code, and an exception between its commit and its ``job_finished`` would
-        leave a completed attempt unreported.
         """
         with self.lock:
             owner = item.owner
-            if (owner is None or owner.current is not item or item.returned
-                    or not owner.thread.is_alive()):
+            if owner is None or owner.current is not item or not owner.thread.is_alive():
                 return False
             ident = owner.thread.ident
             return ident is not None and inject_exception(ident, exc_type)

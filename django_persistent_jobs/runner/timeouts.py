@@ -46,8 +46,9 @@ class Unsettled:
     locked: bool = False  # the last try found the job's row locked (not the database away)
     retry_at: float = 0.0  # while the database is away, not before this (monotonic)
     #: Taken from a worker process that died (``lost``): nothing else will report a completion
-    #: it wrote, so a settling that finds the attempt completed reports it here. Otherwise the
-    #: execution is alive and reports its own completion (``record_outcome``).
+    #: it wrote, so a settling that finds the attempt completed reports it here. Otherwise a
+    #: live worker process reports its own completion, and with threads the enforcer and the
+    #: handler's thread share one report (``InFlight.claim_report``).
     orphaned: bool = False
 
 
@@ -142,15 +143,26 @@ class TimeoutEnforcer:
                     return False
             entry.terminated = True
             self.executor.interrupt(item, JobInterrupted)
+        # A completion it finds written is reported once: here or by the handler's thread,
+        # whichever claims it first (threads, and a dead worker's jobs, whose reports were
+        # lost with it); a live worker process reports its own.
+        shared = entry.orphaned or self.executor.shares_items
         try:
             status = record_outcome(self.alias, item.job, entry.outcome, self.runner_id,
                                     self.forced, attempt_outcome=entry.attempt_outcome,
-                                    bounded=True, report_completion=entry.orphaned)
+                                    bounded=True,
+                                    claim_report=item.claim_report if shared else _not_here)
         except NotNow as exc:
             entry.locked = exc.locked
             return False
         if status is None:
             # Its handler returned just in time and its completion (or its failure) landed
-            # first: whoever wrote that outcome reports it (one ``job_finished`` per attempt).
+            # first (one ``job_finished`` per attempt, see above).
             logger.info("job %s finished just as it was taken over", item.job.id)
         return True
+
+
+def _not_here() -> bool:
+    """``record_outcome``'s ``claim_report`` for a job a live worker process runs: the worker
+    reports a completion it wrote, not its supervisor."""
+    return False

@@ -255,3 +255,48 @@ def test_a_batched_completion_that_lands_as_its_timeout_is_settled_is_reported_o
     assert attempt.outcome == "completed"  # the completion landed first: the race was run
     reports = [line.split()[1:] for line in log.read_text().splitlines()]
     assert reports == [[str(job.id), "1", "completed", "completed"]]
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_an_on_commit_callback_past_the_timeout_is_interrupted_and_its_completion_reported_once(
+    start_runner: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The handler returns at once, its completion commits, and an ``on_commit`` callback of
+    its own (user code, run after the commit) spins past the job's timeout. The timeout still
+    stops that code (its thread is interrupted as any hung handler's; a worker process stops
+    it too, rather than being recycled because a lane never returns), and the attempt, which
+    did complete, is reported completed exactly once: by its thread or by the enforcer that
+    found it completed, not by both and not by neither (that is what happened when a returned
+    handler's thread was never interrupted: no report at all)."""
+    from tests.core_support import subprocess_env
+    from tests.testapp.jobs import FINISHED_LOG_ENV, record_finished
+
+    log, mark = tmp_path / "finished", tmp_path / "mark"
+    for name, value in subprocess_env().items():  # worker processes use the test database
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(FINISHED_LOG_ENV, str(log))  # ... and log what they send there
+    record_finished(str(log))  # (this process: the supervisor, and the threads' runner)
+    job = enqueue("test.commit_spin", {"mark": str(mark)}, timeout=1)
+    try:
+        runner: Runner = start_runner(concurrency=1, processes=processes)
+        wait_for(lambda: mark.exists() and mark.read_text() == "interrupted", timeout=15,
+                 message="the timeout to interrupt the on_commit callback")
+        done = wait_status(job.id, JobStatus.COMPLETED, timeout=10)
+        wait_for(lambda: not runner.timeouts.settling, timeout=30,
+                 message="the enforcer to settle it")
+        wait_for(lambda: log.exists() and log.read_text().strip() != "", timeout=10,
+                 message="the attempt to be reported")
+        assert runner.stop(timeout=30) == 0  # every signal of the attempt has been sent now
+    finally:
+        from django_persistent_jobs.signals import job_finished
+
+        job_finished.disconnect(dispatch_uid=f"tests-finished-log-{log}")
+    assert done.attempts == 1 and done.last_error_code == ""
+    [attempt] = attempts_of(job.id)
+    assert attempt.outcome == "completed"
+    reports = [line.split()[1:] for line in log.read_text().splitlines()]
+    assert reports == [[str(job.id), "1", "completed", "completed"]]
+    # (A worker process stopped the callback itself: not recycled for a lane that never came
+    # back.)
+    assert [r for r in caplog.records if getattr(r, "event", None) == "worker_recycled"] == []

@@ -86,6 +86,31 @@ def progress_mark(payload: dict[str, Any], ctx: JobContext) -> None:
         mark.write("reported")
 
 
+@job_handler("test.commit_spin", backoff=constant(0), max_retries=0)
+def commit_spin(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Returns at once, leaving an ``on_commit`` callback that runs past the job's timeout (a
+    mail sent after commit, retried in a loop): the completion has committed by the time it
+    spins. It writes ``interrupted`` to ``payload["mark"]`` when the runner stops it, and
+    gives up after 30 s (a runner that never does fails the test, not the suite)."""
+    from django.db import transaction
+
+    mark = payload["mark"]
+
+    def spin() -> None:
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        except BaseException:
+            with open(mark, "w") as out:
+                out.write("interrupted")
+            raise
+        with open(mark, "w") as out:
+            out.write("not interrupted")
+
+    transaction.on_commit(spin)
+
+
 #: A file to which every ``job_finished`` this process sends is appended, one line each
 #: (``pid job_id attempt status outcome``), when set in the environment before the process
 #: starts: worker processes send the signals of the jobs they run, and a test in the

@@ -508,9 +508,7 @@ class Worker:
                 return
             first = not item.taken_over.is_set()  # (its lane is retired once)
             item.taken_over.set()
-            # Not once the handler returned: the thread runs only our code then, and must
-            # not be cut between its completion's commit and its ``job_finished``.
-            if item.thread_ident is not None and not item.returned:
+            if item.thread_ident is not None:
                 inject_exception(item.thread_ident, JobInterrupted)
         if first:
             self._add_lane()
