@@ -465,7 +465,7 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
                            extra={"event": "start_refused", "job_id": str(job.id),
                                   "runner_id": runner_id})
             if admitted is None:
-                _hand_back_unadmitted(alias, job, runner_id)
+                _hand_back_unadmitted(alias, job, runner_id, interrupt)
             return False
     signals.started(job, runner_id)
     spec = registry.get(job.job_type)
@@ -597,27 +597,44 @@ def _completed(inflight: InFlight, runner_id: str) -> None:
 START_FAILED = "START_FAILED"
 
 
-def _hand_back_unadmitted(alias: str, job: ClaimedJob, runner_id: str) -> None:
+def _hand_back_unadmitted(alias: str, job: ClaimedJob, runner_id: str,
+                          interrupt: threading.Event) -> None:
     """Hand back, now, a waiting job whose start the gate could not write: it will not run
     here, and left claimed by a runner that goes on living, nobody would run it until this
-    runner exits. Uncharged (it never ran) but counted against ``HANDBACK_LIMIT``, as a lost
+    runner is gone. Uncharged (it never ran) but counted against ``HANDBACK_LIMIT``, as a lost
     runner's waiting job is (``store.release_waiting``): a job whose start can never be
     written ends dead-lettered instead of being claimed and handed back for ever.
 
-    Bounded (``run_bounded``): with the database away, or the row locked, or even the
-    hand-back failing, the job stays claimed as before, and is handed back when this runner
-    stops or rescued once it is gone; this thread does not wait for the database."""
-    try:
-        record_outcome(alias, job, Outcome(
-            "handback", START_FAILED,
-            f"runner {runner_id} could not record the start of attempt {job.attempt}; "
-            "handed back unstarted",
-        ), runner_id, None, attempt_outcome="interrupted", bounded=True)
-    except Exception as exc:  # NotNow, SettleFailed: no worse than before, and not fatal
-        logger.warning("job %s: could not hand it back either (%s); it stays claimed until "
-                       "this runner stops, or is rescued", job.id, type(exc).__name__,
-                       extra={"event": "start_handback_failed", "job_id": str(job.id),
-                              "runner_id": runner_id})
+    Bounded (``run_bounded``), a few tries while the row stays locked (the lock's holder, say
+    another runner handing the job back, usually lets go within a second). With the database
+    away, the row locked throughout, or the hand-back itself failing, the job stays claimed:
+    it is rescued once this runner's row is gone; this thread does not wait for the
+    database."""
+    failure: Exception | None = None
+    for tries_left in range(HANDBACK_TRIES - 1, -1, -1):
+        try:
+            record_outcome(alias, job, Outcome(
+                "handback", START_FAILED,
+                f"runner {runner_id} could not record the start of attempt {job.attempt}; "
+                "handed back unstarted",
+            ), runner_id, None, attempt_outcome="interrupted", bounded=True)
+            return
+        except NotNow as exc:
+            failure = exc
+            if not exc.locked or not tries_left or interrupt.wait(HANDBACK_RETRY_SECONDS):
+                break
+        except Exception as exc:  # SettleFailed: no worse than before, and not fatal
+            failure = exc
+            break
+    logger.warning("job %s: could not hand it back either (%s); it stays claimed until this "
+                   "runner is gone, then it is rescued", job.id, type(failure).__name__,
+                   extra={"event": "start_handback_failed", "job_id": str(job.id),
+                          "runner_id": runner_id})
+
+
+#: Tries of that hand-back while the job's row stays locked, and the pause between them.
+HANDBACK_TRIES = 5
+HANDBACK_RETRY_SECONDS = 0.5
 
 
 def _report_if_completed(alias: str, inflight: InFlight, runner_id: str) -> None:

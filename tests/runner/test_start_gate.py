@@ -4,6 +4,7 @@ seconds after the runner said it stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -201,6 +202,27 @@ def test_a_waiting_job_whose_start_cannot_be_written_is_handed_back_at_once(
     attempt; it used to stay claimed by the live runner, run by nobody, until the runner
     exited. It is handed back at once, uncharged (counted, code ``START_FAILED``), and the
     runner, still running, claims and runs it again."""
+    _refused_start_is_handed_back(start_runner, tmp_path, monkeypatch, settings, processes)
+
+
+def test_that_hand_back_waits_a_moment_for_a_locked_job_row(
+    start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same, with the job's row locked by another session when the hand-back comes (say
+    another runner handing the job back): the hand-back tries again for a moment instead of
+    giving up at once, which left the job claimed by its live runner until it exited."""
+    caplog.set_level("DEBUG", logger="django_persistent_jobs")
+    _refused_start_is_handed_back(start_runner, tmp_path, monkeypatch, settings, 0,
+                                  caplog=caplog)
+
+
+def _refused_start_is_handed_back(
+    start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, processes: int, caplog: pytest.LogCaptureFixture | None = None,
+) -> None:
+    """The two tests above; with ``caplog``, the job's row is locked from before the gate
+    fails until the hand-back has met the lock."""
     from django_persistent_jobs import enqueue
     from django_persistent_jobs.models import JobStatus
     from django_persistent_jobs.runner.store import LEASE_NAMESPACE
@@ -249,7 +271,18 @@ def test_a_waiting_job_whose_start_cannot_be_written_is_handed_back_at_once(
                 assert cursor.fetchall() == [(True,)]
             wait_for(lambda: not runner.lease.fresh(period), timeout=10,
                      message="the lease period the job was claimed in to end")
-        open_gate.touch()  # the first job returns; the waiting one starts, through the gate
+        with contextlib.ExitStack() as stack:
+            if caplog is not None:
+                locker = stack.enter_context(raw_connection(autocommit=False))
+                locker.execute("SELECT 1 FROM persistent_jobs WHERE id = %s FOR UPDATE",
+                               [waiting.id])
+            open_gate.touch()  # the first job returns; the waiting one starts, via the gate
+            if caplog is not None:
+                records = caplog.records
+                wait_for(lambda: any(getattr(r, "event", None) == "row_locked"
+                                     for r in records), timeout=10,
+                         message="the hand-back to meet the locked row")
+                locker.rollback()
         done = wait_status(waiting.id, JobStatus.COMPLETED, timeout=20)
     finally:
         with connection.cursor() as cursor:
