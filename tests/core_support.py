@@ -119,6 +119,35 @@ def raw_connection(autocommit: bool = True) -> Iterator[psycopg.Connection[Any]]
         conn.close()
 
 
+@contextmanager
+def refusing_updates(name: str, table: str, condition: str, message: str,
+                     errcode: str | None = None) -> Iterator[None]:
+    """A trigger that makes PostgreSQL reject every update of ``table`` for which the SQL
+    ``condition`` (over ``OLD`` and ``NEW``) holds, raising ``message`` (with SQLSTATE
+    ``errcode``, else P0001): an error retrying does not fix, as a trigger or constraint of the
+    project's own would raise. Dropped on exit. ``name`` names the trigger and its function;
+    the caller interpolates only values it made itself."""
+    code = f" USING ERRCODE = '{errcode}'" if errcode else ""
+    with connection.cursor() as cursor:
+        cursor.execute(f"""
+            CREATE FUNCTION {name}() RETURNS trigger AS $$
+            BEGIN
+                IF {condition} THEN
+                    RAISE EXCEPTION '{message}'{code};
+                END IF;
+                RETURN NEW;
+            END $$ LANGUAGE plpgsql;
+            CREATE TRIGGER {name} BEFORE UPDATE ON {table}
+                FOR EACH ROW EXECUTE FUNCTION {name}();
+        """)
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP TRIGGER IF EXISTS {name} ON {table}; "
+                           f"DROP FUNCTION IF EXISTS {name}()")
+
+
 def blocked_backends(conn: psycopg.Connection[Any]) -> int:
     """Backends of this database currently waiting on a heavyweight lock."""
     row = conn.execute(

@@ -78,6 +78,15 @@ def _hold_completions(
     return runner, ids, runs, blocker
 
 
+def _stop_gracefully_while_held(runner: RunnerProcess) -> None:
+    """SIGTERM: the runner stops claiming and, its completions held, stays up waiting for
+    them."""
+    mark = runner.mark()
+    runner.send(signal.SIGTERM)
+    runner.wait_line(r"stopping: no new claims", since=mark)
+    assert runner.alive  # waiting for the completions, which wait for the rows
+
+
 def _kill_while_held(fleet: Fleet, tmp_path: Path, job_type: str) -> tuple[
         list[str], Path, RunnerProcess, RunnerProcess]:
     victim, ids, runs, blocker = _hold_completions(fleet, tmp_path, "victim", job_type=job_type)
@@ -127,10 +136,7 @@ def test_sigterm_writes_the_completions_being_written_before_exiting(
     runner, ids, runs, blocker = _hold_completions(
         fleet, tmp_path, "stopping", settings={"SHUTDOWN_GRACE": 20})
     with blocker:
-        mark = runner.mark()
-        runner.send(signal.SIGTERM)
-        runner.wait_line(r"stopping: no new claims", since=mark)
-        assert runner.alive  # waiting for the completions, which wait for the rows
+        _stop_gracefully_while_held(runner)
         blocker.rollback()
     assert runner.wait_exit(20) == 0
     assert status_counts(ids) == {"completed": JOBS}
@@ -152,10 +158,7 @@ def test_a_second_signal_while_completions_wait_for_a_row_lock_stops_at_once(
     runner, ids, runs, blocker = _hold_completions(
         fleet, tmp_path, "forced", settings={"SHUTDOWN_GRACE": 60})
     with blocker:
-        mark = runner.mark()
-        runner.send(signal.SIGTERM)
-        runner.wait_line(r"stopping: no new claims", since=mark)
-        assert runner.alive  # waiting for the completions, which wait for the rows
+        _stop_gracefully_while_held(runner)
         forced_at = time.monotonic()
         runner.send(signal.SIGTERM)
         assert runner.wait_exit(15) == 1

@@ -5,6 +5,7 @@ their completion in their own transaction."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -22,7 +23,14 @@ from django_persistent_jobs.runner import Runner, store
 from django_persistent_jobs.runner.completer import Completer
 from django_persistent_jobs.runner.db import sqlstate
 from django_persistent_jobs.runner.starts import StartLog
-from tests.core_support import claim_as, pj_settings, raw_connection, subprocess_env, wait_for
+from tests.core_support import (
+    claim_as,
+    pj_settings,
+    raw_connection,
+    refusing_updates,
+    subprocess_env,
+    wait_for,
+)
 from tests.faults.batch_handlers import runs_of
 from tests.runner_support import Gate, attempts_of, finished, isolated_registry
 from tests.testapp.models import LedgerEntry
@@ -77,27 +85,15 @@ def refuse_completion() -> Iterator[Callable[[Any], None]]:
     """A trigger that makes PostgreSQL reject the completion of one job's first attempt with an
     error retrying does not fix (``check_violation``, as a trigger or constraint of the
     project's own would raise). Its retry, attempt 2, may complete."""
+    with contextlib.ExitStack() as stack:
 
-    def install(job_id: Any) -> None:
-        with connection.cursor() as cursor:
-            cursor.execute(f"""
-                CREATE FUNCTION pj_test_refuse_completion() RETURNS trigger AS $$
-                BEGIN
-                    IF NEW.status = 'completed' AND OLD.id = '{job_id}'::uuid
-                            AND OLD.attempts = 1 THEN
-                        RAISE EXCEPTION 'refusing to complete job {job_id}'
-                            USING ERRCODE = 'check_violation';
-                    END IF;
-                    RETURN NEW;
-                END $$ LANGUAGE plpgsql;
-                CREATE TRIGGER pj_test_refuse_completion BEFORE UPDATE ON persistent_jobs
-                    FOR EACH ROW EXECUTE FUNCTION pj_test_refuse_completion();
-            """)
+        def install(job_id: Any) -> None:
+            stack.enter_context(refusing_updates(
+                "pj_test_refuse_completion", "persistent_jobs",
+                f"NEW.status = 'completed' AND OLD.id = '{job_id}'::uuid AND OLD.attempts = 1",
+                f"refusing to complete job {job_id}", errcode="check_violation"))
 
-    yield install
-    with connection.cursor() as cursor:
-        cursor.execute("DROP TRIGGER IF EXISTS pj_test_refuse_completion ON persistent_jobs; "
-                       "DROP FUNCTION IF EXISTS pj_test_refuse_completion()")
+        yield install
 
 
 def split_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

@@ -9,6 +9,7 @@ hand-backs at shutdown, and a runner that claims only the job types it has handl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
@@ -32,7 +33,7 @@ from django_persistent_jobs.enqueuing import enqueue
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobAttempt, JobStatus, PersistentJob
 from django_persistent_jobs.runner import store
-from tests.core_support import claim_as
+from tests.core_support import claim_as, refusing_updates
 from tests.runner_support import (
     Gate,
     attempts_of,
@@ -318,25 +319,14 @@ def test_out_of_range_backoff_delay_is_bounded(
 @pytest.fixture
 def refuse_code() -> Iterator[Callable[[str], None]]:
     """A trigger that makes PostgreSQL reject any job update that would store ``code``."""
+    with contextlib.ExitStack() as stack:
 
-    def install(code: str) -> None:
-        with connection.cursor() as cursor:
-            cursor.execute(f"""
-                CREATE FUNCTION pj_test_refuse() RETURNS trigger AS $$
-                BEGIN
-                    IF NEW.last_error_code = '{code}' THEN
-                        RAISE EXCEPTION 'refusing to store error code {code}';
-                    END IF;
-                    RETURN NEW;
-                END $$ LANGUAGE plpgsql;
-                CREATE TRIGGER pj_test_refuse BEFORE UPDATE ON persistent_jobs
-                    FOR EACH ROW EXECUTE FUNCTION pj_test_refuse();
-            """)
+        def install(code: str) -> None:
+            stack.enter_context(refusing_updates(
+                "pj_test_refuse", "persistent_jobs", f"NEW.last_error_code = '{code}'",
+                f"refusing to store error code {code}"))
 
-    yield install
-    with connection.cursor() as cursor:
-        cursor.execute("DROP TRIGGER IF EXISTS pj_test_refuse ON persistent_jobs; "
-                       "DROP FUNCTION IF EXISTS pj_test_refuse()")
+        yield install
 
 
 def test_a_settling_failure_hands_the_job_back_and_the_runner_goes_on(

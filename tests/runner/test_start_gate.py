@@ -14,7 +14,7 @@ from django.db import connection
 
 from django_persistent_jobs.runner import Runner, starts
 from django_persistent_jobs.runner.starts import StartGate
-from tests.core_support import raw_connection, wait_for
+from tests.core_support import raw_connection, refusing_updates, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
@@ -245,19 +245,11 @@ def _refused_start_is_handed_back(
     # A claim that read the lease before it was first held (the claim loop's first round can
     # straddle the wait above) carries no period: its waiting jobs go through the gate anyway.
     period = runner.pool.in_flight[waiting.id].job.lease_period
-    with connection.cursor() as cursor:
-        cursor.execute(f"""
-            CREATE FUNCTION pj_test_refuse_start() RETURNS trigger AS $$
-            BEGIN
-                IF NEW.started AND NOT OLD.started AND OLD.id = {int(token)} THEN
-                    RAISE EXCEPTION 'refusing to record the start of attempt {int(token)}';
-                END IF;
-                RETURN NEW;
-            END $$ LANGUAGE plpgsql;
-            CREATE TRIGGER pj_test_refuse_start BEFORE UPDATE ON persistent_jobs_attempts
-                FOR EACH ROW EXECUTE FUNCTION pj_test_refuse_start();
-        """)
-    try:
+    with refusing_updates(
+        "pj_test_refuse_start", "persistent_jobs_attempts",
+        f"NEW.started AND NOT OLD.started AND OLD.id = {int(token)}",
+        f"refusing to record the start of attempt {int(token)}",
+    ):
         if period is not None:
             # The LISTEN session holds the lease: ending it ends the period the job was
             # claimed in, so the job's start goes through the gate.
@@ -284,11 +276,6 @@ def _refused_start_is_handed_back(
                          message="the hand-back to meet the locked row")
                 locker.rollback()
         done = wait_status(waiting.id, JobStatus.COMPLETED, timeout=20)
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER IF EXISTS pj_test_refuse_start "
-                           "ON persistent_jobs_attempts; "
-                           "DROP FUNCTION IF EXISTS pj_test_refuse_start()")
     assert runner.failure is None and not runner.finished.is_set()  # it ran on
     assert (done.attempts, done.handbacks) == (1, 1)
     assert [(a.attempt, a.outcome, a.error_code, a.started) for a in attempts_of(waiting.id)

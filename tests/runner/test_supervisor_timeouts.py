@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,7 @@ def test_timeout_given_at_enqueue_overrides_the_handler(
 
 @pytest.mark.parametrize("processes", [0, 1])
 def test_a_batched_completion_that_lands_as_its_timeout_is_settled_is_reported_once(
-    start_runner: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: int,
+    start_runner: Any, finished_log: Path, monkeypatch: pytest.MonkeyPatch, processes: int,
 ) -> None:
     """A handler that ran no SQL returns just at its deadline: its completion goes to the
     batch writer, and the timeout enforcer takes the job over before the runner knows it
@@ -204,14 +205,7 @@ def test_a_batched_completion_that_lands_as_its_timeout_is_settled_is_reported_o
     sends to one file."""
     from django_persistent_jobs.runner.workers import protocol
     from django_persistent_jobs.runner.workers.manager import ProcessExecutor
-    from tests.core_support import subprocess_env
-    from tests.testapp.jobs import FINISHED_LOG_ENV, record_finished
 
-    log = tmp_path / "finished"
-    for name, value in subprocess_env().items():  # worker processes use the test database
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv(FINISHED_LOG_ENV, str(log))  # ... and log what they send there
-    record_finished(str(log))  # (this process: the supervisor, and the threads' runner)
     job = enqueue("test.noop", {}, timeout=1, max_retries=0)
     held: list[Any] = []
 
@@ -238,28 +232,20 @@ def test_a_batched_completion_that_lands_as_its_timeout_is_settled_is_reported_o
                 item.taken_over.wait(30)
 
         monkeypatch.setattr(Runner, "_execute", execute)
-    try:
-        runner: Runner = start_runner(concurrency=1, processes=processes)
-        done = wait_status(job.id, JobStatus.COMPLETED, timeout=30)
-        wait_for(lambda: held and held[0].taken_over.is_set(), timeout=30,
-                 message="the enforcer to take the job over")
-        wait_for(lambda: not runner.timeouts.settling, timeout=30,
-                 message="the enforcer to settle it")
-        assert runner.stop(timeout=30) == 0  # every signal of the attempt has been sent now
-    finally:
-        from django_persistent_jobs.signals import job_finished
-
-        job_finished.disconnect(dispatch_uid=f"tests-finished-log-{log}")
-    assert done.attempts == 1 and done.last_error_code == ""
-    [attempt] = attempts_of(job.id)
-    assert attempt.outcome == "completed"  # the completion landed first: the race was run
-    reports = [line.split()[1:] for line in log.read_text().splitlines()]
-    assert reports == [[str(job.id), "1", "completed", "completed"]]
+    runner: Runner = start_runner(concurrency=1, processes=processes)
+    done = wait_status(job.id, JobStatus.COMPLETED, timeout=30)
+    wait_for(lambda: held and held[0].taken_over.is_set(), timeout=30,
+             message="the enforcer to take the job over")
+    wait_for(lambda: not runner.timeouts.settling, timeout=30,
+             message="the enforcer to settle it")
+    assert runner.stop(timeout=30) == 0  # every signal of the attempt has been sent now
+    # (The completion landed first: the race was run.)
+    _assert_completed_and_reported_once(done, finished_log)
 
 
 @pytest.mark.parametrize("processes", [0, 1])
 def test_an_on_commit_callback_past_the_timeout_is_interrupted_and_its_completion_reported_once(
-    start_runner: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: int,
+    start_runner: Any, tmp_path: Path, finished_log: Path, processes: int,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The handler returns at once, its completion commits, and an ``on_commit`` callback of
@@ -269,34 +255,45 @@ def test_an_on_commit_callback_past_the_timeout_is_interrupted_and_its_completio
     did complete, is reported completed exactly once: by its thread or by the enforcer that
     found it completed, not by both and not by neither (that is what happened when a returned
     handler's thread was never interrupted: no report at all)."""
+    mark = tmp_path / "mark"
+    job = enqueue("test.commit_spin", {"mark": str(mark)}, timeout=1)
+    runner: Runner = start_runner(concurrency=1, processes=processes)
+    wait_for(lambda: mark.exists() and mark.read_text() == "interrupted", timeout=15,
+             message="the timeout to interrupt the on_commit callback")
+    done = wait_status(job.id, JobStatus.COMPLETED, timeout=10)
+    wait_for(lambda: not runner.timeouts.settling, timeout=30,
+             message="the enforcer to settle it")
+    wait_for(lambda: finished_log.exists() and finished_log.read_text().strip() != "",
+             timeout=10, message="the attempt to be reported")
+    assert runner.stop(timeout=30) == 0  # every signal of the attempt has been sent now
+    _assert_completed_and_reported_once(done, finished_log)
+    # (A worker process stopped the callback itself: not recycled for a lane that never came
+    # back.)
+    assert [r for r in caplog.records if getattr(r, "event", None) == "worker_recycled"] == []
+
+
+@pytest.fixture
+def finished_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A file to which this process and the worker processes started from now on append each
+    ``job_finished`` they send (a worker sends the signals of the jobs it runs)."""
+    from django_persistent_jobs.signals import job_finished
     from tests.core_support import subprocess_env
     from tests.testapp.jobs import FINISHED_LOG_ENV, record_finished
 
-    log, mark = tmp_path / "finished", tmp_path / "mark"
+    log = tmp_path / "finished"
     for name, value in subprocess_env().items():  # worker processes use the test database
         monkeypatch.setenv(name, value)
     monkeypatch.setenv(FINISHED_LOG_ENV, str(log))  # ... and log what they send there
     record_finished(str(log))  # (this process: the supervisor, and the threads' runner)
-    job = enqueue("test.commit_spin", {"mark": str(mark)}, timeout=1)
-    try:
-        runner: Runner = start_runner(concurrency=1, processes=processes)
-        wait_for(lambda: mark.exists() and mark.read_text() == "interrupted", timeout=15,
-                 message="the timeout to interrupt the on_commit callback")
-        done = wait_status(job.id, JobStatus.COMPLETED, timeout=10)
-        wait_for(lambda: not runner.timeouts.settling, timeout=30,
-                 message="the enforcer to settle it")
-        wait_for(lambda: log.exists() and log.read_text().strip() != "", timeout=10,
-                 message="the attempt to be reported")
-        assert runner.stop(timeout=30) == 0  # every signal of the attempt has been sent now
-    finally:
-        from django_persistent_jobs.signals import job_finished
+    yield log
+    job_finished.disconnect(dispatch_uid=f"tests-finished-log-{log}")
 
-        job_finished.disconnect(dispatch_uid=f"tests-finished-log-{log}")
+
+def _assert_completed_and_reported_once(done: Any, log: Path) -> None:
+    """The job completed on its first attempt, and that attempt was reported completed once,
+    by one process."""
     assert done.attempts == 1 and done.last_error_code == ""
-    [attempt] = attempts_of(job.id)
+    [attempt] = attempts_of(done.id)
     assert attempt.outcome == "completed"
     reports = [line.split()[1:] for line in log.read_text().splitlines()]
-    assert reports == [[str(job.id), "1", "completed", "completed"]]
-    # (A worker process stopped the callback itself: not recycled for a lane that never came
-    # back.)
-    assert [r for r in caplog.records if getattr(r, "event", None) == "worker_recycled"] == []
+    assert reports == [[str(done.id), "1", "completed", "completed"]]
