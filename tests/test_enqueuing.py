@@ -492,6 +492,22 @@ def test_a_prepared_enqueue_reads_times_as_django_does_without_time_zone_support
     assert _fields(job) == _fields(stored)
 
 
+@pytest.mark.django_db
+def test_a_prepared_enqueue_follows_a_time_zone_change_after_an_earlier_enqueue(
+    prepared_inserts: None, settings: Any,
+) -> None:
+    """The prepared insert's cursor is kept for the connection's life: one made while
+    ``USE_TZ`` was on must not be the one that reads the times once it is off (it would read
+    aware datetimes where Django reads naive ones)."""
+    before = enqueue("test.noop", {"n": 0}, delay=30)
+    assert before.next_run_at.tzinfo is not None
+    settings.USE_TZ = False
+    job = enqueue("test.noop", {"n": 1}, delay=30)
+    assert _prepared_inserts() >= 1
+    assert job.next_run_at.tzinfo is None
+    assert _fields(job) == _fields(PersistentJob.objects.get(id=job.id))
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("dedup_key", [None, "k"])

@@ -113,7 +113,7 @@ def claim_loop(claiming: Claiming) -> None:
         # Read before the claim: a lease lost and taken again during it starts a new period,
         # and these jobs must not take the fast path then (``starts.Lease``).
         period = claiming.lease.period()
-        jobs = run_with_retry(claiming.alias, do_claim, what="claiming jobs",
+        jobs = run_with_retry(claiming.alias, do_claim, what="claiming jobs", keep_cursor=True,
                               interrupt=claiming.stopping)
         if jobs is None:
             break

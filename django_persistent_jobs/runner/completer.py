@@ -263,7 +263,7 @@ class Completer:
             return store.complete_many(cursor, pairs, started)
 
         try:
-            done = run_with_retry(alias, complete,
+            done = run_with_retry(alias, complete, keep_cursor=True,
                                   what=f"completing {len(batch)} job(s)",
                                   interrupt=self._give_up)
         except Exception as exc:

@@ -155,3 +155,33 @@ def test_a_protocol_violation_that_is_not_about_a_prepared_statement_is_not_take
     only the one about a prepared statement's parameters is a lost statement."""
     violation = psycopg.errors.ProtocolViolation("invalid frontend message type 0")
     assert not is_lost_prepared_statement(violation)
+
+
+def _session_pid(cursor: object) -> int:
+    cursor.execute("SELECT pg_backend_pid()")  # type: ignore[attr-defined]
+    return int(cursor.fetchone()[0])  # type: ignore[attr-defined]
+
+
+def test_a_kept_cursor_follows_its_connection_through_a_reset_and_a_killed_session() -> None:
+    """The claim loop and the completer run their statements on a cursor kept for the
+    connection's life (``keep_cursor``). A kept cursor must never outlive its connection:
+    after the thread's connection was closed, or the server ended its session, the next
+    statement runs on a fresh connection with a fresh cursor instead of failing for ever on
+    the dead one."""
+    from django_persistent_jobs.runner.db import kept_cursor, reset_connection
+
+    first = run_with_retry("default", _session_pid, what="reading", keep_cursor=True)
+    assert kept_cursor("default") is kept_cursor("default")  # one per connection
+    assert run_with_retry("default", _session_pid, what="reading", keep_cursor=True) == first
+
+    reset_connection("default")
+    second = run_with_retry("default", _session_pid, what="reading", keep_cursor=True)
+    assert second is not None and second != first
+
+    with _other_session() as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [second])
+    # The dead session's cursor fails once (a connection error, retried as weather), then the
+    # statement runs on a new session.
+    third = run_with_retry("default", _session_pid, what="reading", keep_cursor=True)
+    assert third is not None and third not in (first, second)
+    assert run_with_retry("default", _session_pid, what="reading", keep_cursor=True) == third
