@@ -508,6 +508,23 @@ def test_a_prepared_enqueue_follows_a_time_zone_change_after_an_earlier_enqueue(
     assert _fields(job) == _fields(PersistentJob.objects.get(id=job.id))
 
 
+@pytest.mark.django_db
+def test_a_prepared_enqueue_follows_the_sessions_time_zone_without_time_zone_support(
+    prepared_inserts: None, settings: Any,
+) -> None:
+    """With ``USE_TZ = False`` Django's own time zone stays None while ``TIME_ZONE`` changes
+    the session's (``SET TIME ZONE``), in which naive times are read. The kept cursor of the
+    prepared insert must read them in the session's zone of the moment, as a fresh ORM read
+    does, not in the zone its loaders were made in."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    enqueue("test.noop", {"n": 0}, delay=30)  # the cursor is made, and its loaders
+    settings.TIME_ZONE = "Asia/Tokyo"
+    job = enqueue("test.noop", {"n": 1}, delay=30)
+    assert _prepared_inserts() >= 1
+    assert _fields(job) == _fields(PersistentJob.objects.get(id=job.id))
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("dedup_key", [None, "k"])

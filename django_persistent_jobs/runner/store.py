@@ -144,14 +144,21 @@ def _bound_cursor(db: BaseDatabaseWrapper, connection: psycopg.Connection[Any]
     making one costs tens of microseconds (its adapters, its time-zone loader), paid by every
     claim and every ``enqueue()`` otherwise. Each user runs a statement and reads its rows
     before the next one starts (a cursor holds one result), and Django's connections are not
-    shared between threads. Made again when the connection or Django's time zone changes."""
+    shared between threads.
+
+    Made again when the connection, Django's time zone or the session's changes: a cursor that
+    runs the same statement again keeps the loaders it made the first time, and a timestamp
+    loader reads the session's ``TimeZone`` once, when it is made (with ``USE_TZ = False`` a
+    ``TIME_ZONE`` change, or a ``SET TIME ZONE`` of the caller's, changes only the session's).
+    """
+    zones = (db.timezone, connection.pgconn.parameter_status(b"TimeZone"))
     kept = getattr(db, "_pj_bound_cursor", None)
-    if (kept is not None and kept[0] is connection and kept[1] == db.timezone
+    if (kept is not None and kept[0] is connection and kept[1] == zones
             and not kept[2].closed):
         cursor: psycopg.Cursor[Any] = kept[2]
         return cursor
     cursor = server_binding_cursor(db)
-    db._pj_bound_cursor = (connection, db.timezone, cursor)  # type: ignore[attr-defined]
+    db._pj_bound_cursor = (connection, zones, cursor)  # type: ignore[attr-defined]
     return cursor
 
 

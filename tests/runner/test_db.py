@@ -179,7 +179,7 @@ def test_a_kept_cursor_follows_its_connection_through_a_reset_and_a_killed_sessi
     assert second is not None and second != first
 
     with _other_session() as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", [second])
+        admin.execute("SELECT pg_terminate_backend(%s, 5000)", [second])  # (waits for it)
     # The dead session's cursor fails once (a connection error, retried as weather), then the
     # statement runs on a new session.
     third = run_with_retry("default", _session_pid, what="reading", keep_cursor=True)
