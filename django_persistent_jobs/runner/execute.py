@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import logging
 import threading
+import time
 import traceback as tb_module
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,6 +89,11 @@ class InFlight:
     completer: Completer | None = None
     #: Records the start of a job that waited for a worker before it runs (None: no gate).
     gate: StartGate | None = None
+    #: Called with this job once the gate has put its start on record, before its handler
+    #: runs: its timeout clock starts then, not while the gate waited for the database (an
+    #: outage longer than the job's timeout must not charge a ``TIMEOUT`` to a handler that
+    #: never ran). A bound method of the runner or worker, not of the job (see ``on_settled``).
+    on_admitted: Callable[[InFlight], None] | None = None
     #: Called with this job once a completion handed to ``completer`` was written and logged
     #: (``execute`` returned True): the job has then left this runner's hands. Given the
     #: exception if its outcome could not be recorded (what ``execute`` raises when it settles
@@ -467,6 +473,9 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
             if admitted is None:
                 _hand_back_unadmitted(alias, job, runner_id, interrupt)
             return False
+        inflight.ctx.started_monotonic = time.monotonic()  # (``ctx.time_left`` counts from here)
+        if inflight.on_admitted is not None:
+            inflight.on_admitted(inflight)
     signals.started(job, runner_id)
     spec = registry.get(job.job_type)
     if spec is None:

@@ -765,6 +765,16 @@ class Runner:
         self.request_stop()
 
     def _execute(self, item: InFlight) -> None:
+        if item.job.waiting and item.gate is not None:
+            # Its start goes on record through the gate first: its timeout clock starts once
+            # it is (``_admitted``), not while the gate waits for the database.
+            item.on_admitted = self._admitted
+        else:
+            self._admitted(item)
+        execute(self.alias, item, self.runner_id, self.forced)
+
+    def _admitted(self, item: InFlight) -> None:
+        """``item``'s handler starts now: its timeout clock starts."""
         item.ctx.started_monotonic = time.monotonic()
         if item.job.timeout:
             item.deadline = item.ctx.started_monotonic + item.job.timeout
@@ -776,7 +786,6 @@ class Runner:
                            else item.ctx.started_monotonic + NO_TIMEOUT_VOUCH_FACTOR * stale)
             if end > self._vouched_until + VOUCH_SECONDS:
                 self.vouch()
-        execute(self.alias, item, self.runner_id, self.forced)
 
     def _report_progress(self, ctx: JobContext, progress: Any) -> None:
         item = self.pool.in_flight.get(ctx.job_id)

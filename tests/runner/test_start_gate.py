@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -223,46 +224,17 @@ def _refused_start_is_handed_back(
 ) -> None:
     """The two tests above; with ``caplog``, the job's row is locked from before the gate
     fails until the hand-back has met the lock."""
-    from django_persistent_jobs import enqueue
     from django_persistent_jobs.models import JobStatus
-    from django_persistent_jobs.runner.store import LEASE_NAMESPACE
-    from tests.core_support import subprocess_env
-    from tests.faults.batch_handlers import runs_of
-    from tests.runner_support import attempts_of, get_job, wait_status
+    from tests.runner_support import attempts_of, wait_status
 
-    for name, value in subprocess_env().items():  # worker processes use the test database
-        monkeypatch.setenv(name, value)
-    settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "PREFETCH": 1}
-    runs, open_gate = tmp_path / "runs", tmp_path / "gate"
-    runner = start_runner(concurrency=1, processes=processes, poll_interval=0.1)
-    wait_for(lambda: runner.lease.period() is not None, timeout=10,
-             message="the runner to hold its lease (jobs claimed then may start fast)")
-    enqueue("faults.solo", {"runs": str(runs), "gate": str(open_gate)}, priority=5)
-    waiting = enqueue("test.noop", {})
-    wait_for(lambda: len(runs_of(runs)) == 1, timeout=30, message="the first job to run")
-    wait_status(waiting.id, JobStatus.RUNNING)  # claimed, waiting for the busy slot
-    token = get_job(waiting.id).lock_token
-    # A claim that read the lease before it was first held (the claim loop's first round can
-    # straddle the wait above) carries no period: its waiting jobs go through the gate anyway.
-    period = runner.pool.in_flight[waiting.id].job.lease_period
+    runner, waiting, token, open_gate = _a_job_waiting_behind_another(
+        start_runner, tmp_path, monkeypatch, settings, processes)
     with refusing_updates(
         "pj_test_refuse_start", "persistent_jobs_attempts",
         f"NEW.started AND NOT OLD.started AND OLD.id = {int(token)}",
         f"refusing to record the start of attempt {int(token)}",
     ):
-        if period is not None:
-            # The LISTEN session holds the lease: ending it ends the period the job was
-            # claimed in, so the job's start goes through the gate.
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                    "AND granted AND objsubid = 2 AND classid = %s AND database = (SELECT oid "
-                    "FROM pg_database WHERE datname = current_database()) "
-                    "AND objid = (hashtext(%s)::bigint & 4294967295)::text::oid",
-                    [LEASE_NAMESPACE, runner.runner_id])
-                assert cursor.fetchall() == [(True,)]
-            wait_for(lambda: not runner.lease.fresh(period), timeout=10,
-                     message="the lease period the job was claimed in to end")
+        _end_lease_period(runner, waiting.id)
         with contextlib.ExitStack() as stack:
             if caplog is not None:
                 locker = stack.enter_context(raw_connection(autocommit=False))
@@ -280,3 +252,91 @@ def _refused_start_is_handed_back(
     assert (done.attempts, done.handbacks) == (1, 1)
     assert [(a.attempt, a.outcome, a.error_code, a.started) for a in attempts_of(waiting.id)
             ] == [(1, "interrupted", "START_FAILED", False), (1, "completed", "", True)]
+
+
+def _a_job_waiting_behind_another(
+    start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, processes: int, **options: Any,
+) -> tuple[Runner, Any, int, Any]:
+    """A runner with one slot, busy with a job that runs until ``open_gate`` exists, and a
+    second job (``options`` for its ``enqueue``) claimed and waiting for that slot: the
+    runner, the waiting job, its fencing token, and ``open_gate``."""
+    from django_persistent_jobs import enqueue
+    from django_persistent_jobs.models import JobStatus
+    from tests.core_support import subprocess_env
+    from tests.faults.batch_handlers import runs_of
+    from tests.runner_support import get_job, wait_status
+
+    for name, value in subprocess_env().items():  # worker processes use the test database
+        monkeypatch.setenv(name, value)
+    settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "PREFETCH": 1}
+    runs, open_gate = tmp_path / "runs", tmp_path / "gate"
+    runner = start_runner(concurrency=1, processes=processes, poll_interval=0.1)
+    wait_for(lambda: runner.lease.period() is not None, timeout=10,
+             message="the runner to hold its lease (jobs claimed then may start fast)")
+    enqueue("faults.solo", {"runs": str(runs), "gate": str(open_gate)}, priority=5)
+    waiting = enqueue("test.noop", {}, **options)
+    wait_for(lambda: len(runs_of(runs)) == 1, timeout=30, message="the first job to run")
+    wait_status(waiting.id, JobStatus.RUNNING)  # claimed, waiting for the busy slot
+    return runner, waiting, int(get_job(waiting.id).lock_token), open_gate
+
+
+def _end_lease_period(runner: Runner, job_id: Any) -> None:
+    """Make the waiting job ``job_id`` start through the gate: end the lease period it was
+    claimed in, by ending the LISTEN session that holds the runner's lease."""
+    from django_persistent_jobs.runner.store import LEASE_NAMESPACE
+
+    # A claim that read the lease before it was first held (the claim loop's first round can
+    # straddle the wait for it) carries no period: its waiting jobs go through the gate anyway.
+    period = runner.pool.in_flight[job_id].job.lease_period
+    if period is None:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+            "AND granted AND objsubid = 2 AND classid = %s AND database = (SELECT oid "
+            "FROM pg_database WHERE datname = current_database()) "
+            "AND objid = (hashtext(%s)::bigint & 4294967295)::text::oid",
+            [LEASE_NAMESPACE, runner.runner_id])
+        assert cursor.fetchall() == [(True,)]
+    wait_for(lambda: not runner.lease.fresh(period), timeout=10,
+             message="the lease period the job was claimed in to end")
+
+
+#: How long the database refuses the gate's write in the test below: longer than the job's
+#: timeout plus a round of the timeout enforcer.
+REFUSED_SECONDS = 2.5
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_waiting_jobs_timeout_counts_from_when_its_start_is_on_record(
+    start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, processes: int,
+) -> None:
+    """A waiting job starting through the gate waits there until its start is on record.
+    Here the database refuses that write with a transient error (as during an outage) for
+    longer than the job's 1 s timeout; the gate retries. The job's timeout clock starts once
+    its start is on record: the job then runs and completes on that attempt. Its clock used to
+    start before the gate, so the enforcer charged it a ``TIMEOUT`` for a handler that never
+    ran (on threads and in a worker process alike)."""
+    from django_persistent_jobs.models import JobStatus
+    from tests.runner_support import attempts_of, wait_status
+
+    runner, waiting, token, open_gate = _a_job_waiting_behind_another(
+        start_runner, tmp_path, monkeypatch, settings, processes, timeout=1)
+    with refusing_updates(
+        "pj_test_refuse_start", "persistent_jobs_attempts",
+        f"NEW.started AND NOT OLD.started AND NEW.outcome = 'running' "
+        f"AND OLD.id = {int(token)}",
+        f"the database refuses to record the start of attempt {int(token)} for now",
+        errcode="57P03",  # cannot_connect_now: transient, retried
+    ):
+        _end_lease_period(runner, waiting.id)
+        open_gate.touch()  # the first job returns; the waiting one starts, via the gate
+        # The scenario's outage, not a synchronisation: it must outlast the job's timeout.
+        time.sleep(REFUSED_SECONDS)
+    done = wait_status(waiting.id, JobStatus.COMPLETED, timeout=30)
+    assert runner.failure is None and not runner.finished.is_set()
+    assert (done.attempts, done.handbacks) == (1, 0)
+    assert [(a.attempt, a.outcome, a.error_code, a.started) for a in attempts_of(waiting.id)
+            ] == [(1, "completed", "", True)]

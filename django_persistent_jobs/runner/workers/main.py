@@ -306,6 +306,7 @@ class Worker:
         # Not a closure over ``item``: stored on it, that would make every job a reference
         # cycle, freed only by the garbage collector (see ``execute.InFlight.on_settled``).
         item.on_settled = functools.partial(self._settled, wire_id=wire_id)
+        item.on_admitted = self._report_admitted
         try:
             self._report_session(lane, item)
             self._report_started(lane, wire_id, fast)
@@ -417,6 +418,19 @@ class Worker:
         supervisor reads it at every housekeeping tick. (Sent on the message pipe instead, a
         start could be handled after a newer one of the same lane from the log.)"""
         message = (protocol.STARTED, lane.number, wire_id, fast, time.monotonic())
+        try:
+            syscalls.write_whole(self.start_log, frame(message))
+        except OSError:
+            os._exit(0)  # the supervisor is gone
+
+    def _report_admitted(self, item: Any) -> None:
+        """A waiting job that started through the gate (not on the fast path) has its start
+        on record and its handler starts now: the supervisor starts its timeout clock from
+        this, not from the ``STARTED`` before the gate (``execute``'s ``on_admitted``).
+        Written to the start log, after that ``STARTED``, in one system call that keeps the
+        GIL: an interrupt lands before or after it, never inside (an interrupt means the
+        supervisor took the job over, and its clock no longer matters)."""
+        message = (protocol.ADMITTED, protocol.wire_id(item.job.id), item.ctx.started_monotonic)
         try:
             syscalls.write_whole(self.start_log, frame(message))
         except OSError:

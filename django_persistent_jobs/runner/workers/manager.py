@@ -485,9 +485,22 @@ class ProcessExecutor(SlotWaits):
         if session is not None:
             item.backend_pid, item.backend_start = session
         item.ctx.started_monotonic = started
-        if item.job.timeout:
+        if item.job.timeout and not item.job.waiting:
+            # (A job still waiting goes through the worker's gate first: its clock starts at
+            # its ``ADMITTED``, once its start is on record.)
             item.deadline = started + item.job.timeout
         return freed
+
+    def _admitted_locked(self, worker: WorkerHandle, wire_id: Any, started_at: float) -> None:
+        """The waiting job ``wire_id`` passed ``worker``'s gate: its handler starts at
+        ``started_at`` (the worker's monotonic clock, ours), and its timeout clock with it."""
+        item = worker.in_flight.get(wire_id)
+        if item is None:
+            return  # finished or taken over meanwhile
+        started = min(started_at, time.monotonic())
+        item.ctx.started_monotonic = started
+        if item.job.timeout:
+            item.deadline = started + item.job.timeout
 
     def _read_starts(self, worker: WorkerHandle) -> None:
         """Take in everything ``worker``'s start log holds (manager thread only): after its
@@ -508,6 +521,8 @@ class ProcessExecutor(SlotWaits):
             for message in messages:
                 if message[0] == protocol.STARTED:
                     freed = self._started_locked(worker, *message[1:]) or freed
+                elif message[0] == protocol.ADMITTED:
+                    self._admitted_locked(worker, *message[1:])
             if freed:
                 self._assign_pending_locked()
             # (``await_recalls`` waits for the queues to empty once sealed.)

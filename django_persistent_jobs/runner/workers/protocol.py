@@ -57,6 +57,10 @@ Worker to supervisor:
                                               (``time.monotonic()``, one clock for all
                                               processes on Linux); ``fast``: a waiting job on
                                               the fast path, to be noted. On the start log
+    ``(ADMITTED, job_id, at)``                a waiting job that started through the gate
+                                              (not ``fast``) has its start on record, and its
+                                              handler starts at ``at``: its timeout clock
+                                              starts then. On the start log
     ``(RETURNED, [job_id, ...])``             these jobs' handlers returned and their
                                               completions were handed to the worker's batch
                                               writer: their lanes are free, a ``DONE`` follows
@@ -83,6 +87,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..store import ClaimedJob
 
+#: The messages' version, part of ``codec_signature``: raised whenever a message is added or
+#: changes meaning. 2: ``ADMITTED``.
+VERSION = 2
+
 RUN = "r"
 CANCEL = "c"
 INTERRUPT = "i"
@@ -92,6 +100,7 @@ STOP = "s"
 READY = "R"
 SESSION = "S"
 STARTED = "T"
+ADMITTED = "A"
 DONE = "D"
 RETURNED = "F"
 UNSTARTED = "U"
@@ -135,8 +144,12 @@ def codec_signature() -> str:
     the package from disk: after a deploy that changed the files while ``runjobs`` ran, a
     replacement worker may run other code than its supervisor and would unpack jobs into the
     wrong fields (or, with another meaning of a field, run handlers with wrong payloads). The
-    supervisor sends its signature; a worker whose own differs exits before it is ready."""
-    return ",".join(f.name for f in dataclasses.fields((_codec or _load_codec())[0]))
+    supervisor sends its signature; a worker whose own differs exits before it is ready.
+
+    It starts with ``VERSION``, the protocol's messages: a worker that never sends a message
+    its supervisor relies on (``ADMITTED``) must not be taken on either."""
+    fields = ",".join(f.name for f in dataclasses.fields((_codec or _load_codec())[0]))
+    return f"v{VERSION}:{fields}"
 
 
 def _load_codec() -> tuple[type[ClaimedJob], Callable[[ClaimedJob], tuple[Any, ...]]]:
