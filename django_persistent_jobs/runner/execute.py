@@ -123,6 +123,18 @@ class InFlight:
             return True
 
 
+def gate_allowance(stale_lock_timeout: float) -> float:
+    """How much longer than its timeout a job may wait at the start gate before the timeout
+    enforcer takes it over all the same (charged ``TIMEOUT``, as any job past its deadline).
+
+    The gate's wait is not the handler's time: the job's clock starts once its start is on
+    record (``InFlight.on_admitted``). But a gate stuck for good (its write waiting on a row
+    another transaction keeps locked, a connection hung on a dead server) must not hold the
+    slot for ever. ``STALE_LOCK_TIMEOUT`` is the scale: a database away that long has also kept
+    this runner from heartbeating, and other runners may have taken its jobs already."""
+    return stale_lock_timeout
+
+
 #: Guards ``InFlight.claim_report`` (held for a flag's test and set: one lock for all jobs).
 _REPORT_LOCK = threading.Lock()
 

@@ -51,6 +51,7 @@ from .execute import (
     InFlight,
     Outcome,
     execute,
+    gate_allowance,
     record_outcome,
     warm_connection,
 )
@@ -353,6 +354,7 @@ class Runner:
             on_failure=self._executor_failed,
             max_jobs=settings.max_jobs_per_worker,
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
+            gate_allowance=gate_allowance(settings.stale_lock_timeout),
             prefetch=self._prefetch(settings.concurrency * self.processes),
             lease=self.lease, note_start=self.starts.note,
             log_levels={name: level for name in RUNJOBS_LOGGERS
@@ -767,8 +769,12 @@ class Runner:
     def _execute(self, item: InFlight) -> None:
         if item.job.waiting and item.gate is not None:
             # Its start goes on record through the gate first: its timeout clock starts once
-            # it is (``_admitted``), not while the gate waits for the database.
+            # it is (``_admitted``), not while the gate waits for the database. Bounded all
+            # the same (``gate_allowance``): a gate stuck for good must not hold the slot.
             item.on_admitted = self._admitted
+            if item.job.timeout:
+                item.deadline = (time.monotonic() + item.job.timeout
+                                 + gate_allowance(self.settings.stale_lock_timeout))
         else:
             self._admitted(item)
         execute(self.alias, item, self.runner_id, self.forced)

@@ -259,7 +259,8 @@ def _a_job_waiting_behind_another(
     settings: Any, processes: int, **options: Any,
 ) -> tuple[Runner, Any, int, Any]:
     """A runner with one slot, busy with a job that runs until ``open_gate`` exists, and a
-    second job (``options`` for its ``enqueue``) claimed and waiting for that slot: the
+    second job (``test.noop`` unless ``options`` name a ``job_type`` and ``payload``; the rest
+    of ``options`` for its ``enqueue``) claimed and waiting for that slot: the
     runner, the waiting job, its fencing token, and ``open_gate``."""
     from django_persistent_jobs import enqueue
     from django_persistent_jobs.models import JobStatus
@@ -275,7 +276,8 @@ def _a_job_waiting_behind_another(
     wait_for(lambda: runner.lease.period() is not None, timeout=10,
              message="the runner to hold its lease (jobs claimed then may start fast)")
     enqueue("faults.solo", {"runs": str(runs), "gate": str(open_gate)}, priority=5)
-    waiting = enqueue("test.noop", {}, **options)
+    job_type, payload = options.pop("job_type", "test.noop"), options.pop("payload", {})
+    waiting = enqueue(job_type, payload, **options)
     wait_for(lambda: len(runs_of(runs)) == 1, timeout=30, message="the first job to run")
     wait_status(waiting.id, JobStatus.RUNNING)  # claimed, waiting for the busy slot
     return runner, waiting, int(get_job(waiting.id).lock_token), open_gate
@@ -303,27 +305,23 @@ def _end_lease_period(runner: Runner, job_id: Any) -> None:
              message="the lease period the job was claimed in to end")
 
 
-#: How long the database refuses the gate's write in the test below: longer than the job's
-#: timeout plus a round of the timeout enforcer.
+#: How long the database refuses the gate's write in the tests below: longer than the jobs'
+#: timeout (1 s) plus a round of the timeout enforcer.
 REFUSED_SECONDS = 2.5
 
 
-@pytest.mark.parametrize("processes", [0, 1])
-def test_a_waiting_jobs_timeout_counts_from_when_its_start_is_on_record(
+def _gated_past_its_timeout(
     start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
-    settings: Any, processes: int,
-) -> None:
-    """A waiting job starting through the gate waits there until its start is on record.
-    Here the database refuses that write with a transient error (as during an outage) for
-    longer than the job's 1 s timeout; the gate retries. The job's timeout clock starts once
-    its start is on record: the job then runs and completes on that attempt. Its clock used to
-    start before the gate, so the enforcer charged it a ``TIMEOUT`` for a handler that never
-    ran (on threads and in a worker process alike)."""
-    from django_persistent_jobs.models import JobStatus
-    from tests.runner_support import attempts_of, wait_status
-
+    settings: Any, processes: int, **options: Any,
+) -> tuple[Runner, Any, Any]:
+    """A waiting job (``options`` for its ``enqueue``, with a 1 s timeout) that starts
+    through the gate while the database refuses to record its start with a transient error
+    (as during an outage) for ``REFUSED_SECONDS``; the gate retries. The runner, the job, and
+    the database's clock when the refusals stopped. ``STALE_LOCK_TIMEOUT`` is raised so that
+    the bound on a gate stuck for good (``gate_allowance``) is far away."""
+    settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "STALE_LOCK_TIMEOUT": 20}
     runner, waiting, token, open_gate = _a_job_waiting_behind_another(
-        start_runner, tmp_path, monkeypatch, settings, processes, timeout=1)
+        start_runner, tmp_path, monkeypatch, settings, processes, timeout=1, **options)
     with refusing_updates(
         "pj_test_refuse_start", "persistent_jobs_attempts",
         f"NEW.started AND NOT OLD.started AND NEW.outcome = 'running' "
@@ -335,8 +333,61 @@ def test_a_waiting_jobs_timeout_counts_from_when_its_start_is_on_record(
         open_gate.touch()  # the first job returns; the waiting one starts, via the gate
         # The scenario's outage, not a synchronisation: it must outlast the job's timeout.
         time.sleep(REFUSED_SECONDS)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT clock_timestamp()")
+            refused_until = cursor.fetchone()[0]
+    return runner, waiting, refused_until
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_waiting_jobs_timeout_counts_from_when_its_start_is_on_record(
+    start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, processes: int,
+) -> None:
+    """The gate's wait for the database is not the handler's time: the job's timeout clock
+    starts once its start is on record, and the job then runs and completes on that attempt.
+    Its clock used to start before the gate, so the enforcer charged it a ``TIMEOUT`` for a
+    handler that never ran (on threads and in a worker process alike)."""
+    from django_persistent_jobs.models import JobStatus
+    from tests.runner_support import attempts_of, wait_status
+
+    runner, waiting, refused_until = _gated_past_its_timeout(
+        start_runner, tmp_path, monkeypatch, settings, processes)
     done = wait_status(waiting.id, JobStatus.COMPLETED, timeout=30)
     assert runner.failure is None and not runner.finished.is_set()
     assert (done.attempts, done.handbacks) == (1, 0)
-    assert [(a.attempt, a.outcome, a.error_code, a.started) for a in attempts_of(waiting.id)
-            ] == [(1, "completed", "", True)]
+    [attempt] = attempts_of(waiting.id)
+    assert (attempt.attempt, attempt.outcome, attempt.error_code, attempt.started) == (
+        1, "completed", "", True)
+    assert attempt.started_at >= refused_until  # started once the gate could write it
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_waiting_job_admitted_late_still_times_out_a_timeout_after_its_start(
+    start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, processes: int,
+) -> None:
+    """The same wait at the gate, for a handler that then overruns its 1 s timeout: it is
+    timed out one timeout after its start went on record (its deadline is set when the gate
+    admits it, not lost because it went through the gate)."""
+    from tests.runner_support import attempts_of
+
+    runner, waiting, refused_until = _gated_past_its_timeout(
+        start_runner, tmp_path, monkeypatch, settings, processes,
+        job_type="test.oversleep", payload={"sleep": 3}, max_retries=0)
+    first: list[Any] = []
+
+    def settled() -> bool:
+        attempts = [a for a in attempts_of(waiting.id) if a.outcome != "running"]
+        first[:] = attempts[:1]
+        return bool(attempts)
+
+    wait_for(settled, timeout=30, message="the first attempt to be settled")
+    [attempt] = first
+    assert (attempt.attempt, attempt.outcome, attempt.error_code, attempt.started) == (
+        1, "timed_out", "TIMEOUT", True)
+    assert attempt.started_at >= refused_until
+    # A timeout (1 s) after its start, give or take the enforcer's round; the handler would
+    # have slept 3 s.
+    assert 0.9 <= attempt.duration.total_seconds() < 2.5, attempt.duration
+    assert runner.failure is None

@@ -167,6 +167,7 @@ class ProcessExecutor(SlotWaits):
         on_crash: Callable[[InFlight, BaseException], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
         max_jobs: int | None = None, max_memory_mib: float | None = None, grace: float = 5.0,
+        gate_allowance: float = 0.0,
         log_levels: dict[str, int] | None = None, log_to_stderr: bool = False,
         prefetch: int = 0, lease: Lease | None = None,
         note_start: Callable[[int, datetime], datetime] | None = None,
@@ -181,6 +182,9 @@ class ProcessExecutor(SlotWaits):
         self.max_jobs = max_jobs
         self.max_memory = None if max_memory_mib is None else max_memory_mib * 1024 * 1024
         self.grace = grace
+        #: How much longer than its timeout a job may wait at a worker's start gate
+        #: (``execute.gate_allowance``) before its deadline passes all the same.
+        self.gate_allowance = gate_allowance
         #: Claimed jobs that may wait here for a lane right now (see the thread pool's);
         #: ``finished`` counts jobs that left a lane.
         self.waiting_room = max(0, prefetch)
@@ -485,10 +489,12 @@ class ProcessExecutor(SlotWaits):
         if session is not None:
             item.backend_pid, item.backend_start = session
         item.ctx.started_monotonic = started
-        if item.job.timeout and not item.job.waiting:
-            # (A job still waiting goes through the worker's gate first: its clock starts at
-            # its ``ADMITTED``, once its start is on record.)
-            item.deadline = started + item.job.timeout
+        if item.job.timeout:
+            # A job still waiting goes through the worker's gate first: its clock starts at
+            # its ``ADMITTED``, once its start is on record; until then only a gate stuck for
+            # good (``gate_allowance``) makes its deadline pass.
+            item.deadline = started + item.job.timeout + (
+                self.gate_allowance if item.job.waiting else 0.0)
         return freed
 
     def _admitted_locked(self, worker: WorkerHandle, wire_id: Any, started_at: float) -> None:
