@@ -114,6 +114,17 @@ class InFlight:
     #: enforcer that found it written. An attempt is reported once whichever gets there first.
     report_claimed: bool = False
 
+    def start_clock(self, at: float, gate_allowance: float = 0.0) -> None:
+        """The handler starts at ``at`` (``time.monotonic()``): its timeout clock starts
+        then. ``gate_allowance``: for a job about to wait at the start gate, how much longer
+        than its timeout that wait may last before its deadline passes all the same. The gate's
+        wait is not the handler's time (the clock starts again at admission, ``on_admitted``),
+        but a gate stuck for good (its write waiting on a row another transaction keeps locked,
+        a connection hung on a dead server) must not hold the slot for ever."""
+        self.ctx.started_monotonic = at
+        if self.job.timeout:
+            self.deadline = at + self.job.timeout + gate_allowance
+
     def claim_report(self) -> bool:
         """True for the first caller only: that caller sends the attempt's completion."""
         with _REPORT_LOCK:
@@ -121,18 +132,6 @@ class InFlight:
                 return False
             self.report_claimed = True
             return True
-
-
-def gate_allowance(stale_lock_timeout: float) -> float:
-    """How much longer than its timeout a job may wait at the start gate before the timeout
-    enforcer takes it over all the same (charged ``TIMEOUT``, as any job past its deadline).
-
-    The gate's wait is not the handler's time: the job's clock starts once its start is on
-    record (``InFlight.on_admitted``). But a gate stuck for good (its write waiting on a row
-    another transaction keeps locked, a connection hung on a dead server) must not hold the
-    slot for ever. ``STALE_LOCK_TIMEOUT`` is the scale: a database away that long has also kept
-    this runner from heartbeating, and other runners may have taken its jobs already."""
-    return stale_lock_timeout
 
 
 #: Guards ``InFlight.claim_report`` (held for a flag's test and set: one lock for all jobs).

@@ -51,7 +51,6 @@ from .execute import (
     InFlight,
     Outcome,
     execute,
-    gate_allowance,
     record_outcome,
     warm_connection,
 )
@@ -181,6 +180,11 @@ class Runner:
             poll_interval=poll_interval, shutdown_grace=shutdown_grace,
         )
         self.alias = self.settings.database
+        # How much longer than its timeout a job may wait at the start gate (a stuck gate
+        # must not hold a slot for ever, ``InFlight.start_clock``). ``STALE_LOCK_TIMEOUT`` is
+        # the scale: a database away that long has also kept this runner from heartbeating,
+        # and other runners may have taken its jobs already.
+        self._gate_allowance = self.settings.stale_lock_timeout
         self.name = configured or default_runner_name()
         self.runner_id = make_runner_id(self.name)
         self.burst = burst
@@ -354,7 +358,7 @@ class Runner:
             on_failure=self._executor_failed,
             max_jobs=settings.max_jobs_per_worker,
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
-            gate_allowance=gate_allowance(settings.stale_lock_timeout),
+            gate_allowance=self._gate_allowance,
             prefetch=self._prefetch(settings.concurrency * self.processes),
             lease=self.lease, note_start=self.starts.note,
             log_levels={name: level for name in RUNJOBS_LOGGERS
@@ -770,20 +774,16 @@ class Runner:
         if item.job.waiting and item.gate is not None:
             # Its start goes on record through the gate first: its timeout clock starts once
             # it is (``_admitted``), not while the gate waits for the database. Bounded all
-            # the same (``gate_allowance``): a gate stuck for good must not hold the slot.
+            # the same (``InFlight.start_clock``): a gate stuck for good must not hold the slot.
             item.on_admitted = self._admitted
-            if item.job.timeout:
-                item.deadline = (time.monotonic() + item.job.timeout
-                                 + gate_allowance(self.settings.stale_lock_timeout))
+            item.start_clock(time.monotonic(), self._gate_allowance)
         else:
             self._admitted(item)
         execute(self.alias, item, self.runner_id, self.forced)
 
     def _admitted(self, item: InFlight) -> None:
         """``item``'s handler starts now: its timeout clock starts."""
-        item.ctx.started_monotonic = time.monotonic()
-        if item.job.timeout:
-            item.deadline = item.ctx.started_monotonic + item.job.timeout
+        item.start_clock(time.monotonic())
         if self.sidecar is not None:
             # A handler may hold the GIL from its first line: the sidecar must already know
             # this job's deadline, not learn it at the supervisor's next tick.

@@ -318,7 +318,7 @@ def _gated_past_its_timeout(
     through the gate while the database refuses to record its start with a transient error
     (as during an outage) for ``REFUSED_SECONDS``; the gate retries. The runner, the job, and
     the database's clock when the refusals stopped. ``STALE_LOCK_TIMEOUT`` is raised so that
-    the bound on a gate stuck for good (``gate_allowance``) is far away."""
+    the bound on a gate stuck for good (``InFlight.start_clock``) is far away."""
     settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "STALE_LOCK_TIMEOUT": 20}
     runner, waiting, token, open_gate = _a_job_waiting_behind_another(
         start_runner, tmp_path, monkeypatch, settings, processes, timeout=1, **options)

@@ -183,7 +183,7 @@ class ProcessExecutor(SlotWaits):
         self.max_memory = None if max_memory_mib is None else max_memory_mib * 1024 * 1024
         self.grace = grace
         #: How much longer than its timeout a job may wait at a worker's start gate
-        #: (``execute.gate_allowance``) before its deadline passes all the same.
+        #: (``InFlight.start_clock``) before its deadline passes all the same.
         self.gate_allowance = gate_allowance
         #: Claimed jobs that may wait here for a lane right now (see the thread pool's);
         #: ``finished`` counts jobs that left a lane.
@@ -488,13 +488,9 @@ class ProcessExecutor(SlotWaits):
         session = worker.sessions.get(lane)
         if session is not None:
             item.backend_pid, item.backend_start = session
-        item.ctx.started_monotonic = started
-        if item.job.timeout:
-            # A job still waiting goes through the worker's gate first: its clock starts at
-            # its ``ADMITTED``, once its start is on record; until then only a gate stuck for
-            # good (``gate_allowance``) makes its deadline pass.
-            item.deadline = started + item.job.timeout + (
-                self.gate_allowance if item.job.waiting else 0.0)
+        # A job still waiting goes through the worker's gate first: its clock starts again at
+        # its ``ADMITTED``, once its start is on record.
+        item.start_clock(started, self.gate_allowance if item.job.waiting else 0.0)
         return freed
 
     def _admitted_locked(self, worker: WorkerHandle, wire_id: Any, started_at: float) -> None:
@@ -503,10 +499,7 @@ class ProcessExecutor(SlotWaits):
         item = worker.in_flight.get(wire_id)
         if item is None:
             return  # finished or taken over meanwhile
-        started = min(started_at, time.monotonic())
-        item.ctx.started_monotonic = started
-        if item.job.timeout:
-            item.deadline = started + item.job.timeout
+        item.start_clock(min(started_at, time.monotonic()))
 
     def _read_starts(self, worker: WorkerHandle) -> None:
         """Take in everything ``worker``'s start log holds (manager thread only): after its
