@@ -6,7 +6,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -214,3 +214,31 @@ def finished() -> Iterator[list[tuple[Any, str | None]]]:
         yield seen
     finally:
         signals.job_finished.disconnect(dispatch_uid="tests-finished")
+
+
+def a_job_waiting_behind_another(
+    start_runner: Callable[..., Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+    settings: Any, processes: int, **options: Any,
+) -> tuple[Any, Any, int, Any]:
+    """A runner with one slot, busy with a job that runs until ``open_gate`` exists, and a
+    second job (``test.noop`` unless ``options`` name a ``job_type`` and ``payload``; the rest
+    of ``options`` for its ``enqueue``) claimed and waiting for that slot: the
+    runner, the waiting job, its fencing token, and ``open_gate``."""
+    from django_persistent_jobs import enqueue
+    from django_persistent_jobs.models import JobStatus
+    from tests.core_support import subprocess_env
+    from tests.faults.batch_handlers import runs_of
+
+    for name, value in subprocess_env().items():  # worker processes use the test database
+        monkeypatch.setenv(name, value)
+    settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "PREFETCH": 1}
+    runs, open_gate = tmp_path / "runs", tmp_path / "gate"
+    runner = start_runner(concurrency=1, processes=processes, poll_interval=0.1)
+    wait_for(lambda: runner.lease.period() is not None, timeout=10,
+             message="the runner to hold its lease (jobs claimed then may start fast)")
+    enqueue("faults.solo", {"runs": str(runs), "gate": str(open_gate)}, priority=5)
+    job_type, payload = options.pop("job_type", "test.noop"), options.pop("payload", {})
+    waiting = enqueue(job_type, payload, **options)
+    wait_for(lambda: len(runs_of(runs)) == 1, timeout=30, message="the first job to run")
+    wait_status(waiting.id, JobStatus.RUNNING)  # claimed, waiting for the busy slot
+    return runner, waiting, int(get_job(waiting.id).lock_token), open_gate

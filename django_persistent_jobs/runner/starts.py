@@ -8,7 +8,9 @@ Two ways to start one, chosen per job by the executor (``Lease.fresh``):
 * **Fast** (``StartLog``), while this runner's LISTEN session holds its lease and was heard from
   within ``FRESH_SECONDS``: the worker starts the job at once and the start is noted; the next
   claim statement writes every noted start (``store.claim_sql``), or the claim loop writes them
-  on their own after ``FLUSH_AFTER``. No statement of its own while the runner drains. Nobody
+  on their own after ``FLUSH_AFTER``; a start the job's settling statement carries (a batched
+  completion on threads, any settling in a worker process) only once it is due. No statement
+  of its own while the runner drains. Nobody
   hands back a job of a runner whose lease is held, and a lapse is acted on only after
   ``heartbeat.LEASE_GRACE_SECONDS``, longer than ``FRESH_SECONDS`` + ``FLUSH_AFTER``: by then
   the start is on record.
@@ -148,13 +150,20 @@ class StartLog:
         #: meanwhile still gives its batch the time it started.
         self._writing: dict[int, tuple[datetime, float]] = {}
 
-    def note(self, token: int, when: datetime | None = None) -> datetime:
+    def note(self, token: int, when: datetime | None = None, carried: bool = False
+             ) -> datetime:
         """Note that the attempt ``token`` started at ``when`` (default: now); returns that
-        time, which the job carries (``ClaimedJob.began``) for its settling statement."""
+        time, which the job carries (``ClaimedJob.began``) for its settling statement.
+
+        ``carried``: the statement that settles the job will write the start itself (a worker
+        process's completions carry ``began``), so the next claim need not: it is written
+        only once due, unless ``carried_done`` says its job was settled first. That spares
+        a drain of short jobs in worker processes an update per job in its claims, which is
+        what made them dearer for PostgreSQL than the thread runner's."""
         if when is None:
             when = datetime.now(UTC)
         with self._lock:
-            self._noted[token] = (when, time.monotonic())
+            (self._carried if carried else self._noted)[token] = (when, time.monotonic())
         return when
 
     def take(self, token: int) -> datetime | None:
@@ -171,7 +180,8 @@ class StartLog:
         return entry[0]
 
     def carried_done(self, tokens: Iterable[int]) -> None:
-        """The batch carrying these starts was written, or gave them back (``restore``)."""
+        """The batch carrying these starts was written, or gave them back (``restore``), or
+        (worker processes) these jobs were settled: nothing left for a claim to write."""
         with self._lock:
             carried = self._carried
             for token in tokens:
@@ -192,7 +202,7 @@ class StartLog:
     def _oldest_locked(self) -> float | None:
         """When the oldest unwritten start was noted. ``_noted`` is in the order of the
         starts, so its first entry will do; ``_carried`` is in the order the handlers returned
-        (and holds only the completions being written: a few hundred at most)."""
+        (and holds only jobs in flight or completing: a few hundred at most)."""
         oldest = min((noted_at for _, noted_at in self._carried.values()), default=None)
         for _, noted_at in self._noted.values():
             return noted_at if oldest is None else min(oldest, noted_at)

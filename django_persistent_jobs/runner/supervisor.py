@@ -360,7 +360,7 @@ class Runner:
             max_memory_mib=settings.max_memory_per_worker, grace=settings.timeout_grace,
             gate_allowance=self._gate_allowance,
             prefetch=self._prefetch(settings.concurrency * self.processes),
-            lease=self.lease, note_start=self.starts.note,
+            lease=self.lease, starts=self.starts,
             log_levels={name: level for name in RUNJOBS_LOGGERS
                         if (level := logging.getLogger(name).level)},
         )

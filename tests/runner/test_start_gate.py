@@ -16,6 +16,7 @@ from django.db import connection
 from django_persistent_jobs.runner import Runner, starts
 from django_persistent_jobs.runner.starts import StartGate
 from tests.core_support import raw_connection, refusing_updates, wait_for
+from tests.runner_support import a_job_waiting_behind_another
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
@@ -227,7 +228,7 @@ def _refused_start_is_handed_back(
     from django_persistent_jobs.models import JobStatus
     from tests.runner_support import attempts_of, wait_status
 
-    runner, waiting, token, open_gate = _a_job_waiting_behind_another(
+    runner, waiting, token, open_gate = a_job_waiting_behind_another(
         start_runner, tmp_path, monkeypatch, settings, processes)
     with refusing_updates(
         "pj_test_refuse_start", "persistent_jobs_attempts",
@@ -252,35 +253,6 @@ def _refused_start_is_handed_back(
     assert (done.attempts, done.handbacks) == (1, 1)
     assert [(a.attempt, a.outcome, a.error_code, a.started) for a in attempts_of(waiting.id)
             ] == [(1, "interrupted", "START_FAILED", False), (1, "completed", "", True)]
-
-
-def _a_job_waiting_behind_another(
-    start_runner: Callable[..., Runner], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
-    settings: Any, processes: int, **options: Any,
-) -> tuple[Runner, Any, int, Any]:
-    """A runner with one slot, busy with a job that runs until ``open_gate`` exists, and a
-    second job (``test.noop`` unless ``options`` name a ``job_type`` and ``payload``; the rest
-    of ``options`` for its ``enqueue``) claimed and waiting for that slot: the
-    runner, the waiting job, its fencing token, and ``open_gate``."""
-    from django_persistent_jobs import enqueue
-    from django_persistent_jobs.models import JobStatus
-    from tests.core_support import subprocess_env
-    from tests.faults.batch_handlers import runs_of
-    from tests.runner_support import get_job, wait_status
-
-    for name, value in subprocess_env().items():  # worker processes use the test database
-        monkeypatch.setenv(name, value)
-    settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "PREFETCH": 1}
-    runs, open_gate = tmp_path / "runs", tmp_path / "gate"
-    runner = start_runner(concurrency=1, processes=processes, poll_interval=0.1)
-    wait_for(lambda: runner.lease.period() is not None, timeout=10,
-             message="the runner to hold its lease (jobs claimed then may start fast)")
-    enqueue("faults.solo", {"runs": str(runs), "gate": str(open_gate)}, priority=5)
-    job_type, payload = options.pop("job_type", "test.noop"), options.pop("payload", {})
-    waiting = enqueue(job_type, payload, **options)
-    wait_for(lambda: len(runs_of(runs)) == 1, timeout=30, message="the first job to run")
-    wait_status(waiting.id, JobStatus.RUNNING)  # claimed, waiting for the busy slot
-    return runner, waiting, int(get_job(waiting.id).lock_token), open_gate
 
 
 def _end_lease_period(runner: Runner, job_id: Any) -> None:
@@ -320,7 +292,7 @@ def _gated_past_its_timeout(
     the database's clock when the refusals stopped. ``STALE_LOCK_TIMEOUT`` is raised so that
     the bound on a gate stuck for good (``InFlight.start_clock``) is far away."""
     settings.PERSISTENT_JOBS = {**settings.PERSISTENT_JOBS, "STALE_LOCK_TIMEOUT": 20}
-    runner, waiting, token, open_gate = _a_job_waiting_behind_another(
+    runner, waiting, token, open_gate = a_job_waiting_behind_another(
         start_runner, tmp_path, monkeypatch, settings, processes, timeout=1, **options)
     with refusing_updates(
         "pj_test_refuse_start", "persistent_jobs_attempts",

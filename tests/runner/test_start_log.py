@@ -108,3 +108,28 @@ def test_the_claim_loops_last_write_takes_every_carried_start() -> None:
     log.note(3)
     with log.taken(everything=True) as (tokens, _):
         assert sorted(tokens) == [1, 3]
+
+
+def test_a_start_its_settling_statement_carries_waits_for_its_due_time() -> None:
+    """A worker process's lane settles its job with the start (``note(carried=True)``): the
+    next claim leaves it out until it is due, and the job's ``DONE`` clears it."""
+    log = StartLog()
+    log.note(1, carried=True)
+    log.note(2)
+    with log.taken() as (tokens, _):
+        assert tokens == [2]
+    assert 0 < log.due_in(5.0) <= FLUSH_AFTER  # still unwritten, so still due in time
+    log.carried_done([1])
+    assert log.due_in(5.0) == 5.0 and not log.overdue
+
+
+def test_a_carried_start_whose_settling_failed_is_due_at_once_and_stays() -> None:
+    """The worker said its job's settling failed (``CRASHED``): the start may not be on record,
+    so it is due now, and the ``DONE`` that follows does not clear it."""
+    log = StartLog()
+    began = log.note(1, carried=True)
+    log.restore({1: began})
+    log.carried_done([1])
+    assert log.overdue
+    with log.taken() as (tokens, times):
+        assert tokens == [1] and times == [began]

@@ -45,7 +45,7 @@ from typing import Any
 
 from ..execute import InFlight
 from ..executor import SlotWaits, held_back
-from ..starts import Lease
+from ..starts import Lease, StartLog
 from . import protocol
 from .channel import Reader, Writer
 from .launch import WorkerProcess, settings_module
@@ -170,7 +170,7 @@ class ProcessExecutor(SlotWaits):
         gate_allowance: float = 0.0,
         log_levels: dict[str, int] | None = None, log_to_stderr: bool = False,
         prefetch: int = 0, lease: Lease | None = None,
-        note_start: Callable[[int, datetime], datetime] | None = None,
+        starts: StartLog | None = None,
     ) -> None:
         self.processes = processes
         self.concurrency = concurrency
@@ -199,10 +199,12 @@ class ProcessExecutor(SlotWaits):
         self.pending: deque[InFlight] = deque()
         #: Waiting jobs (``job.waiting``) start on the fast path when a lane starts them while
         #: the runner's lease is fresh (``starts``): each ``RUN`` carries until when it is,
-        #: and a lane's ``STARTED`` says whether it took the fast path, to be noted here.
-        #: (``on_start`` is the thread executor's way; a worker decides where the job starts.)
+        #: and a lane's ``STARTED`` says whether it took the fast path, to be noted here as
+        #: carried (the worker's settling statement writes it too: ``StartLog.note``) until
+        #: the job's ``DONE``. (``on_start`` is the thread executor's way; a worker decides
+        #: where the job starts.)
         self.lease = lease
-        self.note_start = note_start
+        self.starts = starts
         self.on_start: Callable[[InFlight], None] | None = None
         #: Assigned to a lane, not written yet (only while ``lock`` is held: ``_flush_locked``).
         self._outbox: list[tuple[WorkerHandle, InFlight]] = []
@@ -480,11 +482,12 @@ class ProcessExecutor(SlotWaits):
         worker.on_lane[lane] = wire_id
         if fast and item.job.waiting:
             item.job.waiting = False
-            if self.note_start is not None:
+            if self.starts is not None:
                 # When it started (the lane's clock is ours), not when we read of it: the
-                # attempt's ``started_at`` is written from this if its settling comes first.
-                item.job.began = self.note_start(
-                    item.job.token, datetime.now(UTC) - timedelta(seconds=now - started))
+                # attempt's ``started_at`` is written from this if a claim comes first.
+                item.job.began = self.starts.note(
+                    item.job.token, datetime.now(UTC) - timedelta(seconds=now - started),
+                    carried=True)
         session = worker.sessions.get(lane)
         if session is not None:
             item.backend_pid, item.backend_start = session
@@ -795,16 +798,24 @@ class ProcessExecutor(SlotWaits):
                 if self._worth_waking_locked():  # (see ``SlotWaits``: not once per report)
                     self.changed.notify_all()
         elif tag == protocol.DONE:
+            settled: list[int] = []
             with self.lock:
                 for wire_id in message[1]:
-                    if worker.completing.pop(wire_id, None) is not None:
-                        continue
-                    worker.abandoned.pop(wire_id, None)
-                    worker.recalled.pop(wire_id, None)
-                    self._release_locked(worker, wire_id)  # (None: taken over, lane retired)
+                    item = worker.completing.pop(wire_id, None)
+                    if item is None:
+                        worker.abandoned.pop(wire_id, None)
+                        worker.recalled.pop(wire_id, None)
+                        # (None: taken over, lane retired)
+                        item = self._release_locked(worker, wire_id)
+                    if item is not None:
+                        settled.append(item.job.token)
                 self._assign_pending_locked()
                 if self._worth_waking_locked():
                     self.changed.notify_all()
+            if self.starts is not None:
+                # Settled by the worker, its start with it (or the attempt is not ours any
+                # more): no claim need write it.
+                self.starts.carried_done(settled)
         elif tag == protocol.UNSTARTED:
             with self.lock:
                 self._unstarted_locked(worker, message[1])
@@ -824,6 +835,10 @@ class ProcessExecutor(SlotWaits):
             logger.debug("worker %d ready", worker.number, extra={"event": "worker_ready"})
         elif tag == protocol.CRASHED:
             item = worker.in_flight.get(message[1]) or worker.completing.get(message[1])
+            if item is not None and item.job.began is not None and self.starts is not None:
+                # Its settling failed, so its start may not be on record: due now, and kept
+                # past the ``DONE`` that follows.
+                self.starts.restore({item.job.token: item.job.began})
             if item is not None and self.on_crash is not None:
                 self.on_crash(item, RuntimeError(message[2]))
 
