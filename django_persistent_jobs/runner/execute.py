@@ -94,6 +94,11 @@ class InFlight:
     #: outage longer than the job's timeout must not charge a ``TIMEOUT`` to a handler that
     #: never ran). A bound method of the runner or worker, not of the job (see ``on_settled``).
     on_admitted: Callable[[InFlight], None] | None = None
+    #: Called with this job when ``execute`` found its thread's connection dropped by the
+    #: server and gave the handler a new session (``backend_pid``, ``backend_start``): a
+    #: worker process tells its supervisor, which terminates that session at the timeout.
+    #: (The thread runner reads this object's fields itself: None there.)
+    on_session: Callable[[InFlight], None] | None = None
     #: Called with this job once a completion handed to ``completer`` was written and logged
     #: (``execute`` returned True): the job has then left this runner's hands. Given the
     #: exception if its outcome could not be recorded (what ``execute`` raises when it settles
@@ -513,7 +518,13 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
     connection = connections[alias]
     deferred: tuple[Completer, str | None] | None = None
     try:
-        prepare_connection(alias, inflight, connection)
+        if inflight.on_session is None:
+            prepare_connection(alias, inflight, connection)
+        else:
+            known = inflight.backend_pid, inflight.backend_start
+            prepare_connection(alias, inflight, connection)
+            if (inflight.backend_pid, inflight.backend_start) != known:
+                inflight.on_session(inflight)
         if spec.atomic:
             with transaction.atomic(using=alias):
                 result = _call_handler(spec, inflight)

@@ -216,6 +216,39 @@ def test_a_handler_holding_the_gil_from_its_start_has_its_session_ended_at_its_t
     assert runner.alive
 
 
+def test_a_job_on_a_connection_opened_again_has_that_session_ended_at_its_timeout(
+    fleet: Fleet,
+) -> None:
+    """The server dropped the lane's idle connection (here ``pg_terminate_backend``; a
+    restart does the same), so the next job runs on a session opened inside ``execute``,
+    after the lane had reported its old one. That job blocks in C past its timeout: the
+    session it really runs on is terminated at the timeout, not when its worker is killed
+    at the end of the grace."""
+    grace = 20.0
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"TIMEOUT_GRACE": grace})
+    (worker,) = wait_for(lambda: worker_pids(runner), 30, "a worker", reconnect=True)
+    first = enqueue_typed("procs.c_sleep", {"report": True, "seconds": 0})
+    wait_status(first, "completed", timeout=20)
+    old = job_row(first)["progress"]["backend"]
+    assert sql_value("SELECT pg_terminate_backend(%s)", [old])
+    wait_for(lambda: not sql_value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                   [old]), 5, "the lane's idle session to end", reconnect=True)
+    blocked = enqueue_typed("procs.c_sleep", {"report": True})
+    progress = wait_for(lambda: job_row(blocked)["progress"], 20, "the handler to start",
+                        reconnect=True)
+    assert progress["pid"] == worker and progress["backend"] != old
+    wait_for(lambda: not sql_value("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                   [progress["backend"]]), 1.0 + 3.0,
+             "the job's new session to be terminated at its timeout", interval=0.02,
+             reconnect=True)
+    assert _alive(worker), "the session must end at the timeout, not when the worker is killed"
+    row = wait_status(blocked, "dead_lettered", timeout=5)
+    assert row["code"] == "TIMEOUT"
+    assert len(ledger_of(first)) == 1 and ledger_of(blocked) == []
+    assert runner.alive
+
+
 def test_sigkill_of_a_worker_settles_its_jobs_within_a_second_and_draining_goes_on(
     fleet: Fleet,
 ) -> None:

@@ -125,6 +125,8 @@ class Lane:
     raw: Any = None
     #: The job it took from the queue to run next (see ``Worker._run``).
     next: tuple[tuple[Any, ...], bool, float] | None = None
+    #: ``Worker._session_changed`` for this lane, made once: each job's ``on_session``.
+    on_session: Any = None
 
 
 class Worker:
@@ -242,6 +244,7 @@ class Worker:
         with self.lock:
             lane = Lane(self.next_lane)
             self.next_lane += 1
+        lane.on_session = functools.partial(self._session_changed, lane)
         threading.Thread(target=self._lane_main, args=(lane,),
                          name=f"pj-w{self.number}-lane{lane.number}", daemon=True).start()
 
@@ -307,6 +310,7 @@ class Worker:
         # cycle, freed only by the garbage collector (see ``execute.InFlight.on_settled``).
         item.on_settled = functools.partial(self._settled, wire_id=wire_id)
         item.on_admitted = self._report_admitted
+        item.on_session = lane.on_session
         try:
             self._report_session(lane, item)
             self._report_started(lane, wire_id, fast)
@@ -386,11 +390,13 @@ class Worker:
         Only a connection the lane has not reported is looked at here: ``execute`` checks the
         connection again anyway, and every check costs a system call, so a release of this
         process's GIL, which a thread running a CPU-bound handler then makes the job wait
-        for. (A connection the server dropped while idle is replaced inside ``execute``; that
-        one job runs on a session reported only with the next.)
+        for. (A connection the server dropped while idle is replaced inside ``execute``, which
+        then calls ``_session_changed``: the job carries the session reported, to compare.)
         """
         raw = self.connections[self.alias].connection
         if raw is not None and raw is lane.raw:
+            if lane.session is not None:
+                item.backend_pid, item.backend_start = lane.session
             return
         try:
             self._execute.prepare_connection(self.alias, item)
@@ -403,6 +409,22 @@ class Worker:
             # Reports still waiting (this lane's last job's ``RETURNED``) go first: the
             # supervisor gives a lane's new session to the jobs it believes run on the lane.
             self._send_after_reports((protocol.SESSION, lane.number, *session))
+
+    def _session_changed(self, lane: Lane, item: Any) -> None:
+        """``execute`` found the lane's connection dropped by the server (a restart, an
+        operator's ``pg_terminate_backend``, a gate's wait through an outage) and opened
+        another for this job: report the new session now, or a timeout of this job would
+        terminate the old one and leave this one running until the worker is recycled. On the
+        start log, after the job's ``STARTED``, in one system call that keeps the GIL: the job
+        may be interrupted from here on, and an interrupt lands before or after the write,
+        never inside it."""
+        lane.raw = self.connections[self.alias].connection
+        lane.session = (item.backend_pid, item.backend_start)
+        message = (protocol.SESSION, lane.number, item.backend_pid, item.backend_start)
+        try:
+            syscalls.write_whole(self.start_log, frame(message))
+        except OSError:
+            os._exit(0)  # the supervisor is gone
 
     def _report_started(self, lane: Lane, wire_id: Any, fast: bool) -> None:
         """Tell the supervisor, before the handler starts, that this job started on ``lane``

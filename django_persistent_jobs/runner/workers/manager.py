@@ -504,6 +504,15 @@ class ProcessExecutor(SlotWaits):
             return  # finished or taken over meanwhile
         item.start_clock(min(started_at, time.monotonic()))
 
+    def _session_locked(self, worker: WorkerHandle, lane: int, pid: int, started: Any) -> None:
+        """``lane`` of ``worker`` runs its jobs on this database session from now on: the
+        job on it now, and the next ones (``_started_locked``)."""
+        worker.sessions[lane] = (pid, started)
+        for wire_id, its_lane in worker.lane_of.items():
+            if its_lane == lane:  # a lane runs one job at a time
+                item = worker.in_flight[wire_id]
+                item.backend_pid, item.backend_start = pid, started
+
     def _read_starts(self, worker: WorkerHandle) -> None:
         """Take in everything ``worker``'s start log holds (manager thread only): after its
         messages are read and before they are handled, so that a job's ``STARTED`` is known
@@ -525,6 +534,8 @@ class ProcessExecutor(SlotWaits):
                     freed = self._started_locked(worker, *message[1:]) or freed
                 elif message[0] == protocol.ADMITTED:
                     self._admitted_locked(worker, *message[1:])
+                elif message[0] == protocol.SESSION:
+                    self._session_locked(worker, *message[1:])
             if freed:
                 self._assign_pending_locked()
             # (``await_recalls`` waits for the queues to empty once sealed.)
@@ -820,13 +831,8 @@ class ProcessExecutor(SlotWaits):
             with self.lock:
                 self._unstarted_locked(worker, message[1])
         elif tag == protocol.SESSION:
-            _, lane, pid, started = message
             with self.lock:
-                worker.sessions[lane] = (pid, started)
-                for wire_id, its_lane in worker.lane_of.items():
-                    if its_lane == lane:  # a lane runs one job at a time
-                        item = worker.in_flight[wire_id]
-                        item.backend_pid, item.backend_start = pid, started
+                self._session_locked(worker, *message[1:])
         elif tag == protocol.READY:
             with self.lock:
                 worker.ready = True

@@ -52,7 +52,10 @@ Supervisor to worker:
 Worker to supervisor:
     ``(READY, pid)``                          set up, accepting jobs
     ``(SESSION, lane, backend_pid, start)``   the database session the lane's jobs run on, from
-                                              now on (the supervisor terminates it at a timeout)
+                                              now on (the supervisor terminates it at a timeout).
+                                              On the start log instead when the lane's running
+                                              job found its connection dropped and opened
+                                              another (after its ``STARTED``)
     ``(STARTED, lane, job_id, fast, at)``     the lane is starting this job's handler at ``at``
                                               (``time.monotonic()``, one clock for all
                                               processes on Linux); ``fast``: a waiting job on
@@ -88,8 +91,8 @@ if TYPE_CHECKING:
     from ..store import ClaimedJob
 
 #: The messages' version, part of ``codec_signature``: raised whenever a message is added or
-#: changes meaning. 2: ``ADMITTED``.
-VERSION = 2
+#: changes meaning. 2: ``ADMITTED``. 3: ``SESSION`` on the start log too.
+VERSION = 3
 
 RUN = "r"
 CANCEL = "c"
