@@ -79,7 +79,7 @@ def _echo_worker(conn: Any) -> None:
         for message in reader.read():
             if message[0] == protocol.STOP:
                 return
-            conn.send((protocol.DONE, [packed[0] for packed, _ in message[1]]))
+            conn.send((protocol.DONE, [packed[protocol.TOKEN] for packed, _ in message[1]]))
 
 
 def measure_handoff(rounds: int) -> tuple[float, float]:

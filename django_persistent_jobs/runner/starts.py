@@ -137,13 +137,18 @@ class StartLog:
     start stays *carried* here until its batch is written (``carried_done``): if the batch
     has not been written by the time the start is due (``FLUSH_AFTER``), the claim loop writes
     it as well, so a slow batch never delays a start past its due time. (Written twice is
-    harmless: the second write finds the attempt started, or settled.)
+    harmless: the second write finds the attempt started, or settled.) With worker processes
+    every fast start is carried from the moment it is noted (``note(carried=True)``): the
+    statement that settles the job in its worker writes it, and the job's ``DONE`` is what
+    says it was written.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         #: token -> (when it started, monotonic time it was noted), oldest first: starts only
-        #: the claim loop will write, and starts a batch of completions carries.
+        #: the claim loop will write, and starts the job's settling statement carries (a
+        #: batch of completions, or a worker process's settling), written by the claim loop
+        #: only once due.
         self._noted: dict[int, tuple[datetime, float]] = {}
         self._carried: dict[int, tuple[datetime, float]] = {}
         #: Starts a claim statement is writing right now (``taken``): a job that finishes
@@ -188,8 +193,9 @@ class StartLog:
                 carried.pop(token, None)
 
     def restore(self, starts: dict[int, datetime]) -> None:
-        """Note again starts taken but not written, due at once: the claim loop writes them
-        with its next claim, or on their own."""
+        """Note again starts taken but not written (a failed batch), or carried by a settling
+        that failed (a worker's ``CRASHED``), due at once: the claim loop writes them with its
+        next claim, or on their own."""
         if not starts:
             return
         due = time.monotonic() - FLUSH_AFTER
@@ -202,7 +208,8 @@ class StartLog:
     def _oldest_locked(self) -> float | None:
         """When the oldest unwritten start was noted. ``_noted`` is in the order of the
         starts, so its first entry will do; ``_carried`` is in the order the handlers returned
-        (and holds only jobs in flight or completing: a few hundred at most)."""
+        (threads) or the jobs started (worker processes), and holds only jobs in flight or
+        completing: a few hundred at most."""
         oldest = min((noted_at for _, noted_at in self._carried.values()), default=None)
         for _, noted_at in self._noted.values():
             return noted_at if oldest is None else min(oldest, noted_at)

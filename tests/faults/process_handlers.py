@@ -104,3 +104,12 @@ def segfault(payload: dict[str, Any], ctx: JobContext) -> None:
     """Crash the interpreter: read address 0 (SIGSEGV), as a broken C extension would."""
     _ledger(ctx)
     ctypes.string_at(0)
+
+
+@job_handler("procs.overrun", max_retries=1, backoff=constant(0), timeout=2)
+def overrun(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Block in C for ``payload["seconds"][attempt]`` (no exception injected into the thread
+    ends it sooner), then write the ledger: each attempt overruns its 2 s timeout by its own
+    amount."""
+    ctypes.CDLL(None).usleep(int(float(payload["seconds"][str(ctx.attempt)]) * 1_000_000))
+    _ledger(ctx)

@@ -216,6 +216,32 @@ def test_a_handler_holding_the_gil_from_its_start_has_its_session_ended_at_its_t
     assert runner.alive
 
 
+def test_a_timed_out_attempt_returning_late_leaves_the_retry_on_its_worker_watched(
+    fleet: Fleet,
+) -> None:
+    """Attempt 1 overruns its 2 s timeout and its thread returns at 3 s, while attempt 2 of
+    the same job (retried at once) already runs on a fresh lane of the same worker. The
+    late return reports attempt 1, not the job: attempt 2 is still watched, so it is timed
+    out at its own deadline too and the job is dead-lettered, instead of running on
+    unwatched and completing 6 s later."""
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"TIMEOUT_GRACE": 10.0, "POLL_INTERVAL": 0.1})
+    wait_for(lambda: worker_pids(runner), 30, "a worker", reconnect=True)
+    job_id = enqueue_typed("procs.overrun", {"seconds": {"1": 3, "2": 6}})
+    wait_all_terminal([job_id], timeout=30)
+    attempts = attempts_of([job_id])
+    row = job_row(job_id)
+    assert (row["status"], row["code"]) == ("dead_lettered", "TIMEOUT"), (row, attempts)
+    assert [(a.attempt, a.outcome, a.error_code) for a in attempts] == [
+        (1, "timed_out", "TIMEOUT"), (2, "timed_out", "TIMEOUT")], attempts
+    # Attempt 2 started before attempt 1's thread returned: the case this is about.
+    apart = sql_value("SELECT extract(epoch FROM max(started_at) - min(started_at)) "
+                      "FROM persistent_jobs_attempts WHERE job_id = %s", [job_id])
+    assert float(apart) < 3.0, apart
+    assert ledger_of(job_id) == []
+    assert runner.alive
+
+
 def test_a_job_on_a_connection_opened_again_has_that_session_ended_at_its_timeout(
     fleet: Fleet,
 ) -> None:

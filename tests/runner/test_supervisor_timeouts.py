@@ -211,12 +211,11 @@ def test_a_batched_completion_that_lands_as_its_timeout_is_settled_is_reported_o
 
     if processes:
         real_handle = ProcessExecutor._handle
-        watched = protocol.wire_id(job.id)
 
         def handle(self: ProcessExecutor, worker: Any, message: tuple[Any, ...]) -> None:
-            if message[0] in (protocol.RETURNED, protocol.DONE) and watched in message[1]:
+            if message[0] in (protocol.RETURNED, protocol.DONE):
                 item = self.in_flight.get(job.id)
-                if item is not None:
+                if item is not None and protocol.wire_id(item.job) in message[1]:
                     held.append(item)
                     item.taken_over.wait(30)
             real_handle(self, worker, message)

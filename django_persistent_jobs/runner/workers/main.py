@@ -127,6 +127,8 @@ class Lane:
     next: tuple[tuple[Any, ...], bool, float] | None = None
     #: ``Worker._session_changed`` for this lane, made once: each job's ``on_session``.
     on_session: Any = None
+    #: ``SESSION`` reports sent so far (each carries its number: see ``_session_report``).
+    reports: int = 0
 
 
 class Worker:
@@ -236,7 +238,7 @@ class Worker:
     # ------------------------------------------------------------------ lanes
     def _start(self, batch: list[tuple[tuple[Any, ...], bool]], fresh_until: float) -> None:
         with self.lock:
-            self.queued.update(packed[0] for packed, _ in batch)
+            self.queued.update(packed[protocol.TOKEN] for packed, _ in batch)
         for packed, cancel in batch:
             self.queue.put((packed, cancel, fresh_until))
 
@@ -271,7 +273,7 @@ class Worker:
         from the ``STARTED`` report. Otherwise it passes the gate, which records the start
         before the handler runs."""
         execute = self._execute
-        wire_id = packed[0]
+        wire_id = packed[protocol.TOKEN]
         job = protocol.unpack_job(packed)
         fast = job.waiting and time.monotonic() < fresh_until
         if fast:
@@ -375,7 +377,8 @@ class Worker:
             try:
                 with self.lock:
                     self.running.pop(wire_id, None)
-                    self.tokens.pop(item.job.id, None)
+                    if self.tokens.get(item.job.id) == wire_id:  # (not a retry's, started since)
+                        del self.tokens[item.job.id]
                     return bool(item.taken_over.is_set())
             except self._execute.JobInterrupted:
                 continue
@@ -408,7 +411,7 @@ class Worker:
             lane.session = session
             # Reports still waiting (this lane's last job's ``RETURNED``) go first: the
             # supervisor gives a lane's new session to the jobs it believes run on the lane.
-            self._send_after_reports((protocol.SESSION, lane.number, *session))
+            self._send_after_reports(self._session_report(lane))
 
     def _session_changed(self, lane: Lane, item: Any) -> None:
         """``execute`` found the lane's connection dropped by the server (a restart, an
@@ -420,11 +423,21 @@ class Worker:
         never inside it."""
         lane.raw = self.connections[self.alias].connection
         lane.session = (item.backend_pid, item.backend_start)
-        message = (protocol.SESSION, lane.number, item.backend_pid, item.backend_start)
+        message = self._session_report(lane)
         try:
             syscalls.write_whole(self.start_log, frame(message))
         except OSError:
             os._exit(0)  # the supervisor is gone
+
+    @staticmethod
+    def _session_report(lane: Lane) -> tuple[Any, ...]:
+        """The ``SESSION`` message for the lane's current session, numbered: one sent on the
+        message pipe before a job may be read by the supervisor after a newer one from the
+        start log (it reads the pipe, then the log, then handles the pipe's messages), and
+        must not win."""
+        lane.reports += 1
+        pid, started = lane.session or (None, None)
+        return (protocol.SESSION, lane.number, lane.reports, pid, started)
 
     def _report_started(self, lane: Lane, wire_id: Any, fast: bool) -> None:
         """Tell the supervisor, before the handler starts, that this job started on ``lane``
@@ -452,7 +465,7 @@ class Worker:
         Written to the start log, after that ``STARTED``, in one system call that keeps the
         GIL: an interrupt lands before or after it, never inside (an interrupt means the
         supervisor took the job over, and its clock no longer matters)."""
-        message = (protocol.ADMITTED, protocol.wire_id(item.job.id), item.ctx.started_monotonic)
+        message = (protocol.ADMITTED, protocol.wire_id(item.job), item.ctx.started_monotonic)
         try:
             syscalls.write_whole(self.start_log, frame(message))
         except OSError:

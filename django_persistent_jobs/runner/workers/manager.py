@@ -108,8 +108,11 @@ class WorkerHandle:
     #: a lane. And jobs taken back from that queue (shutdown): wire id -> job id.
     queued: dict[Any, InFlight] = field(default_factory=dict)
     recalled: dict[Any, Any] = field(default_factory=dict)
-    #: The database session each lane last reported.
+    #: The database session each lane last reported, and that report's number: a lane's
+    #: ``SESSION`` goes on the message pipe before a job and on the start log during one, so
+    #: an older one can be read after a newer (``Manager._session_locked``).
     sessions: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    session_numbers: dict[int, int] = field(default_factory=dict)
     #: Jobs taken over from it whose thread has not returned yet:
     #: wire id -> (recycle deadline, job id).
     abandoned: dict[Any, tuple[float, Any]] = field(default_factory=dict)
@@ -358,7 +361,7 @@ class ProcessExecutor(SlotWaits):
                 return False
             item.taken_over.set()
             del self.in_flight[item.job.id]
-            wire_id = protocol.wire_id(item.job.id)
+            wire_id = protocol.wire_id(item.job)
             worker = self.owner.pop(wire_id, None)
             if worker is None:
                 with contextlib.suppress(ValueError):
@@ -388,7 +391,7 @@ class ProcessExecutor(SlotWaits):
         owner = item.owner
         if not isinstance(owner, tuple):
             return False
-        return self._send(owner[0], (protocol.INTERRUPT, protocol.wire_id(item.job.id)))
+        return self._send(owner[0], (protocol.INTERRUPT, protocol.wire_id(item.job)))
 
     def close(self) -> None:
         with self.lock:
@@ -444,7 +447,7 @@ class ProcessExecutor(SlotWaits):
         """Send ``item`` to ``worker``'s queue (written before the lock is released). Its
         timeout clock starts when a lane reports it ``STARTED``: a job that waited here or
         there for a lane lost no time."""
-        wire_id = protocol.wire_id(item.job.id)
+        wire_id = protocol.wire_id(item.job)
         worker.queued[wire_id] = item
         self.owner[wire_id] = worker
         self._outbox.append((worker, item))
@@ -456,7 +459,8 @@ class ProcessExecutor(SlotWaits):
                         started_at: float) -> bool:
         """A lane of ``worker`` started the job at ``started_at`` (the worker's monotonic
         clock, the same clock as ours): its timeout clock starts then; a waiting job started
-        on the fast path has its start noted (the next claim writes it). The job the lane ran
+        on the fast path has its start noted, as carried by the job's settling in the worker
+        (``StartLog.note``). The job the lane ran
         before, if its ``RETURNED`` or ``DONE`` is still on its way, returned: it is
         completing from now on. True if that freed a lane (more jobs may be sent)."""
         now = time.monotonic()
@@ -504,9 +508,15 @@ class ProcessExecutor(SlotWaits):
             return  # finished or taken over meanwhile
         item.start_clock(min(started_at, time.monotonic()))
 
-    def _session_locked(self, worker: WorkerHandle, lane: int, pid: int, started: Any) -> None:
+    def _session_locked(self, worker: WorkerHandle, lane: int, number: int, pid: int,
+                        started: Any) -> None:
         """``lane`` of ``worker`` runs its jobs on this database session from now on: the
-        job on it now, and the next ones (``_started_locked``)."""
+        job on it now, and the next ones (``_started_locked``). ``number`` orders a lane's
+        reports: one read after a newer one (from the message pipe, read in the same pass as
+        the start log) is out of date and ignored."""
+        if number <= worker.session_numbers.get(lane, 0):
+            return
+        worker.session_numbers[lane] = number
         worker.sessions[lane] = (pid, started)
         for wire_id, its_lane in worker.lane_of.items():
             if its_lane == lane:  # a lane runs one job at a time
@@ -608,7 +618,7 @@ class ProcessExecutor(SlotWaits):
         follows the job's ``RUN``."""
         with self.lock:
             item.ctx._cancel_event.set()
-            wire_id = protocol.wire_id(item.job.id)
+            wire_id = protocol.wire_id(item.job)
             worker = self.owner.get(wire_id)
             if worker is not None:
                 self._send(worker, (protocol.CANCEL, wire_id))
@@ -954,7 +964,7 @@ class ProcessExecutor(SlotWaits):
             workers = list(self.workers)
         for worker in workers:
             # The starts of jobs that began while the worker sent nothing else (and anything
-            # it did send, first: a lane's SESSION goes before its next job's STARTED).
+            # it did send).
             self._receive(worker, False)
         now = time.monotonic()
         kills: list[WorkerHandle] = []

@@ -26,8 +26,10 @@ could be handled after a newer one from the log, and take the lane's running job
 A worker reports a lane's database session
 (``SESSION``) once per connection, before the first handler on it starts, so the supervisor
 knows every running job's session without a message per job, even for a handler that holds the
-worker's GIL from its first instruction. A lane whose job the supervisor took over (timeout,
-shutdown) is retired: its thread may never return, so a fresh lane takes its place.
+worker's GIL from its first instruction (a connection the server closed while the lane was
+idle is replaced once the job has started, and reported then, on the start log). A lane whose
+job the supervisor took over (timeout, shutdown) is retired: its thread may never return, so a
+fresh lane takes its place.
 
 A job's payload travels as the JSON text the claim read (``ClaimedJob.payload_text``): the
 worker decodes it where the handler runs, so the supervisor never parses a payload. A worker
@@ -51,8 +53,10 @@ Supervisor to worker:
 
 Worker to supervisor:
     ``(READY, pid)``                          set up, accepting jobs
-    ``(SESSION, lane, backend_pid, start)``   the database session the lane's jobs run on, from
-                                              now on (the supervisor terminates it at a timeout).
+    ``(SESSION, lane, n, backend_pid, start)``  the database session the lane's jobs run on,
+                                              from now on (the supervisor terminates it at a
+                                              timeout); ``n`` numbers the lane's reports, so
+                                              an older one read late is ignored.
                                               On the start log instead when the lane's running
                                               job found its connection dropped and opened
                                               another (after its ``STARTED``)
@@ -91,8 +95,9 @@ if TYPE_CHECKING:
     from ..store import ClaimedJob
 
 #: The messages' version, part of ``codec_signature``: raised whenever a message is added or
-#: changes meaning. 2: ``ADMITTED``. 3: ``SESSION`` on the start log too.
-VERSION = 3
+#: changes meaning. 2: ``ADMITTED``. 3: ``SESSION`` on the start log too. 4: a job's wire id
+#: is its attempt's token, not its id.
+VERSION = 4
 
 RUN = "r"
 CANCEL = "c"
@@ -111,13 +116,19 @@ CRASHED = "X"
 
 _codec: tuple[type[ClaimedJob], Callable[[ClaimedJob], tuple[Any, ...]]] | None = None
 _DUE_AT = 11  # ClaimedJob.due_at's position (checked by ``_load_codec``)
+#: ClaimedJob.token's position (checked by ``_load_codec``): a packed job's wire id.
+TOKEN = 6
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 
 
-def wire_id(job_id: Any) -> Any:
-    """A job id as messages carry it: a UUID as its int."""
-    return job_id.int if isinstance(job_id, uuid.UUID) else job_id
+def wire_id(job: ClaimedJob) -> int:
+    """What messages name a job by: its attempt's fencing token, unique to this run of it
+    (``packed[TOKEN]`` for a packed job). Not the job's id: a timed-out attempt whose thread
+    returns late reports itself while the job's retry may already run on the same worker,
+    and that report must not be taken for the retry's (which would then go unwatched, its
+    timeout not enforced)."""
+    return job.token
 
 
 def pack_job(job: ClaimedJob) -> tuple[Any, ...]:
@@ -129,7 +140,9 @@ def pack_job(job: ClaimedJob) -> tuple[Any, ...]:
     due_at = values[_DUE_AT]
     if due_at is not None and due_at.tzinfo is not None:  # (naive with USE_TZ = False: as is)
         due_at = (due_at - _EPOCH) // _MICROSECOND
-    return (wire_id(values[0]), *values[1:_DUE_AT], due_at, *values[_DUE_AT + 1:])
+    job_id = values[0]
+    return (job_id.int if isinstance(job_id, uuid.UUID) else job_id, *values[1:_DUE_AT], due_at,
+            *values[_DUE_AT + 1:])
 
 
 def unpack_job(values: tuple[Any, ...]) -> ClaimedJob:
@@ -163,7 +176,7 @@ def _load_codec() -> tuple[type[ClaimedJob], Callable[[ClaimedJob], tuple[Any, .
     from ..store import ClaimedJob
 
     names = [f.name for f in dataclasses.fields(ClaimedJob)]
-    if names[_DUE_AT] != "due_at":
+    if names[_DUE_AT] != "due_at" or names[TOKEN] != "token":
         raise RuntimeError(f"ClaimedJob's fields moved: {names}")
     _codec = (ClaimedJob, operator.attrgetter(*names))
     return _codec

@@ -126,7 +126,9 @@ def test_a_claimed_job_survives_the_round_trip() -> None:
     assert protocol.unpack_job(packed) == job
     unpacked_due = protocol.unpack_job(packed).due_at
     assert unpacked_due is not None and unpacked_due.microsecond == 678901  # exact, not a float
-    assert protocol.wire_id(job.id) == job.id.int
+    # Messages name a job by its attempt's token: a late report of a timed-out attempt must
+    # not be taken for its retry's.
+    assert protocol.wire_id(job) == job.token == packed[protocol.TOKEN]
     elsewhere = dataclasses.replace(job, due_at=datetime.datetime(
         2026, 1, 2, 5, 4, 5, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=2))))
     assert protocol.unpack_job(protocol.pack_job(elsewhere)).due_at == elsewhere.due_at
