@@ -37,6 +37,9 @@ class JobContext:
     started_monotonic: float = field(default_factory=time.monotonic)
     _cancel_event: Flag = field(default_factory=Flag, repr=False)
     _progress_sink: Callable[[JobContext, Any], None] | None = field(default=None, repr=False)
+    #: This attempt's fencing token: its progress is written for this attempt only (a
+    #: timed-out attempt still running must not write over its retry's progress).
+    _token: int | None = field(default=None, repr=False)
 
     @property
     def is_last_attempt(self) -> bool:

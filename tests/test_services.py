@@ -230,7 +230,7 @@ def test_cancelling_a_running_job_requests_and_the_request_wins_over_a_retry() -
     assert result.status == "running" and result.cancel_requested
     assert result.finished_at is None and result.lock_token == claimed.token
     with connection.cursor() as cursor:
-        assert store.cancel_requests(cursor, "core-svc") == [job.id]
+        assert store.cancel_requests(cursor, "core-svc") == [(job.id, claimed.token)]
         assert store.transition(cursor, job.id, claimed.token, kind="retry",
                                 code="HANDLER_ERROR", message="failed after the request") == (
             "cancelled")

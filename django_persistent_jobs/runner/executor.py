@@ -49,7 +49,7 @@ class SlotWaits:
     executors do: ``_free_locked``, ``_idle_locked`` and ``_closed`` are theirs)."""
 
     changed: threading.Condition
-    in_flight: dict[object, InFlight]
+    in_flight: dict[int, InFlight]
     _closed: bool
 
     def _free_locked(self) -> int:
@@ -99,8 +99,11 @@ class Executor(Protocol):
 
     #: Notified whenever a job leaves the executor (finished, taken over, lost).
     changed: threading.Condition
-    #: Claimed jobs the executor holds, by job id (the cancel relay looks jobs up here).
-    in_flight: dict[object, InFlight]
+    #: Claimed jobs the executor holds, by their attempt's token (the cancel relay looks jobs
+    #: up here). Not by job id: a runner that was presumed dead and claims a job's retry while
+    #: the old attempt's handler still runs here holds both, and neither may hide the other
+    #: from the timeout enforcer or from shutdown.
+    in_flight: dict[int, InFlight]
     #: Called when a job that waited for a worker (``job.waiting``) is about to start, from
     #: whichever thread starts it; it must not block. It chooses how the start is recorded
     #: (``starts``): it clears ``job.waiting`` for the fast path; a job still waiting after it

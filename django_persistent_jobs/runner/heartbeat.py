@@ -225,8 +225,8 @@ def relay_cancel_requests(alias: str, runner_id: str, executor: Executor,
         alias, lambda c: store.cancel_requests(c, runner_id),
         what="reading cancel requests", interrupt=interrupt,
     )
-    for job_id in ids or ():
-        item = executor.in_flight.get(job_id)
+    for job_id, token in ids or ():
+        item = executor.in_flight.get(token)
         if item is not None and not item.ctx.cancel_requested:
             executor.cancel(item)
             logger.info("job %s: cancellation requested by an operator", job_id,

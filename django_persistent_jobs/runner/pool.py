@@ -135,7 +135,7 @@ class WorkerPool(SlotWaits):
         self.queue: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
-        self.in_flight: dict[object, InFlight] = {}
+        self.in_flight: dict[int, InFlight] = {}  # by attempt token (``Executor``)
         self.workers: list[_Worker] = []
         self._numbers = 0
         self._closed = False
@@ -218,7 +218,7 @@ class WorkerPool(SlotWaits):
             if self._sealed:
                 return 0
             for item in items:
-                self.in_flight[item.job.id] = item
+                self.in_flight[item.job.token] = item
         for item in items:
             item.completer = self.completer
             item.gate = self.gate
@@ -250,8 +250,8 @@ class WorkerPool(SlotWaits):
 
     def release_slot(self, item: InFlight) -> None:
         """Called with ``lock`` held when a job leaves the runner's hands."""
-        if self.in_flight.get(item.job.id) is item:
-            del self.in_flight[item.job.id]
+        if self.in_flight.get(item.job.token) is item:
+            del self.in_flight[item.job.token]
             self.finished += 1
             if self._worth_waking_locked():
                 self.changed.notify_all()
@@ -267,7 +267,7 @@ class WorkerPool(SlotWaits):
         more work. The slot is freed and a replacement worker starts at once.
         """
         with self.lock:
-            if self.in_flight.get(item.job.id) is not item:
+            if self.in_flight.get(item.job.token) is not item:
                 return False
             item.taken_over.set()
             owner = next((w for w in self.workers if w.current is item), None)
@@ -278,7 +278,7 @@ class WorkerPool(SlotWaits):
                 self.workers.remove(owner)
                 if not self._closed:
                     self._spawn_locked()
-            del self.in_flight[item.job.id]
+            del self.in_flight[item.job.token]
             self.changed.notify_all()
             return True
 

@@ -831,13 +831,15 @@ def unregister_runner(cursor: Cursor, runner_id: str) -> None:
     cursor.execute("DELETE FROM persistent_jobs_runners WHERE id = %s", [runner_id])
 
 
-def cancel_requests(cursor: Cursor, runner_id: str) -> list[Any]:
+def cancel_requests(cursor: Cursor, runner_id: str) -> list[tuple[Any, int]]:
+    """The jobs of this runner an operator asked to cancel: (job id, the current attempt's
+    token), so that the request reaches that attempt and not an older one still running."""
     cursor.execute(
-        "SELECT id FROM persistent_jobs WHERE locked_by = %s AND status = 'running' "
-        "AND cancel_requested",
+        "SELECT id, lock_token FROM persistent_jobs WHERE locked_by = %s AND status = 'running' "
+        "AND cancel_requested AND lock_token IS NOT NULL",
         [runner_id],
     )
-    return [row[0] for row in cursor.fetchall()]
+    return [(row[0], int(row[1])) for row in cursor.fetchall()]
 
 
 def reap_dead_runners(cursor: Cursor, stale_seconds: float, *, reaper: str | None,

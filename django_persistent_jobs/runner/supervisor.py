@@ -731,7 +731,7 @@ class Runner:
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
             priority=job.priority, timeout=job.timeout, tenant=job.tenant,
-            _progress_sink=self._report_progress,
+            _progress_sink=self._report_progress, _token=job.token,
         )
         if job.cancel_requested:
             ctx._cancel_event.set()
@@ -794,9 +794,11 @@ class Runner:
                 self.vouch()
 
     def _report_progress(self, ctx: JobContext, progress: Any) -> None:
-        item = self.pool.in_flight.get(ctx.job_id)
-        if item is not None:
-            self._progress.write(ctx.job_id, item.job.token, progress)
+        """Fenced by the attempt's own token (``ctx._token``), not the job's current one: a
+        timed-out attempt whose code goes on (a ``finally``, a thread of its own) while its
+        retry runs must not write over the retry's progress."""
+        if ctx._token is not None:
+            self._progress.write(ctx.job_id, ctx._token, progress)
 
     def _supervise(self) -> None:
         while True:

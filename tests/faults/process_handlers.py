@@ -113,3 +113,24 @@ def overrun(payload: dict[str, Any], ctx: JobContext) -> None:
     amount."""
     ctypes.CDLL(None).usleep(int(float(payload["seconds"][str(ctx.attempt)]) * 1_000_000))
     _ledger(ctx)
+
+
+@job_handler("procs.late_progress", max_retries=1, backoff=constant(0), timeout=3)
+def late_progress(payload: dict[str, Any], ctx: JobContext) -> None:
+    """Attempt 1 reports progress, overruns its 3 s timeout blocked in C for 4 s, and reports
+    progress again on its way out (a ``finally``), then touches ``payload["returned"]``; by
+    then attempt 2 runs, has reported its own progress and waits for ``payload["gate"]``."""
+    from pathlib import Path
+
+    from .batch_handlers import wait_for_gate
+
+    ctx.report_progress({"attempt": ctx.attempt})
+    try:
+        if ctx.attempt == 1:
+            ctypes.CDLL(None).usleep(4_000_000)
+        else:
+            wait_for_gate(payload)
+    finally:
+        if ctx.attempt == 1:
+            ctx.report_progress({"attempt": 1, "late": True})
+            Path(payload["returned"]).touch()

@@ -100,7 +100,7 @@ def test_handler_threads_open_their_connections_before_their_first_job(
 
 
 def _item(number: int) -> InFlight:
-    job = SimpleNamespace(id=f"job-{number}", waiting=False)
+    job = SimpleNamespace(id=f"job-{number}", token=number, waiting=False)
     return InFlight(job=cast(Any, job), ctx=cast(Any, None), deadline=None)
 
 
@@ -142,3 +142,25 @@ def test_a_sealed_pool_accepts_no_part_of_a_claim() -> None:
     pool.seal()
     assert pool.submit_many([_item(0), _item(1)]) == 0
     assert pool.busy == 0
+
+
+def test_two_attempts_of_one_job_are_both_held_and_both_can_be_taken_over() -> None:
+    """A runner presumed dead (frozen past the stale-lock timeout) and reaped may claim a job's
+    retry while the old attempt's handler still runs here: the pool holds both, by token, so
+    the old one can still be timed out and the new one is not hidden by it (nor the reverse)."""
+    release = threading.Event()
+    pool = ThreadExecutor(2, lambda item: release.wait(30))
+    pool.start()
+    old, retry = _item(1), _item(2)
+    retry.job.id = old.job.id  # the same job, a new attempt (token)
+    try:
+        assert pool.submit_many([old]) == 1
+        assert pool.submit_many([retry]) == 1
+        assert pool.busy == 2
+        assert {id(item) for item in pool.snapshot()} == {id(old), id(retry)}
+        assert pool.take_over(old) and not pool.take_over(old)
+        assert [id(item) for item in pool.snapshot()] == [id(retry)]
+    finally:
+        release.set()
+        pool.close()
+        pool.join(10)

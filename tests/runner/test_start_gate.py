@@ -262,7 +262,8 @@ def _end_lease_period(runner: Runner, job_id: Any) -> None:
 
     # A claim that read the lease before it was first held (the claim loop's first round can
     # straddle the wait for it) carries no period: its waiting jobs go through the gate anyway.
-    period = runner.pool.in_flight[job_id].job.lease_period
+    [period] = [item.job.lease_period for item in list(runner.pool.in_flight.values())
+                if item.job.id == job_id]
     if period is None:
         return
     with connection.cursor() as cursor:

@@ -214,7 +214,8 @@ def test_a_batched_completion_that_lands_as_its_timeout_is_settled_is_reported_o
 
         def handle(self: ProcessExecutor, worker: Any, message: tuple[Any, ...]) -> None:
             if message[0] in (protocol.RETURNED, protocol.DONE):
-                item = self.in_flight.get(job.id)
+                item = next((item for item in list(self.in_flight.values())
+                             if item.job.id == job.id), None)
                 if item is not None and protocol.wire_id(item.job) in message[1]:
                     held.append(item)
                     item.taken_over.wait(30)

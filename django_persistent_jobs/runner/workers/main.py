@@ -162,7 +162,6 @@ class Worker:
         self.concurrency: int = options.get("concurrency", 1)
         self.next_lane = 0
         self.running: dict[Any, Any] = {}  # wire id -> InFlight, while its handler runs
-        self.tokens: dict[Any, int] = {}  # job id -> fencing token, for progress reports
         #: Sent to a lane and not started yet; of those, the ones the supervisor took back,
         #: and the ones an operator asked to cancel.
         self.queued: set[Any] = set()
@@ -285,7 +284,7 @@ class Worker:
             job_id=job.id, job_type=job.job_type, attempt=job.attempt,
             max_retries=job.max_retries, runner_id=self.runner_id, queue=job.queue,
             priority=job.priority, timeout=job.timeout, tenant=job.tenant,
-            _progress_sink=self._report_progress,
+            _progress_sink=self._report_progress, _token=job.token,
         )
         if cancel:
             ctx._cancel_event.set()
@@ -304,7 +303,6 @@ class Worker:
                 self.skip.discard(wire_id)
             else:
                 self.running[wire_id] = item
-                self.tokens[job.id] = job.token
         if skipped:  # taken back before it started (answered ``UNSTARTED``): never runs here
             return True
         deferred = False
@@ -336,17 +334,18 @@ class Worker:
             # does not: its worker is recycled instead).
             logger.info("abandoned worker for job %s exited", job.id,
                         extra={"event": "abandoned_worker_exited", "job_id": str(job.id)})
+        if not interrupted and job.timeout and time.monotonic() - ctx.started_monotonic >= (
+                job.timeout - LATE_RETURN_MARGIN):
+            # It returned about when the supervisor may be taking it over for its timeout,
+            # which terminates the session it ran on (whether it completed in its own
+            # transaction or handed its completion over): the next job must not be on that
+            # session. A fresh connection (and ``SESSION``) for the next job.
+            self._drop_connection(lane)
         if not deferred:
             # (Also when a timeout's interrupt reached this thread just after the completion
             # was handed over: the completer's report then finds it reported.)
             self._done_once(item, wire_id)
         elif not interrupted:
-            if job.timeout and time.monotonic() - ctx.started_monotonic >= (
-                    job.timeout - LATE_RETURN_MARGIN):
-                # It returned about when the supervisor may be taking it over for its timeout,
-                # which terminates the session it ran on: the next job must not be on that
-                # session. A fresh connection (and ``SESSION``) for the next job.
-                self._drop_connection(lane)
             # Its completion is being written (``on_settled`` reports it done): the lane is
             # free for the next job meanwhile. If one is waiting here, this lane takes it now:
             # its ``RETURNED`` goes with the batch's ``DONE`` (and the supervisor, reading the
@@ -377,8 +376,6 @@ class Worker:
             try:
                 with self.lock:
                     self.running.pop(wire_id, None)
-                    if self.tokens.get(item.job.id) == wire_id:  # (not a retry's, started since)
-                        del self.tokens[item.job.id]
                     return bool(item.taken_over.is_set())
             except self._execute.JobInterrupted:
                 continue
@@ -574,7 +571,7 @@ class Worker:
 
     # ------------------------------------------------------------------ progress
     def _report_progress(self, ctx: Any, progress: Any) -> None:
-        """Progress goes through a connection of its own, outside the job's transaction."""
-        token = self.tokens.get(ctx.job_id)
-        if token is not None:
-            self.progress.write(ctx.job_id, token, progress)
+        """Progress goes through a connection of its own, outside the job's transaction, fenced
+        by the attempt's own token (see the supervisor's)."""
+        if ctx._token is not None:
+            self.progress.write(ctx.job_id, ctx._token, progress)

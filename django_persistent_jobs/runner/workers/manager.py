@@ -196,7 +196,7 @@ class ProcessExecutor(SlotWaits):
         self.log_to_stderr = log_to_stderr
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
-        self.in_flight: dict[object, InFlight] = {}
+        self.in_flight: dict[int, InFlight] = {}  # by attempt token (``Executor``)
         self.owner: dict[object, WorkerHandle] = {}  # by wire id, once given to a worker
         #: Accepted while no lane was free (``PREFETCH``, or no worker ready yet).
         self.pending: deque[InFlight] = deque()
@@ -306,7 +306,7 @@ class ProcessExecutor(SlotWaits):
                 return 0
             ahead = self._ahead_locked()
             for item in items:
-                self.in_flight[item.job.id] = item
+                self.in_flight[item.job.token] = item
                 worker = None if self.pending else self._pick_locked(ahead)
                 if worker is None:
                     self.pending.append(item)
@@ -357,10 +357,10 @@ class ProcessExecutor(SlotWaits):
         worker's queue is told not to start (``INTERRUPT``); one still waiting here simply
         never goes."""
         with self.lock:
-            if self.in_flight.get(item.job.id) is not item:
+            if self.in_flight.get(item.job.token) is not item:
                 return False
             item.taken_over.set()
-            del self.in_flight[item.job.id]
+            del self.in_flight[item.job.token]
             wire_id = protocol.wire_id(item.job)
             worker = self.owner.pop(wire_id, None)
             if worker is None:
@@ -572,7 +572,7 @@ class ProcessExecutor(SlotWaits):
             if item is None:
                 continue
             self.owner.pop(wire_id, None)
-            if self.in_flight.get(item.job.id) is item:
+            if self.in_flight.get(item.job.token) is item:
                 returned.append(item)
         self.pending.extendleft(reversed(returned))
         self._assign_pending_locked()
@@ -869,8 +869,8 @@ class ProcessExecutor(SlotWaits):
             del worker.on_lane[lane]
         self.owner.pop(wire_id, None)
         self.finished += 1
-        if self.in_flight.get(item.job.id) is item:
-            del self.in_flight[item.job.id]
+        if self.in_flight.get(item.job.token) is item:
+            del self.in_flight[item.job.token]
         return item
 
     def _lost(self, worker: WorkerHandle) -> None:
@@ -894,10 +894,10 @@ class ProcessExecutor(SlotWaits):
                 return
             self.workers.remove(worker)
             lost = [item for item in worker.in_flight.values()
-                    if self.in_flight.get(item.job.id) is item]
+                    if self.in_flight.get(item.job.token) is item]
             # Jobs still in its queue never started: another worker runs them, uncharged.
             requeued = [item for item in worker.queued.values()
-                        if self.in_flight.get(item.job.id) is item]
+                        if self.in_flight.get(item.job.token) is item]
             for wire_id in worker.queued:
                 self.owner.pop(wire_id, None)
             worker.queued.clear()
@@ -907,8 +907,8 @@ class ProcessExecutor(SlotWaits):
             # committed is for the fenced settlement to find out (a written one is left alone).
             # Back in ``in_flight`` so that the settlement can take them over.
             for item in worker.completing.values():
-                if item.job.id not in self.in_flight:
-                    self.in_flight[item.job.id] = item
+                if item.job.token not in self.in_flight:
+                    self.in_flight[item.job.token] = item
                     lost.append(item)
             worker.completing.clear()
             expected = (worker.stop_sent or worker.killed) and not lost
