@@ -39,8 +39,11 @@ PR_SET_PDEATHSIG = 1
 
 logger = logging.getLogger("django_persistent_jobs.runner")
 #: A job that returns this close to its timeout (seconds) may be being taken over for it right
-#: now: its lane gets a fresh database session before its next job (``Worker._run``).
+#: now: its lane gets a fresh database session before its next job (``Worker._run``). At most
+#: this share of a short timeout: with a 1 s timeout a margin of 1 s would open a connection
+#: for every job, a few milliseconds each.
 LATE_RETURN_MARGIN = 1.0
+LATE_RETURN_SHARE = 0.25
 #: At exit, how long completions still being written get (the supervisor kills a worker that
 #: has not exited 2 s after being told to stop).
 EXIT_COMPLETION_SECONDS = 1.5
@@ -335,7 +338,7 @@ class Worker:
             logger.info("abandoned worker for job %s exited", job.id,
                         extra={"event": "abandoned_worker_exited", "job_id": str(job.id)})
         if not interrupted and job.timeout and time.monotonic() - ctx.started_monotonic >= (
-                job.timeout - LATE_RETURN_MARGIN):
+                job.timeout - min(LATE_RETURN_MARGIN, job.timeout * LATE_RETURN_SHARE)):
             # It returned about when the supervisor may be taking it over for its timeout,
             # which terminates the session it ran on (whether it completed in its own
             # transaction or handed its completion over): the next job must not be on that
