@@ -40,10 +40,11 @@ PR_SET_PDEATHSIG = 1
 logger = logging.getLogger("django_persistent_jobs.runner")
 #: A job that returns this close to its timeout (seconds) may be being taken over for it right
 #: now: its lane gets a fresh database session before its next job (``Worker._run``). At most
-#: this share of a short timeout: with a 1 s timeout a margin of 1 s would open a connection
-#: for every job, a few milliseconds each.
+#: this share of a timeout under 2 s: with a 1 s timeout a margin of 1 s would open a
+#: connection for every job, a few milliseconds each. (Half of it still leaves the supervisor
+#: half a second to hear that the job returned, a report that may wait for a batch's commit.)
 LATE_RETURN_MARGIN = 1.0
-LATE_RETURN_SHARE = 0.25
+LATE_RETURN_SHARE = 0.5
 #: At exit, how long completions still being written get (the supervisor kills a worker that
 #: has not exited 2 s after being told to stop).
 EXIT_COMPLETION_SECONDS = 1.5
