@@ -50,7 +50,15 @@ def _load(job_id: uuid.UUID | str) -> PersistentJob:
 def _backoff_seconds(job: PersistentJob) -> float:
     spec = registry.get(job.job_type)
     fn = spec.effective_backoff() if spec else global_backoff()
-    value = fn(max(job.attempts, 1))
+    try:
+        value = fn(max(job.attempts, 1))
+    except Exception as exc:
+        # The operator's action must not end in a traceback (or a bulk action stop halfway)
+        # because of the handler's code: say what failed, and what to use instead.
+        raise ConfigurationError(
+            f"The backoff for {job.job_type!r} raised {type(exc).__name__}: {exc} for attempt "
+            f"{max(job.attempts, 1)}. Use retry mode 'now' or fix the backoff."
+        ) from exc
     if bounds.backoff_problem(value) is not None:
         # Checked here so the operator gets a message instead of an SQL overflow.
         raise ConfigurationError(

@@ -279,3 +279,24 @@ def test_retry_later_with_a_broken_backoff_says_so_and_changes_nothing() -> None
             retry_job(job.id, mode="later")
         assert PersistentJob.objects.get(id=job.id).status == "dead_lettered"
         assert retry_job(job.id, mode="now").status == "pending"
+
+
+@pytest.mark.django_db
+def test_retry_later_with_a_backoff_that_raises_says_so_and_changes_nothing() -> None:
+    """The handler's backoff is the application's code: an exception from it is the
+    operator's error message (a refusal the API, the admin and ``jobs retry`` all show), not a
+    traceback, and the job is left as it was."""
+    from django_persistent_jobs import ConfigurationError
+    from django_persistent_jobs.handlers import registry
+
+    def broken(attempt: int) -> float:
+        raise KeyError("no such tier")
+
+    with registry.isolated():
+        job_handler("core.svc.raising_backoff", backoff=broken)(lambda payload: None)
+        job = make("dead_lettered", job_type="core.svc.raising_backoff", attempts=3)
+        with pytest.raises(ConfigurationError,
+                           match=r"raised KeyError: 'no such tier' for attempt 3"):
+            retry_job(job.id, mode="later")
+        assert PersistentJob.objects.get(id=job.id).status == "dead_lettered"
+        assert retry_job(job.id, mode="now").status == "pending"

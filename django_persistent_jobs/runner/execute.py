@@ -493,6 +493,14 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
         if inflight.on_admitted is not None:
             inflight.on_admitted(inflight)
     signals.started(job, runner_id)
+    if inflight.ctx.cancel_requested:
+        # An operator cancelled it while it waited for a worker (claimed, not started): it
+        # never starts. (Cancelling running work is cooperative; work that has not begun
+        # has nothing to be careful about.)
+        record_outcome(alias, job, Outcome(
+            "cancel", "CANCELLED", "cancelled by an operator before its handler started",
+        ), runner_id, interrupt)
+        return False
     spec = registry.get(job.job_type)
     if spec is None:
         record_outcome(alias, job, Outcome(
