@@ -112,6 +112,13 @@ def check_handlers(app_configs: Sequence[AppConfig] | None = None,
             errors.append(checks.Error(message, hint=hint, obj=spec.origin, id=check_id))
         if spec.is_recurring and not spec.problems:
             errors.extend(_schedule_payload_problems(spec))
+            if not django_settings.USE_TZ:
+                from .schedules.services import NEED_USE_TZ
+
+                errors.append(checks.Error(
+                    f"{spec.job_type!r} is recurring, but USE_TZ is False. {NEED_USE_TZ}",
+                    hint="Set USE_TZ = True, or drop cron/interval from this handler.",
+                    obj=spec.origin, id="persistent_jobs.E104"))
     return errors
 
 

@@ -311,3 +311,46 @@ def test_reading_a_bad_setting_raises_the_checks_message(
         with pytest.raises(ImproperlyConfigured) as info:
             getattr(pj_conf.settings, key)
     assert str(info.value) == reported
+
+
+@pytest.mark.django_db
+def test_recurring_schedules_without_time_zone_support_are_refused_not_crashed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With ``USE_TZ = False`` the database's times are naive and no tick can be computed: a
+    recurring handler is a check error (``runjobs`` does not start), a runtime schedule is
+    refused when stored, and a runner's scheduler loop says why it fires nothing and ends,
+    instead of stopping the runner (or switching every stored schedule off as invalid)."""
+    import logging
+    import threading
+
+    from django_persistent_jobs.errors import ScheduleError
+    from django_persistent_jobs.runner.lifecycle import Lifecycle
+    from django_persistent_jobs.runner.scheduler import scheduler_loop
+    from django_persistent_jobs.schedules.services import add_schedule
+
+    with registry.isolated():
+        @job_handler("core.chk.nightly", cron="0 3 * * *")
+        def nightly(payload: Any) -> None:
+            return None
+
+        @job_handler("core.chk.plain")
+        def plain(payload: Any) -> None:
+            return None
+
+        assert check_handlers() == []
+        with override_settings(USE_TZ=False):
+            found = [(m.id, m.msg) for m in check_handlers()]
+            with pytest.raises(ScheduleError, match="need USE_TZ = True"):
+                add_schedule("nightly-too", "core.chk.plain", cron="0 3 * * *")
+            lifecycle = Lifecycle()
+            with caplog.at_level(logging.ERROR, logger="django_persistent_jobs.scheduler"):
+                loop = threading.Thread(target=scheduler_loop,
+                                        args=("default", "r-chk", 0.1, lifecycle))
+                loop.start()
+                loop.join(10)
+            lifecycle.stopping.set()
+    assert [i for i, _ in found] == ["persistent_jobs.E104"]
+    assert "'core.chk.nightly' is recurring, but USE_TZ is False" in found[0][1]
+    assert not loop.is_alive()
+    assert "schedules are not fired: Recurring schedules need USE_TZ = True" in caplog.text

@@ -110,7 +110,8 @@ def _fire_one(schedule: JobSchedule, now: datetime, runner_id: str | None,
         timing = Timing.of(schedule)
         next_run_at = timing.next_after(now, anchor=tick)
         coalesced = timing.count_ticks(tick, now)
-    except (ScheduleError, zoneinfo.ZoneInfoNotFoundError, ValueError, KeyError) as exc:
+    except (ScheduleError, zoneinfo.ZoneInfoNotFoundError, ValueError, KeyError,
+            OSError) as exc:  # (OSError: a zone name that is a directory or unreadable here)
         report.errors += 1
         deactivate_invalid(schedule, f"cannot compute the next tick: {exc}")
         return
@@ -157,6 +158,16 @@ def scheduler_loop(alias: str, runner_id: str, interval: float, lifecycle: Lifec
     left take over (``schedules.firing.Fleet``), so a fleet converges on its code after a deploy.
     """
     stopping = lifecycle.stopping
+    from django.conf import settings
+
+    if not settings.USE_TZ:
+        # (``manage.py check`` refuses a recurring handler then: persistent_jobs.E104.) Rows
+        # stored before USE_TZ was turned off are left alone, not fired into an error each.
+        from ..schedules.services import NEED_USE_TZ
+
+        logger.error("schedules are not fired: %s", NEED_USE_TZ,
+                     extra={"event": "scheduler_disabled", "runner_id": runner_id})
+        return
     if not _sync(alias, runner_id, stopping):
         return
     resync_every = conf.settings.STALE_LOCK_TIMEOUT if resync_interval is None else (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zoneinfo
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -22,7 +23,7 @@ from ..handlers import HandlerSpec, registry
 from ..models import InactiveReason, JobSchedule, PersistentJob, ScheduleSource, TickResult
 from ..payload import prepare_payload
 from .definition import Definition, _alias, db_now
-from .timing import Timing, default_timezone, tick_label
+from .timing import ScheduleError, Timing, default_timezone, tick_label
 
 logger = logging.getLogger("django_persistent_jobs.scheduler")
 
@@ -377,10 +378,17 @@ def _check_handler(schedule: JobSchedule, declared: dict[str, HandlerSpec], know
         reason = InactiveReason.HANDLER_MISSING
     elif (not schedule.active and has_handler
           and schedule.inactive_reason == InactiveReason.HANDLER_MISSING):
-        timing = Timing.of(schedule)
+        try:
+            next_run_at = Timing.of(schedule).next_after(now, anchor=schedule.next_run_at)
+        except (ScheduleError, zoneinfo.ZoneInfoNotFoundError, ValueError, KeyError,
+                OSError) as exc:
+            # Unusable on this host (a zone its tzdata does not know, say): switched off with
+            # the reason, as firing it would be, rather than stopping every runner's sync.
+            deactivate_invalid(schedule, f"cannot compute the next tick: {exc}")
+            return
         JobSchedule.objects.using(alias).filter(pk=schedule.pk).update(
             active=True, inactive_reason=InactiveReason.NONE,
-            next_run_at=timing.next_after(now, anchor=schedule.next_run_at), updated_at=Now())
+            next_run_at=next_run_at, updated_at=Now())
         report.reactivated.append(schedule.name)
         logger.info("schedule %s reactivated: a handler for %r is registered again",
                     schedule.name, schedule.job_type,

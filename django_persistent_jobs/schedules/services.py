@@ -85,6 +85,19 @@ def _refuse_code(schedule: JobSchedule, verb: str) -> None:
 
 
 # ----------------------------------------------------------------------------- runtime API
+#: Why schedules refuse to work without time zone support (the check, the services, the loop).
+NEED_USE_TZ = ("Recurring schedules need USE_TZ = True: their ticks are computed in aware "
+               "time (zones, DST), and with USE_TZ = False the database's times are naive.")
+
+
+def require_aware_times() -> None:
+    """Refuse to store or fire a schedule when Django's times are naive (``USE_TZ = False``)."""
+    from django.conf import settings
+
+    if not settings.USE_TZ:
+        raise ScheduleError(NEED_USE_TZ)
+
+
 def add_schedule(
     name: str, job_type: str, *, cron: str | None = None,
     interval: timedelta | float | None = None, payload: Any = None, timezone: str | None = None,
@@ -96,6 +109,7 @@ def add_schedule(
     Joins the caller's transaction. ``name`` must be unique; runs use it as their dedup key, so
     the handler's dedup strategy decides what a tick does while the previous run is active.
     """
+    require_aware_times()
     _check_name(name)
     if not isinstance(paused, bool):
         raise ScheduleError(f"paused must be True or False, got {bounds.show(paused)}.")
@@ -131,6 +145,7 @@ def update_schedule(name: str, **changes: Any) -> JobSchedule:
     if unknown:
         raise ScheduleError(f"update_schedule got unknown fields {sorted(unknown)}; "
                             f"changeable: {list(_UPDATABLE)}.")
+    require_aware_times()
     _check_name(name)
     _check_changes(changes)
     alias = _alias()

@@ -478,6 +478,33 @@ def test_sync_changes_deactivates_and_reactivates(caplog: Any) -> None:
         assert orphan.active and orphan.next_run_at > db_now()
 
 
+def test_a_schedule_this_host_cannot_compute_is_switched_off_at_sync_not_the_runner() -> None:
+    """A runtime schedule switched off for a missing handler comes back when a runner with
+    the handler syncs; if its zone is one this host's tzdata lacks (written from a host with
+    newer tzdata), or names a directory, the sync switches it off as invalid and goes on
+    with the other schedules, instead of raising out of the scheduler loop (which stopped
+    the runner on every start)."""
+    with registry.isolated():
+        for name, zone in (("stale-zone", "Mars/Olympus"), ("zone-dir", "America")):
+            JobSchedule.objects.create(
+                name=name, job_type="test.recurring.back_again", cron="0 2 * * *",
+                timezone=zone, next_run_at=Now(), active=False,
+                inactive_reason=InactiveReason.HANDLER_MISSING)
+        JobSchedule.objects.create(
+            name="fine", job_type="test.recurring.back_again", interval_seconds=60,
+            timezone="UTC", next_run_at=Now(), active=False,
+            inactive_reason=InactiveReason.HANDLER_MISSING)
+
+        @job_handler("test.recurring.back_again")
+        def back_again(payload: Any) -> None: ...
+
+        assert sync_code_schedules().reactivated == ["fine"]
+    for name, zone in (("stale-zone", "Mars/Olympus"), ("zone-dir", "America")):
+        broken = JobSchedule.objects.get(name=name)
+        assert not broken.active and broken.inactive_reason == InactiveReason.INVALID
+        assert zone in broken.last_error
+
+
 def test_runtime_schedule_with_a_code_name_wins_and_is_reported(caplog: Any) -> None:
     add_schedule("test.recurring.clash", "test.recurring.work", interval=60)
     with registry.isolated():
