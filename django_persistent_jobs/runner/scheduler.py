@@ -44,6 +44,11 @@ logger = logging.getLogger("django_persistent_jobs.scheduler")
 BATCH = 50
 #: Shortest sleep between passes, so a tick that is due "now" is not polled in a busy loop.
 MIN_SLEEP = 0.005
+#: The shortest wait when a schedule is due but was not fired by the pass just made: another
+#: session holds its row (another runner's pass, or ``update_schedule``/``run_schedule_now``
+#: inside a caller's long transaction). Without it every runner would open a transaction every
+#: ``MIN_SLEEP`` until that lock is released.
+DUE_BUT_HELD_SLEEP = 0.1
 
 _DUE_SQL = """
 SELECT id, now() FROM persistent_jobs_schedules
@@ -53,7 +58,7 @@ LIMIT %s
 FOR UPDATE SKIP LOCKED
 """
 _NEXT_DUE_SQL = """
-SELECT EXTRACT(EPOCH FROM (min(next_run_at) - now()))::float8
+SELECT EXTRACT(EPOCH FROM (min(next_run_at) - clock_timestamp()))::float8
 FROM persistent_jobs_schedules WHERE active AND NOT paused {types}
 """
 
@@ -190,7 +195,10 @@ def scheduler_loop(alias: str, runner_id: str, interval: float, lifecycle: Lifec
             return
         wait = min(interval, max(resync_at - time.monotonic(), MIN_SLEEP))
         if report.next_due_in is not None:
-            wait = min(wait, max(report.next_due_in, MIN_SLEEP))
+            # (Measured with the clock at the query, not at the pass's start: a long pass
+            # must not make the loop sleep past a tick.)
+            wait = min(wait, max(report.next_due_in, MIN_SLEEP) if report.next_due_in > 0
+                       else DUE_BUT_HELD_SLEEP)
         stopping.wait(wait)
 
 

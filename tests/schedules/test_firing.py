@@ -15,7 +15,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 from django.test import Client
@@ -590,3 +590,52 @@ def test_last_outcome_survives_cleanup_of_the_run(admin_client_: Client) -> None
     page = admin_client_.get(reverse("admin:django_persistent_jobs_jobschedule_changelist"))
     assert "deleted by cleanup" in page.content.decode()
     assert JobSchedule.objects.filter(name="gc", last_job_id=F("last_job_id")).exists()
+
+
+def test_a_due_schedule_held_by_another_session_is_not_polled_in_a_tight_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another session holds a due schedule's row (``update_schedule`` inside a caller's long
+    transaction): the scheduler skips it (SKIP LOCKED) and looks again a little later, not
+    every few milliseconds; once the row is free, the tick fires."""
+    import threading
+
+    from django_persistent_jobs.runner import scheduler
+    from django_persistent_jobs.runner.lifecycle import Lifecycle
+    from tests.core_support import raw_connection
+
+    add_schedule("held", "test.recurring.tick", interval=60)
+    make_due("held")
+    passes: list[float] = []
+    real_fire_due = scheduler.fire_due
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        passes.append(0)
+        return real_fire_due(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "fire_due", counting)
+    lifecycle = Lifecycle()
+
+    def run_loop() -> None:
+        try:
+            scheduler.scheduler_loop(connection.alias, "r-held", 5.0, lifecycle)
+        finally:
+            connections.close_all()  # this thread's own connection
+
+    loop = threading.Thread(target=run_loop, daemon=True)
+    with raw_connection(autocommit=False) as holder:
+        holder.execute("SELECT 1 FROM persistent_jobs_schedules WHERE name = 'held' FOR UPDATE")
+        loop.start()
+        wait_for(lambda: len(passes) >= 2, 10, message="the scheduler to pass twice")
+        before = len(passes)
+        held_for = 1.0
+        lifecycle.stopping.wait(held_for)  # (a bounded observation window, not a sync point)
+        during = len(passes) - before
+        assert runs("held").count() == 0
+        holder.rollback()
+    try:
+        assert during <= held_for / scheduler.DUE_BUT_HELD_SLEEP + 3, during
+        wait_for(lambda: runs("held").count() == 1, 10, message="the tick to fire once free")
+    finally:
+        lifecycle.stopping.set()
+        loop.join(10)
