@@ -58,6 +58,15 @@ from .tasks import (
 
 logger = logging.getLogger("django_persistent_jobs.tasks")
 
+#: Final failures a task's own code raised, waiting for the runner to record the job's ending:
+#: (job id, attempt) -> (the backend's class, the result to announce). ``task_finished`` is
+#: sent from ``_relay_final_ending`` once that ending has committed, not inside the task's
+#: transaction, which the failure rolls back with whatever a receiver wrote. Bounded: an
+#: attempt whose claim was lost meanwhile never hears of its ending here.
+_pending_failures: dict[tuple[uuid.UUID, int], tuple[Any, Any]] = {}
+_pending_lock = threading.Lock()
+_PENDING_LIMIT = 1000
+
 if TYPE_CHECKING:
     from .compat import AnyTask, AnyTaskResult
 
@@ -417,12 +426,12 @@ def _adapter(task: AnyTask) -> Callable[[Any, JobContext], Any]:
                 ))
                 object.__setattr__(task_result, "status", TaskResultStatus.FAILED)
                 object.__setattr__(task_result, "finished_at", now)
-                try:
-                    task_finished.send(sender=type(backend), task_result=task_result)
-                except Exception:
-                    # The task's own error is the one to record, not a receiver's.
-                    logger.exception("a task_finished receiver failed for task %s",
-                                     task_result.id)
+                if task_finished.receivers:
+                    with _pending_lock:
+                        if len(_pending_failures) >= _PENDING_LIMIT:
+                            del _pending_failures[next(iter(_pending_failures))]
+                        _pending_failures[(ctx.job_id, ctx.attempt)] = (type(backend),
+                                                                        task_result)
             raise
         object.__setattr__(task_result, "status", TaskResultStatus.SUCCESSFUL)
         object.__setattr__(task_result, "_return_value", stored)
@@ -441,13 +450,31 @@ def _adapter(task: AnyTask) -> Callable[[Any, JobContext], Any]:
 
 def _relay_final_ending(sender: Any, *, job_id: uuid.UUID, job_type: str, status: str | None,
                         outcome: str, **kwargs: Any) -> None:
-    """Send ``task_finished`` for a task whose last attempt ended outside the task's own code.
+    """Send ``task_finished`` for a task whose last attempt has ended, once it is on record.
 
-    The adapter sees every ending the task raises; a timeout, a lost runner or worker, or a
+    A failure the task's own code raised is prepared by the adapter (``_pending_failures``)
+    and sent here, after the runner recorded it. A timeout, a lost runner or worker, or a
     charged hand-back is recorded by the runner's supervisor or by another runner instead, so
     this receiver of our ``job_finished`` sends it. It reads the rows and calls receivers on a
     short-lived thread of its own: users' receivers must never hold up the supervisor.
     """
+    attempt = kwargs.get("attempt")
+    with _pending_lock:
+        pending = (_pending_failures.pop((job_id, attempt), None) if isinstance(attempt, int)
+                   else None)
+    if pending is not None:
+        # A failure the task's code raised and the adapter judged final: announced now that
+        # the runner has recorded it (on the thread that did, as the adapter would have), if
+        # the job did end (a settling that failed hands it back instead).
+        if status in ("dead_lettered", "cancelled"):
+            backend_class, task_result = pending
+            try:
+                task_finished.send(sender=backend_class, task_result=task_result)
+            except Exception:
+                # The task's own error is the one recorded, not a receiver's.
+                logger.exception("a task_finished receiver failed for task %s",
+                                 task_result.id)
+        return
     task = _tasks.get(job_type)
     if task is None or status != "dead_lettered" or outcome == "dead_lettered":
         return  # not a task, not final, or a failure the adapter already reported

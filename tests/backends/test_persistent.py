@@ -330,6 +330,25 @@ def test_a_failing_receiver_does_not_hide_the_tasks_own_error() -> None:
     assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"]
 
 
+def test_task_finished_for_a_failure_comes_after_the_failure_is_recorded() -> None:
+    """The task fails for good: ``task_finished`` is sent once the runner has recorded the
+    ending, outside the task's transaction (which the failure rolls back). A receiver sees
+    the job's row ended, and what it writes stays written."""
+    from django_persistent_jobs.models import PersistentJob
+
+    seen: list[tuple[str, str]] = []
+
+    def record(task_result: Any, **kwargs: Any) -> None:
+        seen.append((str(task_result.status),
+                     PersistentJob.objects.get(id=task_result.id).status))
+        LedgerEntry.objects.create(job_id=task_result.id, note="told of the failure")
+
+    result = tasks.fails_for_good.enqueue()
+    _burst_while_connected(task_finished, record)
+    assert seen == [("FAILED", "dead_lettered")]
+    assert LedgerEntry.objects.filter(job_id=result.id, note="told of the failure").exists()
+
+
 def _plain() -> None: ...
 
 
