@@ -494,7 +494,15 @@ def _is_deadlock(exc: BaseException) -> bool:
     return getattr(exc.__cause__, "sqlstate", None) == "40P01"
 
 
-def _round(cursor: Cursor | None, job: _Prepared, alias: str) -> tuple[PersistentJob, bool] | None:
+#: Deadlocks a keyed enqueue holding its key's turn sits out before it raises the last one.
+#: Holding the turn, it can lose a round to another enqueue of its key only once per rival;
+#: deadlocking again and again means a cycle through rows its own transaction holds (two
+#: transactions enqueueing Replace keys in opposite orders), which no retry can break.
+DEADLOCKS_WITH_TURN = 3
+
+
+def _round(cursor: Cursor | None, job: _Prepared, alias: str,
+           deadlocks: list[OperationalError] | None = None) -> tuple[PersistentJob, bool] | None:
     """``_attempt`` in a savepoint (or a transaction of its own outside any); ``None`` (with
     nothing left behind) when it lost the race.
 
@@ -514,10 +522,12 @@ def _round(cursor: Cursor | None, job: _Prepared, alias: str) -> tuple[Persisten
     except PreparedStatementLostError:
         # Only the round is lost (its savepoint, or its own transaction, rolled back): again,
         # with the insert sent unprepared from now on (``_stop_preparing``).
-        return _round(cursor, job, alias)
+        return _round(cursor, job, alias, deadlocks)
     except OperationalError as exc:
         if not _is_deadlock(exc):
             raise
+        if deadlocks is not None:
+            deadlocks.append(exc)
         return None
 
 
@@ -527,12 +537,16 @@ def _settle(cursor: Cursor, job: _Prepared, alias: str) -> tuple[PersistentJob, 
     Every enqueue that meets a conflict waits for the turn before trying again, so while this
     one holds it a round can be lost only to an enqueue making its first attempt or to a retry
     being scheduled for a running job with the key; neither repeats, and nothing here gives up
-    or raises because others use the key.
+    or raises because others use the key. A deadlock that keeps coming back is another matter
+    (``DEADLOCKS_WITH_TURN``): it is raised, for the caller to roll back and try again.
     """
+    deadlocks: list[OperationalError] = []
     while True:
-        settled = _round(cursor, job, alias)
+        settled = _round(cursor, job, alias, deadlocks)
         if settled is not None:
             return settled
+        if len(deadlocks) > DEADLOCKS_WITH_TURN:
+            raise deadlocks[-1]
 
 
 def enqueue(
@@ -810,6 +824,7 @@ def _enqueue_many_dedup(
         if job.dedup is Dedup.REPLACE:
             replace_keys.setdefault(job_type, []).append(dedup_key)
     locked = False
+    deadlocks = 0
     while True:
         try:
             # A savepoint, as in ``_round``: if a Replace key lost its race (or PostgreSQL broke
@@ -829,6 +844,10 @@ def _enqueue_many_dedup(
         except OperationalError as exc:
             if not _is_deadlock(exc):
                 raise
+            if locked:
+                deadlocks += 1
+                if deadlocks > DEADLOCKS_WITH_TURN:
+                    raise  # a cycle through rows this transaction holds (see ``_settle``)
         if not locked:
             # All of the batch's Replace keys at once, in the one global order: taking only the
             # lost ones, round after round, could take them in another order than a concurrent

@@ -437,3 +437,47 @@ def test_contended_replace_in_autocommit_settles() -> None:
     assert errors == []
     assert PersistentJob.objects.filter(status="pending").count() == 1
     assert PersistentJob.objects.filter(last_error_code="REPLACED").count() == 8 * 15 - 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("many", [False, True])
+def test_replace_keys_enqueued_in_opposite_orders_raise_a_deadlock_not_hang(many: bool) -> None:
+    """Two transactions each enqueue Replace keys K1 and K2, in opposite orders: each holds the
+    row of its first key while the other's second insert waits on it, and PostgreSQL breaks
+    the cycle by failing one side's round. Retrying that round cannot succeed (its own
+    transaction still holds the row the other waits for), so after a few deadlocks the
+    enqueue raises it; that transaction rolls back and the other one commits. Before, both
+    retried for ever, holding their locks."""
+    from django.db import OperationalError
+
+    barrier = threading.Barrier(2, timeout=20)
+    outcomes: dict[str, str] = {}
+
+    def one_side(name: str, keys: tuple[str, str]) -> None:
+        try:
+            with transaction.atomic():
+                for n, key in enumerate(keys):
+                    if many:
+                        enqueue_many([("core.dedup.replace", {"side": name})], dedup_key=key)
+                    else:
+                        enqueue("core.dedup.replace", {"side": name}, dedup_key=key)
+                    if n == 0:
+                        barrier.wait()
+            outcomes[name] = "committed"
+        except OperationalError as exc:
+            outcomes[name] = "deadlock" if "deadlock" in str(exc) else repr(exc)
+        finally:
+            connections.close_all()
+
+    sides = [threading.Thread(target=one_side, args=("a", ("K1", "K2")), daemon=True),
+             threading.Thread(target=one_side, args=("b", ("K2", "K1")), daemon=True)]
+    for side in sides:
+        side.start()
+    for side in sides:
+        side.join(60)
+    assert not any(side.is_alive() for side in sides), "the enqueues hung"
+    assert sorted(outcomes.values()) == ["committed", "deadlock"], outcomes
+    winner = next(name for name, outcome in outcomes.items() if outcome == "committed")
+    rows = PersistentJob.objects.filter(job_type="core.dedup.replace", status="pending")
+    assert sorted((job.dedup_key, job.payload["side"]) for job in rows) == [
+        ("K1", winner), ("K2", winner)]
