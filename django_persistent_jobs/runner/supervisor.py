@@ -196,6 +196,8 @@ class Runner:
         #: Whether this runner's row was written: a boot that fails after that removes it.
         self._registered = False
         self._vouched_at = 0.0
+        #: The supervisor's own work (``_tick``) failed: said once, and the runner stops.
+        self._duty_failed = False
         self._vouched_until = 0.0  # monotonic time the sidecar's current horizon runs out
         self._vouch_lock = threading.Lock()
         self.enable_scheduler = scheduler
@@ -826,12 +828,27 @@ class Runner:
             ), "interrupted")
 
     def _tick(self) -> None:
-        """One round of the supervisor's own duties: vouch to the sidecar, enforce timeouts."""
-        now = time.monotonic()
-        if now - self._vouched_at >= VOUCH_SECONDS:
-            self._vouched_at = now
-            self.vouch()
-        self.timeouts.enforce()
+        """One round of the supervisor's own duties: vouch to the sidecar, enforce timeouts.
+
+        An error here (a job whose outcome could not be recorded nor handed back, say) stops
+        the runner like a dead loop, through the usual shutdown: raised out of the supervisor,
+        it skipped the shutdown, so the jobs left were not handed back, the runner's row stayed
+        (its jobs waited for the stale-lock timeout) and an embedded runner's loops ran on."""
+        try:
+            now = time.monotonic()
+            if now - self._vouched_at >= VOUCH_SECONDS:
+                self._vouched_at = now
+                self.vouch()
+            self.timeouts.enforce()
+        except Exception:
+            if self._duty_failed:
+                return  # (said already; the shutdown goes on, ticking as it waits)
+            self._duty_failed = True
+            logger.critical("stopping runner %s: the supervisor's own work failed",
+                            self.runner_id, exc_info=True,
+                            extra={"event": "runner_failed", "runner_id": self.runner_id})
+            self.exit_code = EXIT_LOOP_DIED
+            self.request_stop()
 
     def _shutdown(self) -> None:
         grace = self.settings.shutdown_grace

@@ -928,3 +928,24 @@ def test_a_backlog_of_short_jobs_is_claimed_in_batches(
     claims = [r.count for r in caplog.records if getattr(r, "event", None) == "claim"]
     assert sum(claims) == 1500
     assert len(claims) <= 1500 / 8, f"{len(claims)} claim statements for 1500 jobs"
+
+
+def test_a_failure_of_the_supervisors_own_work_stops_the_runner_through_its_shutdown(
+    start_runner: StartRunner, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The timeout enforcer raises (as when a job's outcome can be neither recorded nor handed
+    back): the runner stops with exit code 2 through its usual shutdown, so it unregisters and
+    its loops end, instead of the error skipping all of that."""
+    from django_persistent_jobs.runner.supervisor import EXIT_LOOP_DIED
+
+    runner = start_runner(concurrency=1)
+    assert JobRunnerRecord.objects.filter(pk=runner.runner_id).exists()
+
+    def broken() -> None:
+        raise RuntimeError("could not record the outcome nor hand the job back")
+
+    monkeypatch.setattr(runner.timeouts, "enforce", broken)
+    assert runner.finished.wait(30), "the runner did not stop"
+    assert runner.exit_code == EXIT_LOOP_DIED
+    assert not JobRunnerRecord.objects.filter(pk=runner.runner_id).exists()
+    assert runner.halt.is_set()  # its loops were told to end
