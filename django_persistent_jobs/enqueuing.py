@@ -720,34 +720,45 @@ def _copy_insert(connection: BaseDatabaseWrapper, jobs: list[_Prepared]) -> None
     """
     raw = connection.connection
     cursor = psycopg.Cursor(raw)  # server-side binding; Django's default cursor binds client-side
-    try:
-        cursor.execute("SELECT now()")
-        row = cursor.fetchone()
-        assert row is not None
-        db_now: datetime = row[0]
-        now_text = _copy_time(db_now)
-        with cursor.copy(f"COPY persistent_jobs ({_INSERT_COLUMNS_SQL}) FROM STDIN") as copy:
-            # The rows as COPY's text format, written in chunks: psycopg's ``write_row``
-            # adapts every value through its dumpers, which cost more than the rest of a
-            # job's preparation.
-            lines: list[str] = []
-            for job in jobs:
-                next_run = now_text if job.run_at is None and not job.delay else _copy_time(
-                    job.run_at if job.run_at is not None
-                    else db_now + timedelta(seconds=job.delay))
-                lines.append("\t".join((
-                    str(job.id), _copy_text(job.job_type), _copy_text(job.payload_json),
-                    _copy_text(job.queue), str(int(job.priority)), str(int(job.max_retries)),
-                    next_run, repr(float(job.timeout)), _copy_text(job.dedup_key),
-                    job.dedup.value, _copy_text(job.schedule_json), _copy_text(job.tenant),
-                )))
-                if len(lines) >= _COPY_CHUNK:
-                    copy.write("\n".join(lines) + "\n")
-                    lines.clear()
-            if lines:
+    # Errors as Django's (``django.db.OperationalError`` and the rest), as every other statement
+    # of ``enqueue_many`` and ``enqueue`` raises them: a caller's ``except DatabaseError`` or
+    # retry on ``OperationalError`` must not miss a lost connection or a statement timeout
+    # because this one statement went through psycopg directly (Django also marks a lost
+    # connection unusable this way).
+    with connection.wrap_database_errors:
+        try:
+            _copy_rows(cursor, jobs)
+        finally:
+            cursor.close()
+
+
+def _copy_rows(cursor: psycopg.Cursor[Any], jobs: list[_Prepared]) -> None:
+    """``_copy_insert``'s statements, on its cursor."""
+    cursor.execute("SELECT now()")
+    row = cursor.fetchone()
+    assert row is not None
+    db_now: datetime = row[0]
+    now_text = _copy_time(db_now)
+    with cursor.copy(f"COPY persistent_jobs ({_INSERT_COLUMNS_SQL}) FROM STDIN") as copy:
+        # The rows as COPY's text format, written in chunks: psycopg's ``write_row``
+        # adapts every value through its dumpers, which cost more than the rest of a
+        # job's preparation.
+        lines: list[str] = []
+        for job in jobs:
+            next_run = now_text if job.run_at is None and not job.delay else _copy_time(
+                job.run_at if job.run_at is not None
+                else db_now + timedelta(seconds=job.delay))
+            lines.append("\t".join((
+                str(job.id), _copy_text(job.job_type), _copy_text(job.payload_json),
+                _copy_text(job.queue), str(int(job.priority)), str(int(job.max_retries)),
+                next_run, repr(float(job.timeout)), _copy_text(job.dedup_key),
+                job.dedup.value, _copy_text(job.schedule_json), _copy_text(job.tenant),
+            )))
+            if len(lines) >= _COPY_CHUNK:
                 copy.write("\n".join(lines) + "\n")
-    finally:
-        cursor.close()
+                lines.clear()
+        if lines:
+            copy.write("\n".join(lines) + "\n")
 
 
 #: Rows per ``copy.write`` in ``_copy_insert``.

@@ -766,3 +766,22 @@ def test_enqueue_many_joins_the_callers_transaction() -> None:
         assert PersistentJob.objects.count() == 20
         raise Rollback
     assert PersistentJob.objects.count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_many_raises_djangos_database_errors() -> None:
+    """The bulk insert (COPY, on psycopg's own cursor) fails as any Django query would: a lock
+    timeout (here the table is locked by another session) is ``django.db.OperationalError``,
+    which a caller's ``except DatabaseError`` or retry code catches, not a psycopg error."""
+    from django.db import OperationalError as DjangoOperationalError
+
+    from tests.core_support import raw_connection
+
+    with raw_connection(autocommit=False) as holder:
+        holder.execute("LOCK TABLE persistent_jobs IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(DjangoOperationalError, match="lock timeout"), transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL lock_timeout = '100ms'")
+            enqueue_many([("test.noop", {"n": n}) for n in range(3)])
+        holder.rollback()
+    assert enqueue_many([("test.noop", {"n": 9})])[0].status == JobStatus.PENDING
