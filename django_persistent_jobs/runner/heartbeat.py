@@ -155,7 +155,9 @@ class Liveness:
             nonlocal sent
             sent = time.monotonic()
             alive = store.heartbeat(cursor, self.runner_id, changed)
-            if not alive:
+            if not alive and not interrupt.is_set():
+                # (Halted: the runner is stopping and may have unregistered while this beat
+                # was slow; a row put back now would stand for a runner that has gone.)
                 self.register(cursor)
             return alive
 

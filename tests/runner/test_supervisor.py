@@ -949,3 +949,17 @@ def test_a_failure_of_the_supervisors_own_work_stops_the_runner_through_its_shut
     assert runner.exit_code == EXIT_LOOP_DIED
     assert not JobRunnerRecord.objects.filter(pk=runner.runner_id).exists()
     assert runner.halt.is_set()  # its loops were told to end
+
+
+def test_a_beat_that_ends_after_the_runner_unregistered_does_not_register_it_again(
+    start_runner: StartRunner,
+) -> None:
+    """A heartbeat slow enough to outlive the runner's stop (its loop is joined for a few
+    seconds only) finds the runner's row gone: the runner has unregistered, not been presumed
+    dead, so the beat must not put the row back for a runner that has exited."""
+    runner = start_runner(concurrency=1)
+    runner.request_stop()
+    assert runner.finished.wait(30)
+    assert not JobRunnerRecord.objects.filter(pk=runner.runner_id).exists()
+    runner.liveness.beat(runner.halt)  # (the late beat, as the stopped runner's loop made it)
+    assert not JobRunnerRecord.objects.filter(pk=runner.runner_id).exists()
