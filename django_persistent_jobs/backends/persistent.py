@@ -476,8 +476,16 @@ def _relay_final_ending(sender: Any, *, job_id: uuid.UUID, job_type: str, status
                                  task_result.id)
         return
     task = _tasks.get(job_type)
-    if task is None or status != "dead_lettered" or outcome == "dead_lettered":
-        return  # not a task, not final, or a failure the adapter already reported
+    if task is None or status not in ("dead_lettered", "cancelled"):
+        return  # not a task, or not final
+    if status == "dead_lettered" and outcome == "dead_lettered":
+        return  # a failure the task raised: the adapter's (above)
+    if status == "cancelled" and kwargs.get("error_code") == "CANCELLED":
+        # The task's own ``JobCancelledError`` (the adapter's), or a cancel that came before
+        # the task started (it never ran: nothing to announce). Other cancelled endings are a
+        # failure outside the task's code after a cancel request (a timeout, a lost runner),
+        # or a failed try superseded by a newer job with its dedup key (``REPLACED``).
+        return
     if not task_finished.receivers:
         return
 

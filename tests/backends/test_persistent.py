@@ -488,6 +488,28 @@ def test_task_finished_is_sent_when_the_last_attempt_times_out(
                        ("finished", "FAILED")]
 
 
+def test_task_finished_is_sent_when_a_cancelled_task_then_times_out(
+    start_runner: StartRunner, signals_seen: list[Any],
+) -> None:
+    """An operator cancels a running task that ignores the request and times out: the job
+    ends ``cancelled`` (a cancel request wins over the retry), outside the task's code, and
+    ``task_finished`` still arrives, once, with the FAILED result."""
+    from django_persistent_jobs import cancel_job
+    from django_persistent_jobs.models import PersistentJob
+
+    slow = tasks.too_slow.enqueue(30)  # timeout=1: times out unless it ends first
+    start_runner(concurrency=1)
+    status_is(slow, TaskResultStatus.RUNNING, timeout=30)
+    cancel_job(slow.id)
+    finished(slow, timeout=30)
+    job = PersistentJob.objects.get(id=slow.id)
+    assert (job.status, job.last_error_code) == ("cancelled", "TIMEOUT")
+    wait_for(lambda: any(s[0] == "finished" and s[1] == slow.id for s in signals_seen),
+             timeout=10, message="task_finished for the cancelled, timed-out task")
+    assert [(name, status) for name, rid, status in signals_seen if rid == slow.id] == [
+        ("enqueued", "READY"), ("started", "RUNNING"), ("finished", "FAILED")]
+
+
 @pytest.mark.parametrize(("bad", "reported"), [
     ({"DATABASE": "nope"}, "persistent_jobs.E012"),
     ("not a dict", "persistent_jobs.E001"),
