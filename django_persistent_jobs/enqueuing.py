@@ -734,10 +734,13 @@ def _copy_insert(connection: BaseDatabaseWrapper, jobs: list[_Prepared]) -> None
 
 def _copy_rows(cursor: psycopg.Cursor[Any], jobs: list[_Prepared]) -> None:
     """``_copy_insert``'s statements, on its cursor."""
-    cursor.execute("SELECT now()")
+    # The database's now in UTC, made aware here: with ``USE_TZ = False`` ``now()`` reads as a
+    # naive local time, and a delay added to that is wall-clock arithmetic (an hour off across
+    # a daylight-saving change; in the repeated hour, read back as the later instant).
+    cursor.execute("SELECT now() AT TIME ZONE 'UTC'")
     row = cursor.fetchone()
     assert row is not None
-    db_now: datetime = row[0]
+    db_now: datetime = row[0].replace(tzinfo=UTC)
     now_text = _copy_time(db_now)
     with cursor.copy(f"COPY persistent_jobs ({_INSERT_COLUMNS_SQL}) FROM STDIN") as copy:
         # The rows as COPY's text format, written in chunks: psycopg's ``write_row``

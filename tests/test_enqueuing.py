@@ -785,3 +785,31 @@ def test_enqueue_many_raises_djangos_database_errors() -> None:
             enqueue_many([("test.noop", {"n": n}) for n in range(3)])
         holder.rollback()
     assert enqueue_many([("test.noop", {"n": 9})])[0].status == JobStatus.PENDING
+
+
+@pytest.mark.django_db
+def test_enqueue_many_delays_cross_a_daylight_saving_change_without_time_zone_support(
+    settings: Any,
+) -> None:
+    """With ``USE_TZ = False`` the database's ``now()`` reads as a naive local time: a delay
+    added to that in Python is wall-clock arithmetic, an hour off across a daylight-saving
+    change. ``enqueue_many`` must agree with ``enqueue`` (which adds the delay on the server)
+    to the second; both run in this test's one transaction, so they share ``now()``."""
+    from zoneinfo import ZoneInfo
+
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    zone = ZoneInfo("America/New_York")
+    start = datetime.now(UTC)
+    days = next(d for d in range(1, 367)
+                if (start + timedelta(days=d)).astimezone(zone).utcoffset()
+                != start.astimezone(zone).utcoffset())
+    delay = timedelta(days=days + 1)  # past the next change of the clocks, whenever this runs
+    one = enqueue("test.noop", {"n": 1}, delay=delay)
+    [many] = enqueue_many([("test.noop", {"n": 2})], delay=delay)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT extract(epoch FROM (SELECT next_run_at FROM persistent_jobs "
+                       "WHERE id = %s) - (SELECT next_run_at FROM persistent_jobs WHERE id = %s))",
+                       [many.id, one.id])
+        (apart,) = cursor.fetchone()
+    assert abs(float(apart)) < 1, apart
