@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
+from django.db import DatabaseError
 from django.http import HttpRequest
 
 from ..errors import ConfigurationError, InvalidJobStateError, JobNotFoundError
@@ -82,6 +83,12 @@ def perform(
             job = action.run(job_id, actor)
         except REFUSED as exc:
             refused.append(str(exc))
+            continue
+        except DatabaseError as exc:
+            # (The database went away, or refused this job's update: a trigger, a lock
+            # timeout.) Said for this job, as a refusal is; the jobs already done stay done
+            # and are reported, rather than an error page that hides what was applied.
+            refused.append(f"Job {job_id}: database error: {' '.join(str(exc).split())}")
             continue
         modeladmin.log_change(request, job, action.history_message(job))
         done.append(job)

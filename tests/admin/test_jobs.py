@@ -241,3 +241,22 @@ def test_cancel_permission_grants_only_the_cancel_action(jobs: Jobs) -> None:
                               "running jobs can be cancelled.") in result
     assert [jobs.status(j) for j in (jobs.pending, jobs.failed, jobs.done)] == [
         "cancelled", "cancelled", "completed"]
+
+
+@pytest.mark.django_db
+def test_a_bulk_action_reports_a_database_error_per_job_and_what_it_did(
+    admin_client_: Client, jobs: Jobs,
+) -> None:
+    """One selected job's update fails in the database (here a trigger refuses it; an outage
+    or a lock timeout does the same): the operator sees which job and why, and that the
+    others were retried, instead of an error page that hides what was applied."""
+    from tests.core_support import refusing_updates
+
+    with refusing_updates("pj_test_refuse_retry", "persistent_jobs",
+                          f"OLD.id = '{jobs.dead.id}'", "this job is frozen for an audit"):
+        result = run_action(admin_client_, "retry_now", jobs.dead, jobs.failed)
+    assert (messages.SUCCESS, "Retried (now) 1 job(s).") in result
+    [warning] = [text for level, text in result if level == messages.WARNING]
+    assert warning.startswith(f"Job {jobs.dead.id}: database error: ")
+    assert "frozen for an audit" in warning
+    assert [jobs.status(j) for j in (jobs.dead, jobs.failed)] == ["dead_lettered", "pending"]

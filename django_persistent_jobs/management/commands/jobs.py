@@ -196,6 +196,13 @@ class Command(BaseCommand):
                 results.append({"id": str(target), "ok": False,
                                 "error": {"code": "invalid_state", "message": str(exc)}})
                 worst = max(worst, EXIT_REFUSED)
+            except DatabaseError as exc:
+                # This job's update failed in the database (an outage, a trigger, a lock
+                # timeout): said for this job, and the jobs already done are still listed.
+                message = f"database error: {' '.join(str(exc).split())}"
+                results.append({"id": str(target), "ok": False,
+                                "error": {"code": "database_error", "message": message}})
+                worst = max(worst, EXIT_ERROR)
         ok = sum(1 for r in results if r["ok"])
         lines = [f"{r['id']}: {r['status']}" if r["ok"] else
                  f"{r['id']}: refused ({r['error']['message']})" for r in results]

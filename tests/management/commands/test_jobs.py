@@ -212,3 +212,22 @@ def test_the_real_command_line_in_subprocesses():
     assert code == 3 and "No job" in err
     code, _, err = jobs_process("list", "--limit", "0")
     assert code == 2 and err.strip()
+
+
+def test_a_database_error_on_one_job_is_reported_for_it_and_the_rest_still_listed():
+    """One job's update fails in the database (a trigger refuses it; an outage or a lock
+    timeout does the same): ``jobs retry`` lists it with the error and the others as done,
+    and exits 1, rather than one "database error" line that hides what was applied."""
+    from tests.core_support import refusing_updates
+
+    frozen = stage(status="dead_lettered", attempts=4, max_retries=3, error_code="X")
+    other = stage(status="dead_lettered", attempts=4, max_retries=3, error_code="X")
+    with refusing_updates("pj_test_refuse_cli", "persistent_jobs", f"OLD.id = '{frozen.id}'",
+                          "this job is frozen for an audit"):
+        data = jobs_json("retry", str(frozen.id), str(other.id), expect=1)
+    by_id = {result["id"]: result for result in data["results"]}
+    assert by_id[str(other.id)] == {"id": str(other.id), "ok": True, "status": "pending"}
+    assert by_id[str(frozen.id)]["ok"] is False
+    assert by_id[str(frozen.id)]["error"]["code"] == "database_error"
+    assert "frozen for an audit" in by_id[str(frozen.id)]["error"]["message"]
+    assert (data["ok"], data["refused"]) == (1, 1)
