@@ -526,13 +526,11 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
     connection = connections[alias]
     deferred: tuple[Completer, str | None] | None = None
     try:
-        if inflight.on_session is None:
-            prepare_connection(alias, inflight, connection)
-        else:
-            known = inflight.backend_pid, inflight.backend_start
-            prepare_connection(alias, inflight, connection)
-            if (inflight.backend_pid, inflight.backend_start) != known:
-                inflight.on_session(inflight)
+        known = inflight.backend_pid, inflight.backend_start
+        prepare_connection(alias, inflight, connection)
+        if inflight.on_session is not None and (
+                inflight.backend_pid, inflight.backend_start) != known:
+            inflight.on_session(inflight)
         if spec.atomic:
             with transaction.atomic(using=alias):
                 result = _call_handler(spec, inflight)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zoneinfo
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -107,7 +106,7 @@ def fire_due(runner_id: str | None = None, limit: int = BATCH) -> PassReport:
 def _fire_one(schedule: JobSchedule, now: datetime, runner_id: str | None,
               report: PassReport) -> None:
     from ..schedules.firing import deactivate_invalid, insert_run, record_result
-    from ..schedules.timing import ScheduleError, Timing
+    from ..schedules.timing import UNCOMPUTABLE, Timing
 
     tick = schedule.next_run_at
     assert tick is not None  # the due query only returns rows with a next_run_at
@@ -115,8 +114,7 @@ def _fire_one(schedule: JobSchedule, now: datetime, runner_id: str | None,
         timing = Timing.of(schedule)
         next_run_at = timing.next_after(now, anchor=tick)
         coalesced = timing.count_ticks(tick, now)
-    except (ScheduleError, zoneinfo.ZoneInfoNotFoundError, ValueError, KeyError,
-            OSError) as exc:  # (OSError: a zone name that is a directory or unreadable here)
+    except UNCOMPUTABLE as exc:
         report.errors += 1
         deactivate_invalid(schedule, f"cannot compute the next tick: {exc}")
         return

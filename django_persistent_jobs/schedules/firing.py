@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import zoneinfo
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -23,7 +22,7 @@ from ..handlers import HandlerSpec, registry
 from ..models import InactiveReason, JobSchedule, PersistentJob, ScheduleSource, TickResult
 from ..payload import prepare_payload
 from .definition import Definition, _alias, db_now
-from .timing import ScheduleError, Timing, default_timezone, tick_label
+from .timing import UNCOMPUTABLE, Timing, default_timezone, tick_label
 
 logger = logging.getLogger("django_persistent_jobs.scheduler")
 
@@ -380,8 +379,7 @@ def _check_handler(schedule: JobSchedule, declared: dict[str, HandlerSpec], know
           and schedule.inactive_reason == InactiveReason.HANDLER_MISSING):
         try:
             next_run_at = Timing.of(schedule).next_after(now, anchor=schedule.next_run_at)
-        except (ScheduleError, zoneinfo.ZoneInfoNotFoundError, ValueError, KeyError,
-                OSError) as exc:
+        except UNCOMPUTABLE as exc:
             # Unusable on this host (a zone its tzdata does not know, say): switched off with
             # the reason, as firing it would be, rather than stopping every runner's sync.
             deactivate_invalid(schedule, f"cannot compute the next tick: {exc}")

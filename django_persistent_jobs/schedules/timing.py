@@ -33,6 +33,12 @@ from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 from .. import bounds
 from ..errors import ScheduleError as ScheduleError  # re-exported: callers catch it here
 
+#: What computing a *stored* schedule's ticks can raise on this host: a definition the API
+#: would refuse now, a zone this host's tzdata lacks (or a name that is a directory here).
+#: Firing and the sync switch such a schedule off as invalid on any of these.
+UNCOMPUTABLE: tuple[type[Exception], ...] = (
+    ScheduleError, zoneinfo.ZoneInfoNotFoundError, ValueError, KeyError, OSError)
+
 #: croniter candidates examined in one computation before we call the expression unusable.
 MAX_SCAN = 100_000
 #: Where ``count_ticks`` stops counting coalesced ticks (an operator only needs "many").

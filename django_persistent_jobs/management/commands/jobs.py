@@ -63,6 +63,12 @@ def _filter_from(options: dict[str, Any]) -> queries.JobFilter:
                            returncode=EXIT_USAGE) from None
 
 
+
+def _database_error(exc: DatabaseError) -> str:
+    """A database error as one line (the driver's messages span several)."""
+    message = " ".join(str(exc).split())
+    return f"database error: {message}"
+
 class Command(BaseCommand):
     help = ("Inspect and operate persistent jobs. Exit codes: 0 ok, 1 error, 2 bad usage, "
             "3 not found, 4 refused by the job's state.")
@@ -109,8 +115,7 @@ class Command(BaseCommand):
         except DatabaseError as exc:
             # An unreachable or unmigrated database is an operator's problem, not a bug: one
             # line that says which, and the exit code scripts treat as an error.
-            message = " ".join(str(exc).split())
-            raise CommandError(f"database error: {message}", returncode=EXIT_ERROR) from exc
+            raise CommandError(_database_error(exc), returncode=EXIT_ERROR) from exc
         except ConfigurationError as exc:
             # Settings the system checks would refuse, reached past ``--skip-checks``: the
             # setting's own message, as ``runjobs`` gives it, not a traceback.
@@ -199,9 +204,9 @@ class Command(BaseCommand):
             except DatabaseError as exc:
                 # This job's update failed in the database (an outage, a trigger, a lock
                 # timeout): said for this job, and the jobs already done are still listed.
-                message = f"database error: {' '.join(str(exc).split())}"
                 results.append({"id": str(target), "ok": False,
-                                "error": {"code": "database_error", "message": message}})
+                                "error": {"code": "database_error",
+                                          "message": _database_error(exc)}})
                 worst = max(worst, EXIT_ERROR)
         ok = sum(1 for r in results if r["ok"])
         lines = [f"{r['id']}: {r['status']}" if r["ok"] else

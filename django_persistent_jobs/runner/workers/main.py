@@ -424,11 +424,7 @@ class Worker:
         never inside it."""
         lane.raw = self.connections[self.alias].connection
         lane.session = (item.backend_pid, item.backend_start)
-        message = self._session_report(lane)
-        try:
-            syscalls.write_whole(self.start_log, frame(message))
-        except OSError:
-            os._exit(0)  # the supervisor is gone
+        self._write_start_log(self._session_report(lane))
 
     @staticmethod
     def _session_report(lane: Lane) -> tuple[Any, ...]:
@@ -453,11 +449,7 @@ class Worker:
         (the supervisor has not read it lately) holds this lane until it has room: the
         supervisor reads it at every housekeeping tick. (Sent on the message pipe instead, a
         start could be handled after a newer one of the same lane from the log.)"""
-        message = (protocol.STARTED, lane.number, wire_id, fast, time.monotonic())
-        try:
-            syscalls.write_whole(self.start_log, frame(message))
-        except OSError:
-            os._exit(0)  # the supervisor is gone
+        self._write_start_log((protocol.STARTED, lane.number, wire_id, fast, time.monotonic()))
 
     def _report_admitted(self, item: Any) -> None:
         """A waiting job that started through the gate (not on the fast path) has its start
@@ -466,7 +458,13 @@ class Worker:
         Written to the start log, after that ``STARTED``, in one system call that keeps the
         GIL: an interrupt lands before or after it, never inside (an interrupt means the
         supervisor took the job over, and its clock no longer matters)."""
-        message = (protocol.ADMITTED, protocol.wire_id(item.job), item.ctx.started_monotonic)
+        self._write_start_log(
+            (protocol.ADMITTED, protocol.wire_id(item.job), item.ctx.started_monotonic))
+
+    def _write_start_log(self, message: tuple[Any, ...]) -> None:
+        """One frame on the start log, in one system call that keeps the GIL (all or
+        nothing: a frame is far below ``PIPE_BUF``; a full log waits for room with the GIL
+        released). A supervisor gone (its end closed) ends this worker."""
         try:
             syscalls.write_whole(self.start_log, frame(message))
         except OSError:
