@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import conf
 from ..handlers import registry
 from . import store
 from .db import run_with_retry
@@ -68,6 +70,8 @@ def claim_loop(claiming: Claiming) -> None:
     scan = store.ClaimScan()
     room = WaitingRoom(pool) if settings.prefetch is None else None
     starts = claiming.starts
+    unknown = UnknownTypes(claiming)
+    rescue_wait = RescueWait(claiming)
     while not claiming.stopping.is_set():
         if room is not None:
             room.adjust()
@@ -140,8 +144,14 @@ def claim_loop(claiming: Claiming) -> None:
                                 "runner_id": claiming.runner_id})
         if len(jobs) == limit:
             continue  # there may be more due right now
+        # Caught up with the types it knows: jobs no live runner can ever run are next.
+        if unknown.claim(limit - len(jobs), force=claiming.burst and not jobs):
+            continue
         if claiming.burst:
             if not jobs and idle_before_claim:
+                if rescue_wait.pending():
+                    claiming.wake.wait(min(poll, RESCUE_CHECK_SECONDS))
+                    continue
                 claiming.burst_done()
                 break
             # Wait for a running job to finish (it may enqueue more) or a wake-up, then look again
@@ -153,6 +163,102 @@ def claim_loop(claiming: Claiming) -> None:
             continue
         claiming.wake.wait(starts.due_in(poll))
     _write_starts(claiming, last=True)  # the last starts, before the runner settles what it holds
+
+
+#: How often a runner that has caught up with its own due jobs looks for due jobs of types no
+#: live runner has a handler for (a burst runner also looks before it decides it is done).
+UNKNOWN_TYPES_CHECK_SECONDS = 2.0
+
+
+class UnknownTypes:
+    """Claims due jobs of a type that no live runner serving their queue has a handler for, so
+    that ``execute`` dead-letters them (``UNKNOWN_JOB_TYPE``, with an attempt record and the
+    usual signals) instead of leaving them ``pending`` for ever: a row written by hand or by
+    another tool, or a type whose handler a release removed.
+
+    Not with ``ALLOW_UNREGISTERED``: that project enqueues types that another service's
+    runners handle, and such a job waits for them however long they are away. A type that
+    some live runner lists is left to it: during a rolling deploy, a job type only the new
+    release knows waits while a new runner is up (deploy runners first: a type no runner has
+    is dead-lettered, and the admin's "retry group" runs those again after the deploy)."""
+
+    def __init__(self, claiming: Claiming) -> None:
+        self.claiming = claiming
+        self.looked_at = -math.inf
+
+    def claim(self, room: int, force: bool = False) -> bool:
+        """Claim up to ``room`` such jobs and hand them to the executor; True if any were.
+        Looks at most every ``UNKNOWN_TYPES_CHECK_SECONDS`` unless ``force``."""
+        claiming = self.claiming
+        if room <= 0 or conf.settings.ALLOW_UNREGISTERED:
+            return False
+        now = time.monotonic()
+        if not force and now - self.looked_at < UNKNOWN_TYPES_CHECK_SECONDS:
+            return False
+        self.looked_at = now
+        settings = claiming.settings
+        period = claiming.lease.period()  # before the claim, as the main claim reads it
+        own = registry.job_types()
+
+        def do_claim(cursor: Cursor) -> list[store.ClaimedJob]:
+            types = store.unhandled_due_types(cursor, settings.queues, own,
+                                              settings.stale_lock_timeout)
+            if not types or registry.job_types() != own:
+                return []  # (a handler registered meanwhile: the next look decides)
+            return store.claim(cursor, claiming.runner_id, claim_limit(room), settings.queues,
+                               job_types=types, direct=claiming.pool.idle(),
+                               decode=claiming.pool.decode_at_claim)
+
+        jobs = run_with_retry(claiming.alias, do_claim, what="claiming jobs of unknown types",
+                              interrupt=claiming.stopping) or []
+        if not jobs:
+            return False
+        if claiming.stopping.is_set():
+            claiming.hand_back_unstarted(jobs)
+            return False
+        for job in jobs:
+            job.lease_period = period
+        accepted = claiming.dispatch_many(jobs)
+        if accepted < len(jobs):
+            claiming.hand_back_unstarted(jobs[accepted:])
+        return accepted > 0
+
+
+#: How often a burst runner that waits for a rescue looks again.
+RESCUE_CHECK_SECONDS = 0.2
+
+
+class RescueWait:
+    """Keeps a burst runner from stopping while another runner's jobs wait for a rescue.
+
+    A runner rescues the jobs of a dead runner only once it has beaten without a gap for a
+    stale-lock timeout (``Liveness.may_reap``), and a burst run is usually over sooner: in a
+    deployment that only runs ``runjobs --burst`` (cron), a job whose runner died would then
+    stay ``running`` for ever. So before it decides that nothing is due, a burst runner
+    waits while some running job is held by a runner that has no row or whose lease no
+    session holds (a live runner keeps its lease, and takes it back within a second after a
+    dropped connection): its rescue loop settles those jobs once it may. Bounded: after two
+    stale-lock timeouts and a few seconds more it stops anyway (a rescue that keeps failing
+    is logged by the rescue loop)."""
+
+    def __init__(self, claiming: Claiming) -> None:
+        self.claiming = claiming
+        self.deadline: float | None = None
+
+    def pending(self) -> bool:
+        claiming = self.claiming
+        held = run_with_retry(
+            claiming.alias, lambda c: store.held_by_lost_runners(c, claiming.runner_id),
+            what="looking for jobs of lost runners", interrupt=claiming.stopping) or 0
+        if not held:
+            return False
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + 2 * claiming.settings.stale_lock_timeout + 5.0
+            logger.info("burst: %d job(s) of lost runners wait for a rescue; waiting for it",
+                        held, extra={"event": "burst_waits_for_rescue", "count": held,
+                                     "runner_id": claiming.runner_id})
+        return now < self.deadline
 
 
 def _write_starts(claiming: Claiming, last: bool = False) -> None:

@@ -639,6 +639,10 @@ def storable_delay(delay: Any) -> float:
     return min(max(value, 0.0), MAX_DELAY_SECONDS)
 
 
+#: The settling statement. Its fence is ``IS NOT DISTINCT FROM`` and its answer is the job's new
+#: status, not the attempt row's: a ``running`` row written by hand (a test simulating a crash,
+#: a restored backup, an operator's UPDATE) may have no token or no attempt record behind it,
+#: and a rescue must still settle it rather than find it "not ours" at every round.
 _TRANSITION = """
 WITH cur AS (
     SELECT p.id, p.charged, p.handbacks,
@@ -654,7 +658,8 @@ WITH cur AS (
         SELECT p.*, (%(kind)s = 'retry' OR (%(kind)s = 'handback'
                      AND p.handbacks >= %(handback_limit)s)) AS charged
         FROM persistent_jobs p
-        WHERE p.id = %(id)s AND p.lock_token = %(token)s AND p.status = 'running'
+        WHERE p.id = %(id)s AND p.lock_token IS NOT DISTINCT FROM %(token)s::bigint
+          AND p.status = 'running'
         FOR UPDATE
     ) p
 ), settled AS (
@@ -687,7 +692,7 @@ WITH cur AS (
         updated_at = now()
     FROM settled s WHERE p.id = s.id
     RETURNING p.status, s.code, s.message, s.charged_handback
-)
+), recorded AS (
 UPDATE persistent_jobs_attempts a SET finished_at = now(),
     started = a.started OR %(began)s::timestamptz IS NOT NULL,
     {settled_start},
@@ -698,7 +703,8 @@ UPDATE persistent_jobs_attempts a SET finished_at = now(),
     error_code = moved.code, error_message = moved.message, traceback = %(traceback)s,
     error_class = %(error_class)s
 FROM moved WHERE a.id = %(token)s
-RETURNING moved.status
+)
+SELECT status FROM moved
 """
 
 
@@ -801,6 +807,41 @@ def register_runner(
     )
     started: datetime = cursor.fetchone()[0]
     return started
+
+
+#: At most this many job types are named by one look for unhandled ones (the next look, a
+#: moment later, finds the rest).
+UNHANDLED_TYPES_LIMIT = 50
+
+
+def unhandled_due_types(
+    cursor: Cursor, queues: Sequence[str] | None, own_types: Collection[str],
+    stale_seconds: float,
+) -> list[str]:
+    """Job types of due waiting jobs (in ``queues``, or any) that neither this runner
+    (``own_types``) nor any live runner serving the job's queue has a handler for.
+
+    A runner whose row lists no types (written before the column existed) counts as handling
+    every type, and a runner counts as live while its heartbeat is younger than the stale-lock
+    timeout (a runner restarting between two beats is still live to this). The waiting jobs
+    are read through ``pj_claim_idx``'s partial index; the caller looks only when it has
+    caught up with its own due jobs, and not more than every few seconds."""
+    queue_filter = "AND j.queue = ANY(%(queues)s) " if queues else ""
+    cursor.execute(
+        "SELECT DISTINCT j.job_type FROM persistent_jobs j "
+        "WHERE j.status IN ('pending', 'failed') AND j.next_run_at <= now() "
+        + queue_filter +
+        "AND j.job_type <> ALL(%(own)s) AND NOT EXISTS ("
+        "  SELECT 1 FROM persistent_jobs_runners r "
+        "  WHERE r.heartbeat_at >= now() - %(stale)s * interval '1 second' "
+        "    AND (r.queues IS NULL OR jsonb_typeof(r.queues) <> 'array' OR r.queues ? j.queue) "
+        "    AND (r.job_types IS NULL OR jsonb_typeof(r.job_types) <> 'array' "
+        "         OR r.job_types ? j.job_type)) "
+        "LIMIT %(limit)s",
+        {"queues": list(queues or ()), "own": list(own_types), "stale": stale_seconds,
+         "limit": UNHANDLED_TYPES_LIMIT},
+    )
+    return sorted(row[0] for row in cursor.fetchall())
 
 
 def live_namesakes(
@@ -937,6 +978,20 @@ def lapsed_leases(cursor: Cursor, runner_id: str) -> list[str]:
     return [row[0] for row in cursor.fetchall()]
 
 
+def held_by_lost_runners(cursor: Cursor, runner_id: str) -> int:
+    """Running jobs (other than this runner's) whose runner has no row, or whose runner no
+    session holds the lease of: jobs a rescue will settle once the rescuer may act. A burst
+    runner waits for them before it decides that nothing is due (``claimer``)."""
+    lapsed = lapsed_leases(cursor, runner_id)
+    cursor.execute(
+        "SELECT count(*) FROM persistent_jobs j WHERE j.status = 'running' "
+        "AND j.locked_by IS DISTINCT FROM %s AND (j.locked_by = ANY(%s) OR NOT EXISTS ("
+        "SELECT 1 FROM persistent_jobs_runners r WHERE r.id = j.locked_by))",
+        [runner_id, lapsed],
+    )
+    return int(cursor.fetchone()[0])
+
+
 def release_waiting(cursor: Cursor, held: HeldJob, code: str, message: str,
                     lease_of: str | None = None, charge_delay: float = 0.0) -> str | None:
     """Hand a lost runner's waiting job back to ``pending``, not charged: as far as the
@@ -970,19 +1025,24 @@ def waiting_jobs_of(cursor: Cursor, runner_ids: Sequence[str]) -> list[HeldJob]:
 
 
 def cleanup(cursor: Cursor, status: str, older_than_seconds: float, batch: int = 5000) -> int:
-    """Delete one batch of ``status`` jobs finished more than ``older_than_seconds`` ago."""
+    """Delete one batch of ``status`` jobs finished more than ``older_than_seconds`` ago.
+
+    A finished row without ``finished_at`` (written by hand or by an older release: the
+    runner and the services always set it) is aged by ``updated_at``, or it would be kept for
+    ever. Both conditions are served by ``pj_finished_idx`` (a B-tree finds NULLs too)."""
     cursor.execute(
         """
         WITH doomed AS (
             SELECT id FROM persistent_jobs WHERE status = %s
-              AND finished_at < now() - %s * interval '1 second'
+              AND (finished_at < now() - %s * interval '1 second'
+                   OR (finished_at IS NULL AND updated_at < now() - %s * interval '1 second'))
             LIMIT %s FOR UPDATE SKIP LOCKED
         ), gone_attempts AS (
             DELETE FROM persistent_jobs_attempts WHERE job_id IN (SELECT id FROM doomed)
         )
         DELETE FROM persistent_jobs WHERE id IN (SELECT id FROM doomed)
         """,
-        [status, older_than_seconds, batch],
+        [status, older_than_seconds, older_than_seconds, batch],
     )
     return int(cursor.rowcount)
 

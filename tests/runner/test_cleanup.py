@@ -11,6 +11,7 @@ from django.db import connection
 
 from django_persistent_jobs import enqueue
 from django_persistent_jobs.models import JobAttempt, PersistentJob
+from django_persistent_jobs.runner import store
 from django_persistent_jobs.runner.cleanup import cleanup_once
 from tests.core_support import pj_settings
 
@@ -128,3 +129,39 @@ def test_the_longest_retention_the_check_accepts_is_one_cleanup_can_compute() ->
     with pj_settings(RETENTION={"dead_lettered": timedelta(days=2000)}):
         assert cleanup_once("default") == 1
     assert kept.id not in remaining()
+
+
+@pytest.mark.django_db
+def test_a_finished_row_without_finished_at_is_aged_by_its_last_update() -> None:
+    """Rows written by hand (the ORM, a restored backup) may be terminal with no
+    ``finished_at``: they are deleted once their last update is past the retention."""
+    old = enqueue("test.noop", {"n": 1})
+    recent = enqueue("test.noop", {"n": 2})
+    PersistentJob.objects.filter(pk=old.pk).update(
+        status="completed", finished_at=None, updated_at=timedelta(days=-30) + _now())
+    PersistentJob.objects.filter(pk=recent.pk).update(status="completed", finished_at=None)
+    assert cleanup_once("default") == 1
+    assert remaining() == {recent.id}
+
+
+@pytest.mark.django_db
+def test_cleanup_reads_the_job_table_through_its_index_only() -> None:
+    """Both of its conditions (a finished time, or none and an old update) are index searches:
+    with a million finished rows kept, a round must not read the table whole."""
+    finished("completed", timedelta(days=30))
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # what a big table's planner picks
+        cursor.execute("SELECT seq_scan FROM pg_stat_xact_user_tables "
+                       "WHERE relname = 'persistent_jobs'")
+        [before] = cursor.fetchone()
+        assert store.cleanup(cursor, "completed", 86400.0) == 1
+        cursor.execute("SELECT seq_scan FROM pg_stat_xact_user_tables "
+                       "WHERE relname = 'persistent_jobs'")
+        [after] = cursor.fetchone()
+    assert after == before
+
+
+def _now() -> Any:
+    from django.utils import timezone
+
+    return timezone.now()

@@ -516,3 +516,60 @@ def test_generator_handler_is_not_marked_completed(
     assert dead.last_error_code == "HANDLER_INVALID" and "generator" in dead.last_error
     assert not LedgerEntry.objects.filter(job_id=job.id).exists()
     assert_runner_alive(runner)
+
+
+def test_a_backoff_returning_a_timedelta_or_no_number_gives_a_usable_delay(
+    isolated_registry: Registry, start_runner: StartRunner,
+) -> None:
+    """The runner reads a backoff's answer as ``retry_job(mode="later")`` does: a ``timedelta``
+    is its seconds; NaN or a string is no delay at all (not "retry at once"): the fallback."""
+
+    @job_handler("hs.timedelta_backoff", max_retries=2,
+                 backoff=lambda attempt: timedelta(seconds=1000))
+    def timedelta_backoff(payload: dict[str, Any]) -> None:
+        raise RuntimeError("come back in 1000 s")
+
+    @job_handler("hs.nan_backoff", max_retries=2, backoff=lambda attempt: float("nan"))
+    def nan_backoff(payload: dict[str, Any]) -> None:
+        raise RuntimeError("come back when?")
+
+    spaced = enqueue("hs.timedelta_backoff", {})
+    unusable = enqueue("hs.nan_backoff", {})
+    runner = start_runner(concurrency=1)
+    failed = wait_status(spaced.id, JobStatus.FAILED)
+    assert timedelta(seconds=990) < failed.next_run_at - db_now(clock=True) <= timedelta(
+        seconds=1000)
+    failed = wait_status(unusable.id, JobStatus.FAILED)
+    assert timedelta(seconds=50) < failed.next_run_at - db_now(clock=True) <= timedelta(
+        seconds=60)
+    assert_runner_alive(runner)
+
+
+def test_a_job_no_live_runner_has_a_handler_for_is_dead_lettered(
+    isolated_registry: Registry, start_runner: StartRunner,
+) -> None:
+    """The contract's "an unknown job type dead-letters with UNKNOWN_JOB_TYPE", for a row
+    ``enqueue`` would have refused (written by hand, or left by a removed handler)."""
+    unknown = PersistentJob.objects.create(job_type="hs.removed_long_ago", payload={})
+    runner = start_runner(concurrency=1)
+    dead = wait_status(unknown.id, JobStatus.DEAD_LETTERED)
+    assert (dead.attempts, dead.last_error_code) == (1, "UNKNOWN_JOB_TYPE")
+    [attempt] = JobAttempt.objects.filter(job_id=unknown.id)
+    assert (attempt.outcome, attempt.error_code) == ("dead_lettered", "UNKNOWN_JOB_TYPE")
+    assert_runner_alive(runner)
+
+
+def test_a_job_another_live_runner_has_a_handler_for_is_left_to_it(
+    isolated_registry: Registry, start_runner: StartRunner,
+) -> None:
+    """A type some live runner serving the queue lists (a newer release, another service)
+    is not this runner's to judge: it waits for that runner."""
+    with connection.cursor() as cursor:
+        store.register_runner(cursor, "newer-release:1", "elsewhere", 4242, None, 1, "test",
+                              job_types=["hs.newer_only"])
+    theirs = PersistentJob.objects.create(job_type="hs.newer_only", payload={})
+    orphan = PersistentJob.objects.create(job_type="hs.nobodys", payload={})
+    start_runner(concurrency=1)
+    wait_status(orphan.id, JobStatus.DEAD_LETTERED)
+    stored = get_job(theirs.id)
+    assert (stored.status, stored.attempts) == (JobStatus.PENDING, 0)

@@ -157,3 +157,34 @@ def test_killed_runner_process_job_is_rescued_and_completed(
     assert list(SideEffect.objects.values_list("attempt", flat=True)) == [2]
     assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
     assert PersistentJob.objects.count() == 1
+
+
+@pytest.mark.parametrize("token", [None, 987654321], ids=["no token", "token without attempt"])
+def test_a_running_row_made_by_hand_for_a_vanished_runner_is_rescued(
+    start_runner: StartRunner, token: int | None
+) -> None:
+    """A crash simulated with the ORM (a test, a restored backup, a row an operator edited):
+    ``running``, an attempt counted, locked by a runner that has no row, and no attempt record
+    behind its token (or no token at all). The rescue still settles it, charged."""
+    job = enqueue("test.ledger", {"note": "by hand"}, max_retries=1)
+    PersistentJob.objects.filter(pk=job.pk).update(
+        status=JobStatus.RUNNING, locked_by="ghost-by-hand", attempts=1, lock_token=token,
+        locked_at=db_now() - timedelta(hours=1))
+    start_runner(concurrency=1)
+    done = wait_status(job.id, JobStatus.COMPLETED, timeout=STALE + 15)
+    assert done.attempts == 2  # the lost attempt counts
+    assert [a.outcome for a in attempts_of(job.id)] == ["completed"]
+    assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
+
+
+def test_a_running_row_made_by_hand_that_used_its_last_attempt_is_dead_lettered(
+    start_runner: StartRunner,
+) -> None:
+    job = enqueue("test.ledger", {}, max_retries=0)
+    PersistentJob.objects.filter(pk=job.pk).update(
+        status=JobStatus.RUNNING, locked_by="ghost-by-hand", attempts=1, lock_token=None,
+        locked_at=db_now() - timedelta(hours=1))
+    start_runner(concurrency=1)
+    dead = wait_status(job.id, JobStatus.DEAD_LETTERED, timeout=STALE + 15)
+    assert dead.last_error_code == "RUNNER_LOST" and dead.locked_by is None
+    assert not LedgerEntry.objects.filter(job_id=job.id).exists()
