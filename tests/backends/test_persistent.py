@@ -207,6 +207,21 @@ def test_a_result_read_back_by_id_keeps_the_tasks_run_after() -> None:
     assert backend.get_result(later.id).args == ["later"]
 
 
+def test_a_run_after_with_an_offset_postgresql_cannot_read_is_stored_as_its_instant() -> None:
+    """``run_after`` at UTC+16:00 (or with seconds in its offset) failed in PostgreSQL ("time
+    zone displacement out of range") and broke the caller's transaction."""
+    from datetime import timezone as tz
+
+    from django_persistent_jobs.models import PersistentJob
+
+    when = (timezone.now() + timedelta(hours=2)).astimezone(tz(timedelta(hours=16)))
+    with transaction.atomic():
+        later = tasks.record.using(run_after=when).enqueue("later")
+        assert PersistentJob.objects.filter(id=later.id).count() == 1  # still usable
+    assert PersistentJob.objects.get(id=later.id).next_run_at == when
+    assert tasks.record.get_backend().get_result(later.id).task.run_after == when
+
+
 def test_enqueue_joins_the_callers_transaction(signals_seen: list[Any]) -> None:
     class Boom(Exception):
         pass
