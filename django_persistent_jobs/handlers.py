@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
@@ -210,9 +210,17 @@ def code_location(target: Any) -> str | None:
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
 
 
-def _positional_arity(func: Callable[..., Any]) -> int:
+def _positional_arity(func: Callable[..., Any], origin: str) -> int:
+    try:
+        signature = inspect.signature(func)
+    except (ValueError, TypeError) as exc:  # some builtins publish no signature
+        raise ConfigurationError(
+            f"Handler {origin}: cannot read the parameters of {bounds.show(func)} ({exc}), so "
+            "it cannot be told whether it takes (payload) or (payload, ctx); wrap it in a "
+            "function."
+        ) from exc
     params = [
-        p for p in inspect.signature(func).parameters.values()
+        p for p in signature.parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return len(params)
@@ -300,7 +308,7 @@ def _as_payload_ctx(code: Callable[..., Any], origin: str,
     class's ``execute(self, payload)`` would otherwise be registered as it is and fail every
     attempt with a ``TypeError`` until its job is dead-lettered.
     """
-    arity = _positional_arity(code)
+    arity = _positional_arity(code, origin)
     if arity == 1 and is_async:
         async def one_async(payload: Any, ctx: JobContext,
                             _f: Callable[[Any], Any] = code) -> Any:
@@ -414,7 +422,11 @@ def job_handler(
         if body_problem is not None:
             spec.problems.append((BODY_NEVER_RUNS, body_problem))
         registry.register(spec)
-        target.job_type = resolved_type
+        # A convenience for ``enqueue(handler.job_type, ...)``, where the target takes
+        # attributes: a bound method, an object with ``__slots__`` or a builtin takes none, and
+        # must neither fail its (valid) registration nor leave it half done.
+        with suppress(AttributeError, TypeError):
+            target.job_type = resolved_type
         return target
 
     return decorate
