@@ -394,6 +394,47 @@ def test_bad_definitions_and_arguments_fail_early() -> None:
         tasks.echo.enqueue(float("nan"))
 
 
+def test_a_call_the_task_cannot_take_is_refused_at_enqueue_writing_nothing() -> None:
+    """Arguments the function cannot bind were accepted, then every attempt failed with a
+    ``TypeError`` (HANDLER_ERROR, retried) until the task was dead-lettered."""
+    from django_persistent_jobs.backends.tasks import TaskArgumentsError
+    from django_persistent_jobs.errors import EnqueueError
+    from django_persistent_jobs.models import PersistentJob
+
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = [
+        (tasks.add, (1,), {}),  # missing b
+        (tasks.add, (1, 2, 3), {}),  # extra positional
+        (tasks.add, (1, 2), {"a": 3}),  # a given twice
+        (tasks.add, (1,), {"c": 2}),  # unknown keyword
+        (tasks.record, (), {}),  # a context task: the context is not the caller's to pass
+        (tasks.record, ("x",), {"context": None}),
+        (tasks.refresh_user, (), {}),  # before its dedup_key callable is called
+    ]
+    for declared, args, kwargs in calls:
+        with pytest.raises(TaskArgumentsError) as info:
+            declared.enqueue(*args, **kwargs)
+        message = str(info.value)
+        assert message.startswith(f"task {declared.module_path} cannot be called with these "
+                                  "arguments: "), message
+        assert isinstance(info.value, TypeError) and isinstance(info.value, EnqueueError)
+    assert "missing a required argument: 'b'" in _refusal(tasks.add, 1)
+    assert "multiple values for argument 'a'" in _refusal(tasks.add, 1, 2, a=3)
+    assert "too many positional arguments" in _refusal(tasks.add, 1, 2, 3)
+    assert PersistentJob.objects.count() == 0
+    # What the function can take still goes in.
+    assert tasks.add.enqueue(1, b=2).kwargs == {"b": 2}
+    assert tasks.echo.enqueue(1, 2, x=3).args == [1, 2]
+    assert tasks.record.enqueue(label="y").kwargs == {"label": "y"}
+
+
+def _refusal(declared: Any, *args: Any, **kwargs: Any) -> str:
+    from django_persistent_jobs.backends.tasks import TaskArgumentsError
+
+    with pytest.raises(TaskArgumentsError) as info:
+        declared.enqueue(*args, **kwargs)
+    return str(info.value)
+
+
 def test_a_recurring_task_is_a_schedule_run_by_the_runner(start_runner: StartRunner) -> None:
     from django_persistent_jobs import run_schedule_now
     from django_persistent_jobs.handlers import registry
