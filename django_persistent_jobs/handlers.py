@@ -379,6 +379,14 @@ def job_handler(
                     f"@job_handler can decorate a function or a JobHandler subclass, "
                     f"not {target!r}."
                 )
+            if target.execute is JobHandler.execute:
+                # Refused here, not found out by every job failing with NotImplementedError
+                # until it is dead-lettered.
+                raise ConfigurationError(
+                    f"JobHandler subclass {target.__module__}.{target.__qualname__} does not "
+                    "define execute(self, payload, ctx) (or execute(self, payload)): there is "
+                    "nothing for its jobs to run."
+                )
             instance = target()
             resolved_type = resolved_type or target.job_type
             for key in list(options):

@@ -292,6 +292,33 @@ def test_a_class_handlers_execute_is_held_to_the_same_shapes_as_a_function() -> 
         assert "core.reg.class_three" not in registry
 
 
+def test_a_jobhandler_subclass_without_execute_is_refused_at_decoration() -> None:
+    """It passed registration and ``manage.py check``; every job of it then failed with
+    ``NotImplementedError`` until it was dead-lettered."""
+    with registry.isolated():
+        with pytest.raises(ConfigurationError) as info:
+            @job_handler
+            class NoExecute(JobHandler):
+                job_type = "core.reg.no_execute"
+
+                def validate(self, payload: Any) -> None:
+                    return None
+
+        message = str(info.value)
+        assert "NoExecute" in message and "does not define execute(self, payload" in message
+        assert "core.reg.no_execute" not in registry
+
+        class Base(JobHandler):
+            def execute(self, payload: Any, ctx: JobContext) -> str:
+                return "inherited"
+
+        @job_handler("core.reg.inherits_execute")
+        class Child(Base):  # an execute inherited from a user's base class is fine
+            pass
+
+        assert "core.reg.inherits_execute" in registry
+
+
 def test_handler_options_merge_over_settings_at_call_time() -> None:
     spec = HandlerSpec(job_type="core.reg.bare", func=lambda p, c: None, origin="x")
     assert (spec.effective_max_retries(), spec.effective_timeout(), spec.effective_dedup(),
