@@ -84,7 +84,18 @@ def job_type_problem(value: Any, name: str = "job_type") -> str | None:
 
 
 def queue_problem(value: Any, name: str = "queue") -> str | None:
-    return _string_problem(name, value, QUEUE_MAX_LENGTH)
+    """Also refuses names ``runjobs --queues`` cannot name: it splits its argument on commas
+    and strips each name, so jobs in queue ``"a,b"`` or ``" emails"`` would wait for ever."""
+    problem = _string_problem(name, value, QUEUE_MAX_LENGTH)
+    if problem is not None:
+        return problem
+    if "," in value:
+        return (f"{name} {show(value)} contains a comma: runjobs --queues separates queue "
+                "names with commas, so no runner could be told to serve it.")
+    if value != value.strip():
+        return (f"{name} {show(value)} begins or ends with whitespace: runjobs --queues "
+                "strips it from each name, so no runner could be told to serve it.")
+    return None
 
 
 def dedup_key_problem(value: Any, name: str = "dedup_key") -> str | None:

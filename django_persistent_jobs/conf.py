@@ -146,11 +146,13 @@ def _default_queue(key: str, value: Any) -> str | None:
 def _queues(key: str, value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, list | tuple) or not value or not all(
-        bounds.queue_problem(q) is None for q in value
-    ):
+    listed = isinstance(value, list | tuple)
+    problems = [p for q in value if (p := bounds.queue_problem(q)) is not None] if listed else []
+    if not listed or not value or problems:
+        because = f" The first bad one: {problems[0]}" if problems else ""
         return (f"{_name(key)} must be a non-empty list of queue names (strings of 1.."
-                f"{bounds.QUEUE_MAX_LENGTH} characters) or None, got {bounds.show(value)}.")
+                f"{bounds.QUEUE_MAX_LENGTH} characters) or None, got {bounds.show(value)}."
+                f"{because}")
     return None
 
 

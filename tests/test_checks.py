@@ -107,6 +107,13 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"DEFAULT_QUEUE": "q" * 101}, "persistent_jobs.E011",
      "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be a string of 1..100 characters"),
     ({"DEFAULT_QUEUE": "q\x00"}, "persistent_jobs.E011", "contains a NUL character"),
+    ({"DEFAULT_QUEUE": "a,b"}, "persistent_jobs.E011",
+     "PERSISTENT_JOBS['DEFAULT_QUEUE'] 'a,b' contains a comma: runjobs --queues separates "
+     "queue names with commas, so no runner could be told to serve it."),
+    ({"DEFAULT_QUEUE": "emails "}, "persistent_jobs.E011",
+     "PERSISTENT_JOBS['DEFAULT_QUEUE'] 'emails ' begins or ends with whitespace: runjobs "
+     "--queues strips it from each name, so no runner could be told to serve it."),
+    ({"QUEUES": ["a", " b"]}, "persistent_jobs.E010", "queue ' b' begins or ends with whitespace"),
     ({"DATABASE": "replica"}, "persistent_jobs.E012",
      "PERSISTENT_JOBS['DATABASE'] names 'replica', which is not in settings.DATABASES."),
     ({"DATABASE": ""}, "persistent_jobs.E012",
