@@ -176,14 +176,14 @@ def _boolean(key: str, value: Any) -> str | None:
     return None
 
 
-def _callable(key: str, value: Any) -> str | None:
+def _backoff(key: str, value: Any) -> str | None:
     if value is None:
         return None
     try:
-        resolve_callable(value, key)
+        resolved = resolve_callable(value, key)
     except ConfigurationError as exc:
         return str(exc)
-    return None
+    return bounds.backoff_callable_problem(resolved, _name(key))
 
 
 def _encoder(key: str, value: Any) -> str | None:
@@ -382,7 +382,7 @@ class Settings:
     DEDUP = Setting[str]("skip", _dedup, str)
     #: A callable ``attempt -> seconds`` (or its dotted path); None: 2 ** min(attempt, 10)
     #: seconds with +/-10% jitter.
-    BACKOFF = Setting[Callable[..., Any] | None](None, _callable, _optional_callable)
+    BACKOFF = Setting[Callable[..., Any] | None](None, _backoff, _optional_callable)
     #: How long finished jobs are kept, per terminal status (None keeps forever).
     RETENTION = Setting[dict[str, float | None]](dict(_DEFAULT_RETENTION), _retention,
                                                  _retention_of)

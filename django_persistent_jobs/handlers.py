@@ -250,6 +250,8 @@ def check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[s
         option(bounds.dedup_problem(spec.dedup))
     if spec.backoff is not None and not callable(spec.backoff):
         option("backoff must be a callable attempt -> seconds.")
+    elif spec.backoff is not None:
+        option(bounds.backoff_callable_problem(spec.backoff))
     if spec.validator is not None and not callable(spec.validator):
         option("validator must be callable.")
     if spec.queue is not None:

@@ -75,6 +75,12 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"BACKOFF": "no.such.module.backoff"}, "persistent_jobs.E007",
      "PERSISTENT_JOBS['BACKOFF'] = 'no.such.module.backoff' cannot be imported"),
     ({"BACKOFF": 5}, "persistent_jobs.E007", "PERSISTENT_JOBS['BACKOFF'] must be callable, got 5."),
+    # Callables the runner cannot call as backoff(attempt): every retry failed instead.
+    ({"BACKOFF": "django_persistent_jobs.backoff.constant"}, "persistent_jobs.E007",
+     "PERSISTENT_JOBS['BACKOFF'] is django_persistent_jobs.backoff.constant, which makes a "
+     "backoff rather than being one: call it, for example constant(5)."),
+    ({"BACKOFF": lambda: 5}, "persistent_jobs.E007",
+     "PERSISTENT_JOBS['BACKOFF'] is called as backoff(attempt), but <function <lambda>"),
     ({"JSON_ENCODER": "json.dumps"}, "persistent_jobs.E008",
      "PERSISTENT_JOBS['JSON_ENCODER'] must be a json.JSONEncoder subclass"),
     ({"JSON_ENCODER": "nope.Encoder"}, "persistent_jobs.E008", "cannot be imported"),
@@ -255,6 +261,35 @@ def test_bad_handler_options_are_reported_per_handler() -> None:
     sched_msgs = " | ".join(m for _, obj, m in errors if obj == origins["sched"])
     assert "cron '61 * * * *'" in sched_msgs and "time zone" in sched_msgs
     assert any("give either cron or interval, not both" in m for _, _, m in errors)
+
+
+def test_a_backoff_that_cannot_be_called_with_the_attempt_is_a_handler_error() -> None:
+    """``backoff=lambda: 5`` or the factory ``constant`` (not ``constant(5)``) passed the
+    check, then failed every retry."""
+    from django_persistent_jobs.backoff import constant
+
+    def two_args(attempt: int, extra: int) -> float:
+        return 1.0
+
+    def variadic(*args: Any) -> float:
+        return 1.0
+
+    with registry.isolated():
+        for name, backoff in [("zero", lambda: 5), ("two", two_args), ("factory", constant),
+                              ("ok_constant", constant(5)), ("ok_variadic", variadic),
+                              ("ok_builtin", float), ("ok_unreadable", min)]:
+            job_handler(f"core.chk.backoff_{name}", backoff=backoff)(lambda payload: None)
+        errors = {m.msg.split(":")[0].split("'")[1]: (m.id, m.msg) for m in check_handlers()}
+    assert set(errors) == {"core.chk.backoff_zero", "core.chk.backoff_two",
+                           "core.chk.backoff_factory"}
+    assert {i for i, _ in errors.values()} == {"persistent_jobs.E101"}
+    assert "backoff is called as backoff(attempt), but <function" in errors[
+        "core.chk.backoff_zero"][1]
+    assert "too many positional arguments" in errors["core.chk.backoff_zero"][1]
+    assert "missing a required argument: 'extra'" in errors["core.chk.backoff_two"][1]
+    assert ("backoff is django_persistent_jobs.backoff.constant, which makes a backoff rather "
+            "than being one: call it, for example constant(5).") in errors[
+        "core.chk.backoff_factory"][1]
 
 
 # ------------------------------------------------------------------ runjobs arguments

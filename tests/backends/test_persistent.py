@@ -379,6 +379,8 @@ def test_bad_definitions_and_arguments_fail_early() -> None:
         task(max_retry=3)(_plain)
     with pytest.raises(InvalidTask, match="max_retries must be an integer"):
         task(max_retries=-1)(_plain)
+    with pytest.raises(InvalidTask, match=r"backoff is called as backoff\(attempt\)"):
+        task(backoff=lambda: 5)(_plain)
     with pytest.raises(InvalidTask, match="unknown time zone"):
         task(cron="0 * * * *", timezone="Mars/Olympus")(_plain)
     with pytest.raises(InvalidTask, match="takes required arguments"):
