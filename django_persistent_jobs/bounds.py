@@ -129,15 +129,15 @@ def _is_number(value: Any) -> bool:
 
 
 def seconds_of(value: Any) -> float | None:
-    """A number of seconds or a ``timedelta`` as float seconds; ``None`` if it is neither (or an
-    int too large for a float)."""
+    """A number of seconds or a ``timedelta`` as float seconds; ``None`` if it is neither. An
+    int too large for a float is an infinity of its sign."""
     if isinstance(value, timedelta):
         return value.total_seconds()
     if _is_number(value):
         try:
             return float(value)
         except OverflowError:
-            return math.inf
+            return math.inf if value > 0 else -math.inf
     return None
 
 

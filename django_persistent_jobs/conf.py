@@ -243,9 +243,7 @@ def _retention_of(raw: Any) -> dict[str, float | None]:
     """Seconds to keep each terminal status (``None`` keeps forever)."""
     if raw is None or (isinstance(raw, int | float | timedelta) and not isinstance(raw, bool)):
         # One value applies to completed and cancelled; dead letters are kept for operators.
-        base = None if raw is None else seconds(raw)
-        if base is not None:
-            _check_retention(base, raw, "PERSISTENT_JOBS['RETENTION']")
+        base = None if raw is None else _retention_seconds(raw, "PERSISTENT_JOBS['RETENTION']")
         return {"completed": base, "cancelled": base, "dead_lettered": None}
     if not isinstance(raw, dict):
         raise ConfigurationError(
@@ -262,8 +260,7 @@ def _retention_of(raw: Any) -> dict[str, float | None]:
                 f"PERSISTENT_JOBS['RETENTION']['{status}'] must be a timedelta, seconds or "
                 f"None, got {bounds.show(item)}."
             )
-        _check_retention(seconds(item), item, f"PERSISTENT_JOBS['RETENTION']['{status}']")
-        result[status] = seconds(item)
+        result[status] = _retention_seconds(item, f"PERSISTENT_JOBS['RETENTION']['{status}']")
     unknown = set(raw) - set(TERMINAL_RETENTION_KEYS)
     if unknown:
         # Sorted by repr: keys of mixed types (a stray int) do not sort among themselves.
@@ -274,14 +271,21 @@ def _retention_of(raw: Any) -> dict[str, float | None]:
     return result
 
 
-def _check_retention(value: float, raw: Any, name: str) -> None:
-    if not (value > 0 and math.isfinite(value)):  # (NaN fails the first test)
-        raise ConfigurationError(f"{name} must be positive and finite, got {raw!r}.")
+def _retention_seconds(raw: int | float | timedelta, name: str) -> float:
+    """``raw`` (seconds or a timedelta) as float seconds, or the ``ConfigurationError`` that
+    says why it cannot be a retention. An int too large for a float (``10**400``) is "too
+    long", not an ``OverflowError`` out of ``manage.py check`` and ``runjobs``."""
+    value = bounds.seconds_of(raw)
+    assert value is not None  # (the callers checked the type)
+    overflowed = math.isinf(value) and isinstance(raw, int)
+    if not (value > 0 and (math.isfinite(value) or overflowed)):  # (NaN fails the first test)
+        raise ConfigurationError(f"{name} must be positive and finite, got {bounds.show(raw)}.")
     if value > _MAX_RETENTION_SECONDS:
         raise ConfigurationError(
             f"{name} must be at most {_MAX_RETENTION_SECONDS:.0f} seconds (about 10 years), "
             f"got {bounds.show(raw)}; use None to keep these jobs forever."
         )
+    return value
 
 
 def _optional_seconds(value: Any) -> float | None:

@@ -100,6 +100,15 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "PERSISTENT_JOBS['RETENTION'] must be at most 315360000 seconds"),
     ({"RETENTION": {"dead_lettered": timedelta.max}}, "persistent_jobs.E009",
      "PERSISTENT_JOBS['RETENTION']['dead_lettered'] must be at most 315360000 seconds"),
+    # Integers too large for a float: an OverflowError traceback from check and runjobs.
+    ({"RETENTION": 10**400}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION'] must be at most 315360000 seconds (about 10 years), got "
+     "1000000000"),
+    ({"RETENTION": {"completed": 10**5000}}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION']['completed'] must be at most 315360000 seconds (about 10 "
+     "years), got <int>; use None"),
+    ({"RETENTION": {"cancelled": -(10**400)}}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION']['cancelled'] must be positive and finite, got -1000000000"),
     ({"RETENTION": {"done": 60, 7: 60}}, "persistent_jobs.E009",  # keys that do not sort
      "PERSISTENT_JOBS['RETENTION'] has unknown statuses ['done', 7]"),
     ({"QUEUES": []}, "persistent_jobs.E010",
