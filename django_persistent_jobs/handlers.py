@@ -277,6 +277,14 @@ def check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[s
         if not spec.is_recurring:
             schedule("tenant is the tenant of the scheduled runs; give cron or interval, or "
                      "pass tenant= to enqueue().")
+    # Like tenant, these mean something only for the handler's schedule: on any other handler
+    # they would be silently ignored (a handler expecting its payload would get {}).
+    if spec.schedule_payload is not None and not spec.is_recurring:
+        schedule("payload is the payload of the scheduled runs; give cron or interval, or "
+                 "pass the payload to enqueue().")
+    if spec.timezone is not None and not spec.is_recurring:
+        schedule("timezone is the zone a cron expression is read in; give cron, or drop "
+                 "timezone.")
     return problems
 
 

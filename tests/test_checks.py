@@ -301,6 +301,29 @@ def test_a_backoff_that_cannot_be_called_with_the_attempt_is_a_handler_error() -
         "core.chk.backoff_factory"][1]
 
 
+def test_schedule_options_on_a_handler_that_is_not_recurring_are_check_errors() -> None:
+    """``payload=`` without cron/interval was silently ignored (the handler got ``{}``) and
+    ``timezone=`` was not refused, while ``tenant=`` in the same case was E102."""
+    with registry.isolated():
+        job_handler("core.chk.payload_only", payload={"x": 1})(lambda payload: None)
+        job_handler("core.chk.timezone_only", timezone="Europe/Berlin")(lambda payload: None)
+        job_handler("core.chk.empty_payload", payload={})(lambda payload: None)
+        job_handler("core.chk.recurring", interval=timedelta(hours=1), payload={"x": 1})(
+            lambda payload: None)
+        job_handler("core.chk.cron_zone", cron="0 3 * * *", timezone="Europe/Berlin")(
+            lambda payload: None)
+        errors = [(m.id, m.msg) for m in check_handlers()]
+    by_type = {m.split("'")[1]: (i, m) for i, m in errors}
+    assert set(by_type) == {"core.chk.payload_only", "core.chk.timezone_only",
+                            "core.chk.empty_payload"}
+    assert {i for i, _ in by_type.values()} == {"persistent_jobs.E102"}
+    assert by_type["core.chk.payload_only"][1].endswith(
+        "payload is the payload of the scheduled runs; give cron or interval, or pass the "
+        "payload to enqueue().")
+    assert by_type["core.chk.timezone_only"][1].endswith(
+        "timezone is the zone a cron expression is read in; give cron, or drop timezone.")
+
+
 # ------------------------------------------------------------------ runjobs arguments
 
 @pytest.mark.parametrize(("options", "message"), [
