@@ -381,6 +381,15 @@ def test_bad_definitions_and_arguments_fail_early() -> None:
         task(max_retries=-1)(_plain)
     with pytest.raises(InvalidTask, match=r"backoff is called as backoff\(attempt\)"):
         task(backoff=lambda: 5)(_plain)
+    with pytest.raises(InvalidTask, match="timezone is the zone a cron expression is read in"):
+        task(timezone="Europe/Berlin")(_plain)
+    # A fixed dedup_key every enqueue would refuse is refused with the definition.
+    with pytest.raises(InvalidTask, match=r"dedup_key must be a string of 1\.\.255 characters"):
+        task(dedup_key="k" * 300)(_plain)
+    with pytest.raises(InvalidTask, match="dedup_key 'a\\\\x00' contains a NUL character"):
+        task(dedup_key="a\x00")(_plain)
+    with pytest.raises(InvalidTask, match=r"dedup_key must be a string of 1\.\.255 characters"):
+        task(dedup_key="")(_plain)
     with pytest.raises(InvalidTask, match="unknown time zone"):
         task(cron="0 * * * *", timezone="Mars/Olympus")(_plain)
     with pytest.raises(InvalidTask, match="takes required arguments"):
