@@ -324,6 +324,25 @@ def test_schedule_options_on_a_handler_that_is_not_recurring_are_check_errors() 
         "timezone is the zone a cron expression is read in; give cron, or drop timezone.")
 
 
+@pytest.mark.parametrize("overrides", [
+    {"PERSISTENT_JOBS": []}, {"PERSISTENT_JOBS": {"JSON_ENCODER": "json"}},
+    {"PERSISTENT_JOBS": {"PAYLOAD_MAX_BYTES": 0}},
+], ids=["not-a-dict", "bad-encoder", "bad-limit"])
+def test_a_settings_error_is_not_also_reported_against_each_recurring_handler(
+    overrides: dict[str, Any],
+) -> None:
+    """Checking a schedule's payload reads the settings: a bad setting was reported once more
+    per recurring handler, as E102 with the hint "Fix cron/interval/timezone/payload/tenant in
+    the @job_handler call"."""
+    with registry.isolated():
+        job_handler("core.chk.hourly", interval=timedelta(hours=1), payload={"n": 1})(
+            lambda payload: None)
+        assert pj_errors() == []
+        with override_settings(**overrides):
+            errors = pj_errors()
+    assert errors and all(i.startswith("persistent_jobs.E0") for i, _ in errors), errors
+
+
 # ------------------------------------------------------------------ runjobs arguments
 
 @pytest.mark.parametrize(("options", "message"), [
