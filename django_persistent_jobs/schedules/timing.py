@@ -93,11 +93,46 @@ def interval_problem(interval: object) -> str | None:
     return None
 
 
+#: Names the time zone database of some hosts resolves that are not one zone everywhere: a
+#: web process and a runner (or two runners) would read the same schedule in different zones,
+#: or one of them not at all. (Lower case: a case-insensitive file system finds them too.)
+_HOST_ZONES = {
+    "localtime": "is this host's own zone (/etc/localtime), which differs from host to host",
+    "posixrules": ("is a file of this host's time zone database (the rules for POSIX TZ "
+                   "strings), not a zone every host has alike"),
+    "factory": ("is the time zone database's placeholder for machines not yet set up (its "
+                "abbreviation is -00), not a real zone"),
+}
+
+
+def _host_zone_problem(name: str) -> str | None:
+    """Why ``name`` would not mean the same zone on every host, or ``None``."""
+    why = _HOST_ZONES.get(name.lower())
+    if why is not None:
+        return (f"time zone {name!r} {why}: name the zone itself, for example "
+                "'Europe/Berlin' or 'UTC'.")
+    prefix, _, rest = name.partition("/")
+    if prefix.lower() == "right" and rest:
+        return (f"time zone {name!r} counts leap seconds (its clock is about half a minute "
+                "off everyone else's) and only some hosts' time zone databases have it: use "
+                f"{rest!r}.")
+    if prefix.lower() == "posix" and rest:
+        return (f"time zone {name!r} is a copy that only some hosts' time zone databases "
+                f"keep: use {rest!r}.")
+    return None
+
+
 def timezone_problem(name: object) -> str | None:
+    """Why ``name`` is not a time zone a schedule can be read in on every host, or ``None``.
+
+    The API, the admin form and the handler check all ask here."""
     if not isinstance(name, str) or not name:
         return f"time zone must be a non-empty string, got {bounds.show(name)}."
     if len(name) > bounds.TIMEZONE_MAX_LENGTH or bounds.text_problem(name):
         return f"unknown time zone {bounds.show(name)}."
+    host_problem = _host_zone_problem(name)
+    if host_problem is not None:
+        return host_problem
     try:
         zoneinfo.ZoneInfo(name)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError, OSError):

@@ -25,6 +25,7 @@ from django_persistent_jobs.schedules.timing import (
     next_cron_tick,
     next_interval_tick,
     tick_label,
+    timezone_problem,
 )
 
 BERLIN = "Europe/Berlin"
@@ -206,6 +207,28 @@ def test_cron_problem(expression: object, fragment: str) -> None:
 def test_valid_cron_expressions() -> None:
     for expression in ("0 2 * * *", "*/5 * * * *", "0 9 * * mon-fri", "* * * * * 15"):
         assert cron_problem(expression) is None
+
+
+@pytest.mark.parametrize(("name", "fragment"), [
+    # Names that resolve to something different on each host: a web process and a runner
+    # (or two runners) could fire the same schedule at different wall times.
+    ("localtime", "is this host's own zone (/etc/localtime)"),
+    ("LocalTime", "is this host's own zone (/etc/localtime)"),
+    ("posixrules", "is a file of this host's time zone database"),
+    ("Factory", "is the time zone database's placeholder"),
+    ("right/UTC", "counts leap seconds"),
+    ("right/Europe/Berlin", "use 'Europe/Berlin'"),
+    ("posix/Europe/Berlin", "use 'Europe/Berlin'"),
+    ("Mars/Olympus", "unknown time zone 'Mars/Olympus'."),
+])
+def test_time_zones_that_differ_between_hosts_are_refused(name: str, fragment: str) -> None:
+    problem = timezone_problem(name)
+    assert problem is not None and fragment in problem, problem
+
+
+def test_portable_time_zones_are_accepted() -> None:
+    for name in ("UTC", BERLIN, NEW_YORK, "Etc/GMT+5", "EST5EDT", "Asia/Kolkata"):
+        assert timezone_problem(name) is None, name
 
 
 def test_bad_schedules_are_system_check_errors_naming_the_handler() -> None:
