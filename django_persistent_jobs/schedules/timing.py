@@ -74,11 +74,75 @@ def cron_problem(expression: object) -> str | None:
                 "the minute or hour explicitly.")
     if not croniter.is_valid(expression):
         return f"cron {expression!r} is not a valid cron expression."
+    problem = _backwards_range_problem(expression, fields) or _every_second_problem(
+        expression, fields)
+    if problem:
+        return problem
     try:
         croniter(expression, datetime(2000, 1, 1), max_years_between_matches=30).get_next(datetime)
     except (CroniterBadDateError, CroniterBadCronError):
         return f"cron {expression!r} never matches a date."
     return None
+
+
+#: Each field's name and smallest and largest value, in croniter's order (seconds last).
+_FIELDS = (("minute", 0, 59), ("hour", 0, 23), ("day-of-month", 1, 31), ("month", 1, 12),
+           ("day-of-week", 0, 6), ("second", 0, 59))
+_NAMES = {
+    3: {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug",
+                                    "sep", "oct", "nov", "dec"), start=1)},
+    4: {d: i for i, d in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))},
+}
+_RANGE = re.compile(r"^([0-9a-z]+)-([0-9a-z]+)(/[0-9]+)?$", re.IGNORECASE)
+
+
+def _backwards_range_problem(expression: str, fields: list[str]) -> str | None:
+    """A range whose start is after its end (``1-0``, ``22-6``, ``sat-sun``): croniter wraps
+    it around the field, so ``1-0`` fires every minute. Refused, with the parts to write."""
+    for index, field in enumerate(fields):
+        name, low, high = _FIELDS[index]
+        for item in field.split(","):
+            match = _RANGE.match(item)
+            if match is None:
+                continue
+            start, end = (_field_value(index, token) for token in match.group(1, 2))
+            if index == 4 and start == 7:
+                start = 0  # Sunday, as croniter reads a range starting at 7 ("7-1": Sun-Mon)
+            if start is None or end is None or start <= end:
+                continue
+            step = match.group(3) or ""
+            head = f"{start}{step}" if start == high else f"{start}-{high}{step}"
+            tail = f"{low}{step}" if end == low else f"{low}-{end}{step}"
+            return (f"cron {expression!r}: the range {item!r} in the {name} field runs "
+                    f"backwards, which croniter wraps around the field (so '1-0' in the minute "
+                    f"field would fire every minute). To mean the wrap, write '{head},{tail}'.")
+    return None
+
+
+def _field_value(index: int, token: str) -> int | None:
+    if token.isdigit():
+        return int(token)
+    return _NAMES.get(index, {}).get(token.lower())
+
+
+def _every_second_problem(expression: str, fields: list[str]) -> str | None:
+    """A sixth field that matches every second. croniter's seconds field is the last one, so
+    ``*/10 * * * * *`` (written seconds-first) fires every second, not every ten. Only six
+    stars is left alone: it fires every second whichever field is taken for the seconds."""
+    if len(fields) != 6 or all(field == "*" for field in fields):
+        return None
+    try:
+        seconds = croniter.expand(expression)[0][5]
+    except (CroniterBadCronError, ValueError, IndexError):  # (is_valid said it parses)
+        return None
+    if seconds != ["*"]:
+        return None
+    rotated = " ".join(fields[1:] + fields[:1])
+    meant = (f" If the first field was meant as the seconds, write {rotated!r}."
+             if fields[5] == "*" else "")
+    return (f"cron {expression!r} has 6 fields: the sixth field is the seconds (croniter "
+            f"puts them last, not first), and {fields[5]!r} there fires every second.{meant} "
+            "To run every second, use interval=timedelta(seconds=1) (or six '*').")
 
 
 def interval_problem(interval: object) -> str | None:

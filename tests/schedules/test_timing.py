@@ -198,6 +198,18 @@ def test_tick_label_is_canonical() -> None:
     ("0,R 3 * * *", "random (R)"),
     ("", "non-empty"),
     (None, "non-empty"),
+    # croniter's seconds field is the LAST one: written seconds-first, or with '*' there, the
+    # schedule fired every second.
+    ("*/10 * * * * *", "the sixth field is the seconds"),
+    ("0 */5 * * * *", "'*' there fires every second"),
+    ("0 3 * * * */1", "'*/1' there fires every second"),
+    ("0 3 * * * 0-59", "'0-59' there fires every second"),
+    # Ranges that run backwards: croniter wraps them ("1-0" became every minute).
+    ("1-0 * * * *", "the range '1-0' in the minute field runs backwards"),
+    ("0 22-6 * * *", "write '22-23,0-6'"),
+    ("0 0 * * sat-sun", "the range 'sat-sun' in the day-of-week field runs backwards"),
+    ("0 0 1 dec-feb *", "write '12,1-2'"),
+    ("0 0 * * * 50-10/5", "the range '50-10/5' in the second field runs backwards"),
 ])
 def test_cron_problem(expression: object, fragment: str) -> None:
     problem = cron_problem(expression)
@@ -205,8 +217,11 @@ def test_cron_problem(expression: object, fragment: str) -> None:
 
 
 def test_valid_cron_expressions() -> None:
-    for expression in ("0 2 * * *", "*/5 * * * *", "0 9 * * mon-fri", "* * * * * 15"):
-        assert cron_problem(expression) is None
+    for expression in ("0 2 * * *", "*/5 * * * *", "0 9 * * mon-fri", "* * * * * 15",
+                       "*/10 * * * * 30", "0 0 * * * */2", "0 1-3 * * *", "0 0 * * 5-7",
+                       "0 0 1 jan-mar *", "0 0 * * fri-sat", "5-5 * * * *", "0 0 * * 7-1",
+                       "* * * * * *"):  # every field '*': every second, whichever is first
+        assert cron_problem(expression) is None, expression
 
 
 @pytest.mark.parametrize(("name", "fragment"), [
