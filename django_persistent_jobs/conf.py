@@ -117,14 +117,26 @@ def _optional_mib(key: str, value: Any) -> str | None:
 
 
 def _seconds_problem(*, allow_zero: bool = False, optional: bool = False,
-                     ) -> Callable[[str, Any], str | None]:
+                     minimum: float | None = None) -> Callable[[str, Any], str | None]:
+    """Seconds (a number or a timedelta); ``minimum`` for the period of a loop, which a tiny
+    value would turn into a busy loop."""
     def check(key: str, value: Any) -> str | None:
         if value is None and optional:
             return None
         if isinstance(value, timedelta):
             value = value.total_seconds()
-        return _number_problem(key, value, integer=False, allow_zero=allow_zero)
+        problem = _number_problem(key, value, integer=False, allow_zero=allow_zero)
+        if problem is None and minimum is not None and value < minimum:
+            return (f"{_name(key)} must be at least {minimum:g} seconds (less keeps an idle "
+                    f"runner busy), got {bounds.show(value)}.")
+        return problem
     return check
+
+
+#: The shortest period of a runner's loops: a poll or scheduler pass every 10 ms is already
+#: far more often than any job needs; a cleanup pass deletes in bulk, once a second at most.
+MIN_LOOP_INTERVAL = 0.01
+MIN_CLEANUP_INTERVAL = 1.0
 
 
 def _max_retries(key: str, value: Any) -> str | None:
@@ -376,7 +388,7 @@ class Settings:
     #: Jobs one runner executes at once.
     CONCURRENCY = Setting[int](10, _positive_int, int)
     #: Seconds between polls when no NOTIFY arrives.
-    POLL_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
+    POLL_INTERVAL = Setting[float](1.0, _seconds_problem(minimum=MIN_LOOP_INTERVAL), seconds)
     #: Seconds without a heartbeat after which a runner is dead and its jobs are rescued.
     STALE_LOCK_TIMEOUT = Setting[float](30, _seconds_problem(), seconds)
     #: Seconds between heartbeats; None: a third of STALE_LOCK_TIMEOUT.
@@ -391,7 +403,8 @@ class Settings:
     RETENTION = Setting[dict[str, float | None]](dict(_DEFAULT_RETENTION), _retention,
                                                  _retention_of)
     #: Seconds between cleanup passes.
-    CLEANUP_INTERVAL = Setting[float](300, _seconds_problem(), seconds)
+    CLEANUP_INTERVAL = Setting[float](300, _seconds_problem(minimum=MIN_CLEANUP_INTERVAL),
+                                        seconds)
     #: Seconds in-flight jobs get to finish at shutdown.
     SHUTDOWN_GRACE = Setting[float](30, _seconds_problem(allow_zero=True), seconds)
     #: Queues a runner serves; None: every queue.
@@ -415,7 +428,8 @@ class Settings:
     #: Accept job types without a handler in this process (another service runs them).
     ALLOW_UNREGISTERED = Setting[bool](False, _boolean, bool)
     #: Seconds between scheduler passes.
-    SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
+    SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(minimum=MIN_LOOP_INTERVAL),
+                                          seconds)
     #: A server-side prepared statement for ``enqueue()``'s insert (the runner's claim is always
     #: prepared). Off by default: behind a pooler that does not keep prepared statements
     #: (PgBouncer before 1.21, or ``max_prepared_statements = 0``, in transaction mode) a

@@ -66,6 +66,14 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "SHUTDOWN_GRACE'] must be a finite number >= 0"),
     ({"CLEANUP_INTERVAL": 0}, "persistent_jobs.E019", "CLEANUP_INTERVAL'] must be"),
     ({"SCHEDULER_INTERVAL": -2}, "persistent_jobs.E026", "SCHEDULER_INTERVAL'] must be"),
+    # Loops this tight busy-wait (a runner idled at 55% CPU with POLL_INTERVAL = 1e-6).
+    ({"POLL_INTERVAL": 1e-6}, "persistent_jobs.E016",
+     "PERSISTENT_JOBS['POLL_INTERVAL'] must be at least 0.01 seconds (less keeps an idle "
+     "runner busy), got 1e-06."),
+    ({"SCHEDULER_INTERVAL": timedelta(microseconds=1)}, "persistent_jobs.E026",
+     "PERSISTENT_JOBS['SCHEDULER_INTERVAL'] must be at least 0.01 seconds"),
+    ({"CLEANUP_INTERVAL": 0.5}, "persistent_jobs.E019",
+     "PERSISTENT_JOBS['CLEANUP_INTERVAL'] must be at least 1 seconds"),
     ({"HEARTBEAT_INTERVAL": 0}, "persistent_jobs.E018", "HEARTBEAT_INTERVAL'] must be"),
     ({"HEARTBEAT_INTERVAL": 2, "STALE_LOCK_TIMEOUT": 3}, "persistent_jobs.E005",
      "PERSISTENT_JOBS['HEARTBEAT_INTERVAL'] (2s) must be at most half of STALE_LOCK_TIMEOUT "
