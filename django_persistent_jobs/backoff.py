@@ -19,3 +19,9 @@ def constant(seconds: float):  # type: ignore[no-untyped-def]
         return float(seconds)
 
     return backoff
+
+
+#: Functions that make a backoff rather than being one: given as the backoff itself
+#: (``BACKOFF = "django_persistent_jobs.backoff.constant"``), every retry would get a function
+#: back instead of seconds. The checks refuse them by name (``bounds.backoff_callable_problem``).
+FACTORIES = frozenset({constant})

@@ -15,6 +15,7 @@ back. This module imports nothing from Django so that every other module may imp
 
 from __future__ import annotations
 
+import inspect
 import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -84,7 +85,18 @@ def job_type_problem(value: Any, name: str = "job_type") -> str | None:
 
 
 def queue_problem(value: Any, name: str = "queue") -> str | None:
-    return _string_problem(name, value, QUEUE_MAX_LENGTH)
+    """Also refuses names ``runjobs --queues`` cannot name: it splits its argument on commas
+    and strips each name, so jobs in queue ``"a,b"`` or ``" emails"`` would wait for ever."""
+    problem = _string_problem(name, value, QUEUE_MAX_LENGTH)
+    if problem is not None:
+        return problem
+    if "," in value:
+        return (f"{name} {show(value)} contains a comma: runjobs --queues separates queue "
+                "names with commas, so no runner could be told to serve it.")
+    if value != value.strip():
+        return (f"{name} {show(value)} begins or ends with whitespace: runjobs --queues "
+                "strips it from each name, so no runner could be told to serve it.")
+    return None
 
 
 def dedup_key_problem(value: Any, name: str = "dedup_key") -> str | None:
@@ -117,15 +129,15 @@ def _is_number(value: Any) -> bool:
 
 
 def seconds_of(value: Any) -> float | None:
-    """A number of seconds or a ``timedelta`` as float seconds; ``None`` if it is neither (or an
-    int too large for a float)."""
+    """A number of seconds or a ``timedelta`` as float seconds; ``None`` if it is neither. An
+    int too large for a float is an infinity of its sign."""
     if isinstance(value, timedelta):
         return value.total_seconds()
     if _is_number(value):
         try:
             return float(value)
         except OverflowError:
-            return math.inf
+            return math.inf if value > 0 else -math.inf
     return None
 
 
@@ -172,6 +184,33 @@ def backoff_problem(value: Any) -> str | None:
     if seconds is None or not (math.isfinite(seconds) and seconds <= MAX_SECONDS):
         return (f"a backoff must return finite seconds, at most {MAX_SECONDS:.0f}, "
                 f"got {show(value)}.")
+    return None
+
+
+def backoff_callable_problem(value: Any, name: str = "backoff") -> str | None:
+    """Why the runner could not call ``value`` as ``backoff(attempt)`` (a callable given as a
+    handler's, a task's or the BACKOFF setting's backoff), or ``None``.
+
+    Found out here rather than at each retry of each job: a callable that cannot be bound to
+    one positional argument (``lambda: 5``), or a backoff factory given instead of the backoff
+    it makes (``constant`` for ``constant(5)``). A callable whose signature cannot be read (a
+    builtin) passes; what it returns is checked at each retry (``backoff_seconds``).
+    """
+    from .backoff import FACTORIES
+
+    if any(value is factory for factory in FACTORIES):  # (``value`` may be unhashable)
+        path = f"{value.__module__}.{value.__qualname__}"
+        return (f"{name} is {path}, which makes a backoff rather than being one: call it, for "
+                f"example {value.__name__}(5).")
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(1)
+    except TypeError as exc:
+        return (f"{name} is called as backoff(attempt), but {show(value)} cannot take that "
+                f"call: {exc}.")
     return None
 
 

@@ -106,12 +106,17 @@ def check_settings(app_configs: Sequence[AppConfig] | None = None,
 def check_handlers(app_configs: Sequence[AppConfig] | None = None,
                    **kwargs: Any) -> list[checks.CheckMessage]:
     errors: list[checks.CheckMessage] = []
+    # A schedule's payload is checked against the payload settings: while the settings have a
+    # problem (``check_settings`` reports it), that check would only report it again, once per
+    # recurring handler, as a handler error with a hint to fix the @job_handler call.
+    settings_ok = not conf.problems()
     for spec in registry:
         for condition, message in spec.problems:
             check_id, hint = HANDLER_CHECKS[condition]
             errors.append(checks.Error(message, hint=hint, obj=spec.origin, id=check_id))
         if spec.is_recurring and not spec.problems:
-            errors.extend(_schedule_payload_problems(spec))
+            if settings_ok:
+                errors.extend(_schedule_payload_problems(spec))
             if not django_settings.USE_TZ:
                 from .schedules.services import NEED_USE_TZ
 

@@ -117,14 +117,26 @@ def _optional_mib(key: str, value: Any) -> str | None:
 
 
 def _seconds_problem(*, allow_zero: bool = False, optional: bool = False,
-                     ) -> Callable[[str, Any], str | None]:
+                     minimum: float | None = None) -> Callable[[str, Any], str | None]:
+    """Seconds (a number or a timedelta); ``minimum`` for the period of a loop, which a tiny
+    value would turn into a busy loop."""
     def check(key: str, value: Any) -> str | None:
         if value is None and optional:
             return None
         if isinstance(value, timedelta):
             value = value.total_seconds()
-        return _number_problem(key, value, integer=False, allow_zero=allow_zero)
+        problem = _number_problem(key, value, integer=False, allow_zero=allow_zero)
+        if problem is None and minimum is not None and value < minimum:
+            return (f"{_name(key)} must be at least {minimum:g} seconds (less keeps an idle "
+                    f"runner busy), got {bounds.show(value)}.")
+        return problem
     return check
+
+
+#: The shortest period of a runner's loops: a poll or scheduler pass every 10 ms is already
+#: far more often than any job needs; a cleanup pass deletes in bulk, once a second at most.
+MIN_LOOP_INTERVAL = 0.01
+MIN_CLEANUP_INTERVAL = 1.0
 
 
 def _max_retries(key: str, value: Any) -> str | None:
@@ -146,11 +158,13 @@ def _default_queue(key: str, value: Any) -> str | None:
 def _queues(key: str, value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, list | tuple) or not value or not all(
-        bounds.queue_problem(q) is None for q in value
-    ):
+    listed = isinstance(value, list | tuple)
+    problems = [p for q in value if (p := bounds.queue_problem(q)) is not None] if listed else []
+    if not listed or not value or problems:
+        because = f" The first bad one: {problems[0]}" if problems else ""
         return (f"{_name(key)} must be a non-empty list of queue names (strings of 1.."
-                f"{bounds.QUEUE_MAX_LENGTH} characters) or None, got {bounds.show(value)}.")
+                f"{bounds.QUEUE_MAX_LENGTH} characters) or None, got {bounds.show(value)}."
+                f"{because}")
     return None
 
 
@@ -174,14 +188,14 @@ def _boolean(key: str, value: Any) -> str | None:
     return None
 
 
-def _callable(key: str, value: Any) -> str | None:
+def _backoff(key: str, value: Any) -> str | None:
     if value is None:
         return None
     try:
-        resolve_callable(value, key)
+        resolved = resolve_callable(value, key)
     except ConfigurationError as exc:
         return str(exc)
-    return None
+    return bounds.backoff_callable_problem(resolved, _name(key))
 
 
 def _encoder(key: str, value: Any) -> str | None:
@@ -241,9 +255,7 @@ def _retention_of(raw: Any) -> dict[str, float | None]:
     """Seconds to keep each terminal status (``None`` keeps forever)."""
     if raw is None or (isinstance(raw, int | float | timedelta) and not isinstance(raw, bool)):
         # One value applies to completed and cancelled; dead letters are kept for operators.
-        base = None if raw is None else seconds(raw)
-        if base is not None:
-            _check_retention(base, raw, "PERSISTENT_JOBS['RETENTION']")
+        base = None if raw is None else _retention_seconds(raw, "PERSISTENT_JOBS['RETENTION']")
         return {"completed": base, "cancelled": base, "dead_lettered": None}
     if not isinstance(raw, dict):
         raise ConfigurationError(
@@ -260,8 +272,7 @@ def _retention_of(raw: Any) -> dict[str, float | None]:
                 f"PERSISTENT_JOBS['RETENTION']['{status}'] must be a timedelta, seconds or "
                 f"None, got {bounds.show(item)}."
             )
-        _check_retention(seconds(item), item, f"PERSISTENT_JOBS['RETENTION']['{status}']")
-        result[status] = seconds(item)
+        result[status] = _retention_seconds(item, f"PERSISTENT_JOBS['RETENTION']['{status}']")
     unknown = set(raw) - set(TERMINAL_RETENTION_KEYS)
     if unknown:
         # Sorted by repr: keys of mixed types (a stray int) do not sort among themselves.
@@ -272,14 +283,21 @@ def _retention_of(raw: Any) -> dict[str, float | None]:
     return result
 
 
-def _check_retention(value: float, raw: Any, name: str) -> None:
-    if not (value > 0 and math.isfinite(value)):  # (NaN fails the first test)
-        raise ConfigurationError(f"{name} must be positive and finite, got {raw!r}.")
+def _retention_seconds(raw: int | float | timedelta, name: str) -> float:
+    """``raw`` (seconds or a timedelta) as float seconds, or the ``ConfigurationError`` that
+    says why it cannot be a retention. An int too large for a float (``10**400``) is "too
+    long", not an ``OverflowError`` out of ``manage.py check`` and ``runjobs``."""
+    value = bounds.seconds_of(raw)
+    assert value is not None  # (the callers checked the type)
+    overflowed = math.isinf(value) and isinstance(raw, int)
+    if not (value > 0 and (math.isfinite(value) or overflowed)):  # (NaN fails the first test)
+        raise ConfigurationError(f"{name} must be positive and finite, got {bounds.show(raw)}.")
     if value > _MAX_RETENTION_SECONDS:
         raise ConfigurationError(
             f"{name} must be at most {_MAX_RETENTION_SECONDS:.0f} seconds (about 10 years), "
             f"got {bounds.show(raw)}; use None to keep these jobs forever."
         )
+    return value
 
 
 def _optional_seconds(value: Any) -> float | None:
@@ -370,7 +388,7 @@ class Settings:
     #: Jobs one runner executes at once.
     CONCURRENCY = Setting[int](10, _positive_int, int)
     #: Seconds between polls when no NOTIFY arrives.
-    POLL_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
+    POLL_INTERVAL = Setting[float](1.0, _seconds_problem(minimum=MIN_LOOP_INTERVAL), seconds)
     #: Seconds without a heartbeat after which a runner is dead and its jobs are rescued.
     STALE_LOCK_TIMEOUT = Setting[float](30, _seconds_problem(), seconds)
     #: Seconds between heartbeats; None: a third of STALE_LOCK_TIMEOUT.
@@ -380,12 +398,13 @@ class Settings:
     DEDUP = Setting[str]("skip", _dedup, str)
     #: A callable ``attempt -> seconds`` (or its dotted path); None: 2 ** min(attempt, 10)
     #: seconds with +/-10% jitter.
-    BACKOFF = Setting[Callable[..., Any] | None](None, _callable, _optional_callable)
+    BACKOFF = Setting[Callable[..., Any] | None](None, _backoff, _optional_callable)
     #: How long finished jobs are kept, per terminal status (None keeps forever).
     RETENTION = Setting[dict[str, float | None]](dict(_DEFAULT_RETENTION), _retention,
                                                  _retention_of)
     #: Seconds between cleanup passes.
-    CLEANUP_INTERVAL = Setting[float](300, _seconds_problem(), seconds)
+    CLEANUP_INTERVAL = Setting[float](300, _seconds_problem(minimum=MIN_CLEANUP_INTERVAL),
+                                        seconds)
     #: Seconds in-flight jobs get to finish at shutdown.
     SHUTDOWN_GRACE = Setting[float](30, _seconds_problem(allow_zero=True), seconds)
     #: Queues a runner serves; None: every queue.
@@ -409,7 +428,8 @@ class Settings:
     #: Accept job types without a handler in this process (another service runs them).
     ALLOW_UNREGISTERED = Setting[bool](False, _boolean, bool)
     #: Seconds between scheduler passes.
-    SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(), seconds)
+    SCHEDULER_INTERVAL = Setting[float](1.0, _seconds_problem(minimum=MIN_LOOP_INTERVAL),
+                                          seconds)
     #: A server-side prepared statement for ``enqueue()``'s insert (the runner's claim is always
     #: prepared). Off by default: behind a pooler that does not keep prepared statements
     #: (PgBouncer before 1.21, or ``max_prepared_statements = 0``, in transaction mode) a

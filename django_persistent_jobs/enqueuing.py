@@ -164,6 +164,10 @@ def _resolve_options(
         raise EnqueueError("Give run_at or delay, not both.")
     if run_at is not None:
         _require(bounds.run_at_problem(run_at))
+        # Sent in UTC: only the instant matters, and PostgreSQL cannot read every offset a
+        # Python datetime may carry (beyond +-15:59, or with seconds), which would fail the
+        # insert and abort the caller's transaction.
+        run_at = run_at.astimezone(UTC)
     delay_s = 0.0
     if delay is not None:
         _require(bounds.delay_problem(delay))

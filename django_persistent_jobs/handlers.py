@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
@@ -210,9 +210,17 @@ def code_location(target: Any) -> str | None:
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
 
 
-def _positional_arity(func: Callable[..., Any]) -> int:
+def _positional_arity(func: Callable[..., Any], origin: str) -> int:
+    try:
+        signature = inspect.signature(func)
+    except (ValueError, TypeError) as exc:  # some builtins publish no signature
+        raise ConfigurationError(
+            f"Handler {origin}: cannot read the parameters of {bounds.show(func)} ({exc}), so "
+            "it cannot be told whether it takes (payload) or (payload, ctx); wrap it in a "
+            "function."
+        ) from exc
     params = [
-        p for p in inspect.signature(func).parameters.values()
+        p for p in signature.parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return len(params)
@@ -242,6 +250,8 @@ def check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[s
         option(bounds.dedup_problem(spec.dedup))
     if spec.backoff is not None and not callable(spec.backoff):
         option("backoff must be a callable attempt -> seconds.")
+    elif spec.backoff is not None:
+        option(bounds.backoff_callable_problem(spec.backoff))
     if spec.validator is not None and not callable(spec.validator):
         option("validator must be callable.")
     if spec.queue is not None:
@@ -267,6 +277,14 @@ def check_options(spec: HandlerSpec, subject: str | None = None) -> list[tuple[s
         if not spec.is_recurring:
             schedule("tenant is the tenant of the scheduled runs; give cron or interval, or "
                      "pass tenant= to enqueue().")
+    # Like tenant, these mean something only for the handler's schedule: on any other handler
+    # they would be silently ignored (a handler expecting its payload would get {}).
+    if spec.schedule_payload is not None and not spec.is_recurring:
+        schedule("payload is the payload of the scheduled runs; give cron or interval, or "
+                 "pass the payload to enqueue().")
+    if spec.timezone is not None and not spec.is_recurring:
+        schedule("timezone is the zone a cron expression is read in; give cron, or drop "
+                 "timezone.")
     return problems
 
 
@@ -300,7 +318,7 @@ def _as_payload_ctx(code: Callable[..., Any], origin: str,
     class's ``execute(self, payload)`` would otherwise be registered as it is and fail every
     attempt with a ``TypeError`` until its job is dead-lettered.
     """
-    arity = _positional_arity(code)
+    arity = _positional_arity(code, origin)
     if arity == 1 and is_async:
         async def one_async(payload: Any, ctx: JobContext,
                             _f: Callable[[Any], Any] = code) -> Any:
@@ -371,6 +389,14 @@ def job_handler(
                     f"@job_handler can decorate a function or a JobHandler subclass, "
                     f"not {target!r}."
                 )
+            if target.execute is JobHandler.execute:
+                # Refused here, not found out by every job failing with NotImplementedError
+                # until it is dead-lettered.
+                raise ConfigurationError(
+                    f"JobHandler subclass {target.__module__}.{target.__qualname__} does not "
+                    "define execute(self, payload, ctx) (or execute(self, payload)): there is "
+                    "nothing for its jobs to run."
+                )
             instance = target()
             resolved_type = resolved_type or target.job_type
             for key in list(options):
@@ -414,7 +440,11 @@ def job_handler(
         if body_problem is not None:
             spec.problems.append((BODY_NEVER_RUNS, body_problem))
         registry.register(spec)
-        target.job_type = resolved_type
+        # A convenience for ``enqueue(handler.job_type, ...)``, where the target takes
+        # attributes: a bound method, an object with ``__slots__`` or a builtin takes none, and
+        # must neither fail its (valid) registration nor leave it half done.
+        with suppress(AttributeError, TypeError):
+            target.job_type = resolved_type
         return target
 
     return decorate

@@ -64,6 +64,11 @@ BAD_ENQUEUES: list[tuple[dict[str, Any], str]] = [
     ({"queue": "q" + NUL}, "queue 'q\\x00' contains a NUL character"),
     ({"queue": "q" + SURROGATE}, "contains a lone surrogate"),
     ({"queue": "q" * 150}, "queue must be a string of 1..100 characters"),
+    # Names ``runjobs --queues`` cannot name (it splits on commas and strips each name): the
+    # jobs would wait for ever.
+    ({"queue": "a,b"}, "queue 'a,b' contains a comma"),
+    ({"queue": " emails"}, "queue ' emails' begins or ends with whitespace"),
+    ({"queue": "emails\t"}, "queue 'emails\\t' begins or ends with whitespace"),
     ({"tenant": "t" + NUL}, "tenant 't\\x00' contains a NUL character"),
     ({"tenant": "t" + SURROGATE}, "contains a lone surrogate"),
     ({"timeout": 1e300}, "timeout must be a number of seconds > 0 (at most 315360000)"),
@@ -285,7 +290,8 @@ def test_operator_services_refuse_bad_arguments_before_any_sql(call: Callable[[]
 # ----------------------------------------------------------------------------- one set of bounds
 #: For each option: values on both sides of every bound.
 PROBES: dict[str, list[Any]] = {
-    "queue": ["q", "q" * 100, "q" * 101, "q" * 150, "", "q" + NUL, "q" + SURROGATE, 5],
+    "queue": ["q", "q" * 100, "q" * 101, "q" * 150, "", "q" + NUL, "q" + SURROGATE, 5,
+              "a b", "a,b", " emails", "emails ", "emails\n", "a.b-c_d:e/f"],
     "priority": [0, -32768, 32767, 32768, -32769, 1.5, True, 10**30],
     "max_retries": [0, 1_000_000, 1_000_001, -1, "3", True, 10**30],
     "timeout": [1, 0.5, bounds.MAX_SECONDS, bounds.MAX_SECONDS * 2, 1e300, 0, -1, math.nan,

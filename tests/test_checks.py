@@ -66,6 +66,14 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "SHUTDOWN_GRACE'] must be a finite number >= 0"),
     ({"CLEANUP_INTERVAL": 0}, "persistent_jobs.E019", "CLEANUP_INTERVAL'] must be"),
     ({"SCHEDULER_INTERVAL": -2}, "persistent_jobs.E026", "SCHEDULER_INTERVAL'] must be"),
+    # Loops this tight busy-wait (a runner idled at 55% CPU with POLL_INTERVAL = 1e-6).
+    ({"POLL_INTERVAL": 1e-6}, "persistent_jobs.E016",
+     "PERSISTENT_JOBS['POLL_INTERVAL'] must be at least 0.01 seconds (less keeps an idle "
+     "runner busy), got 1e-06."),
+    ({"SCHEDULER_INTERVAL": timedelta(microseconds=1)}, "persistent_jobs.E026",
+     "PERSISTENT_JOBS['SCHEDULER_INTERVAL'] must be at least 0.01 seconds"),
+    ({"CLEANUP_INTERVAL": 0.5}, "persistent_jobs.E019",
+     "PERSISTENT_JOBS['CLEANUP_INTERVAL'] must be at least 1 seconds"),
     ({"HEARTBEAT_INTERVAL": 0}, "persistent_jobs.E018", "HEARTBEAT_INTERVAL'] must be"),
     ({"HEARTBEAT_INTERVAL": 2, "STALE_LOCK_TIMEOUT": 3}, "persistent_jobs.E005",
      "PERSISTENT_JOBS['HEARTBEAT_INTERVAL'] (2s) must be at most half of STALE_LOCK_TIMEOUT "
@@ -75,6 +83,12 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"BACKOFF": "no.such.module.backoff"}, "persistent_jobs.E007",
      "PERSISTENT_JOBS['BACKOFF'] = 'no.such.module.backoff' cannot be imported"),
     ({"BACKOFF": 5}, "persistent_jobs.E007", "PERSISTENT_JOBS['BACKOFF'] must be callable, got 5."),
+    # Callables the runner cannot call as backoff(attempt): every retry failed instead.
+    ({"BACKOFF": "django_persistent_jobs.backoff.constant"}, "persistent_jobs.E007",
+     "PERSISTENT_JOBS['BACKOFF'] is django_persistent_jobs.backoff.constant, which makes a "
+     "backoff rather than being one: call it, for example constant(5)."),
+    ({"BACKOFF": lambda: 5}, "persistent_jobs.E007",
+     "PERSISTENT_JOBS['BACKOFF'] is called as backoff(attempt), but <function <lambda>"),
     ({"JSON_ENCODER": "json.dumps"}, "persistent_jobs.E008",
      "PERSISTENT_JOBS['JSON_ENCODER'] must be a json.JSONEncoder subclass"),
     ({"JSON_ENCODER": "nope.Encoder"}, "persistent_jobs.E008", "cannot be imported"),
@@ -94,6 +108,15 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
      "PERSISTENT_JOBS['RETENTION'] must be at most 315360000 seconds"),
     ({"RETENTION": {"dead_lettered": timedelta.max}}, "persistent_jobs.E009",
      "PERSISTENT_JOBS['RETENTION']['dead_lettered'] must be at most 315360000 seconds"),
+    # Integers too large for a float: an OverflowError traceback from check and runjobs.
+    ({"RETENTION": 10**400}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION'] must be at most 315360000 seconds (about 10 years), got "
+     "1000000000"),
+    ({"RETENTION": {"completed": 10**5000}}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION']['completed'] must be at most 315360000 seconds (about 10 "
+     "years), got <int>; use None"),
+    ({"RETENTION": {"cancelled": -(10**400)}}, "persistent_jobs.E009",
+     "PERSISTENT_JOBS['RETENTION']['cancelled'] must be positive and finite, got -1000000000"),
     ({"RETENTION": {"done": 60, 7: 60}}, "persistent_jobs.E009",  # keys that do not sort
      "PERSISTENT_JOBS['RETENTION'] has unknown statuses ['done', 7]"),
     ({"QUEUES": []}, "persistent_jobs.E010",
@@ -107,6 +130,13 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str, str]] = [
     ({"DEFAULT_QUEUE": "q" * 101}, "persistent_jobs.E011",
      "PERSISTENT_JOBS['DEFAULT_QUEUE'] must be a string of 1..100 characters"),
     ({"DEFAULT_QUEUE": "q\x00"}, "persistent_jobs.E011", "contains a NUL character"),
+    ({"DEFAULT_QUEUE": "a,b"}, "persistent_jobs.E011",
+     "PERSISTENT_JOBS['DEFAULT_QUEUE'] 'a,b' contains a comma: runjobs --queues separates "
+     "queue names with commas, so no runner could be told to serve it."),
+    ({"DEFAULT_QUEUE": "emails "}, "persistent_jobs.E011",
+     "PERSISTENT_JOBS['DEFAULT_QUEUE'] 'emails ' begins or ends with whitespace: runjobs "
+     "--queues strips it from each name, so no runner could be told to serve it."),
+    ({"QUEUES": ["a", " b"]}, "persistent_jobs.E010", "queue ' b' begins or ends with whitespace"),
     ({"DATABASE": "replica"}, "persistent_jobs.E012",
      "PERSISTENT_JOBS['DATABASE'] names 'replica', which is not in settings.DATABASES."),
     ({"DATABASE": ""}, "persistent_jobs.E012",
@@ -248,6 +278,77 @@ def test_bad_handler_options_are_reported_per_handler() -> None:
     sched_msgs = " | ".join(m for _, obj, m in errors if obj == origins["sched"])
     assert "cron '61 * * * *'" in sched_msgs and "time zone" in sched_msgs
     assert any("give either cron or interval, not both" in m for _, _, m in errors)
+
+
+def test_a_backoff_that_cannot_be_called_with_the_attempt_is_a_handler_error() -> None:
+    """``backoff=lambda: 5`` or the factory ``constant`` (not ``constant(5)``) passed the
+    check, then failed every retry."""
+    from django_persistent_jobs.backoff import constant
+
+    def two_args(attempt: int, extra: int) -> float:
+        return 1.0
+
+    def variadic(*args: Any) -> float:
+        return 1.0
+
+    with registry.isolated():
+        for name, backoff in [("zero", lambda: 5), ("two", two_args), ("factory", constant),
+                              ("ok_constant", constant(5)), ("ok_variadic", variadic),
+                              ("ok_builtin", float), ("ok_unreadable", min)]:
+            job_handler(f"core.chk.backoff_{name}", backoff=backoff)(lambda payload: None)
+        errors = {m.msg.split(":")[0].split("'")[1]: (m.id, m.msg) for m in check_handlers()}
+    assert set(errors) == {"core.chk.backoff_zero", "core.chk.backoff_two",
+                           "core.chk.backoff_factory"}
+    assert {i for i, _ in errors.values()} == {"persistent_jobs.E101"}
+    assert "backoff is called as backoff(attempt), but <function" in errors[
+        "core.chk.backoff_zero"][1]
+    assert "too many positional arguments" in errors["core.chk.backoff_zero"][1]
+    assert "missing a required argument: 'extra'" in errors["core.chk.backoff_two"][1]
+    assert ("backoff is django_persistent_jobs.backoff.constant, which makes a backoff rather "
+            "than being one: call it, for example constant(5).") in errors[
+        "core.chk.backoff_factory"][1]
+
+
+def test_schedule_options_on_a_handler_that_is_not_recurring_are_check_errors() -> None:
+    """``payload=`` without cron/interval was silently ignored (the handler got ``{}``) and
+    ``timezone=`` was not refused, while ``tenant=`` in the same case was E102."""
+    with registry.isolated():
+        job_handler("core.chk.payload_only", payload={"x": 1})(lambda payload: None)
+        job_handler("core.chk.timezone_only", timezone="Europe/Berlin")(lambda payload: None)
+        job_handler("core.chk.empty_payload", payload={})(lambda payload: None)
+        job_handler("core.chk.recurring", interval=timedelta(hours=1), payload={"x": 1})(
+            lambda payload: None)
+        job_handler("core.chk.cron_zone", cron="0 3 * * *", timezone="Europe/Berlin")(
+            lambda payload: None)
+        errors = [(m.id, m.msg) for m in check_handlers()]
+    by_type = {m.split("'")[1]: (i, m) for i, m in errors}
+    assert set(by_type) == {"core.chk.payload_only", "core.chk.timezone_only",
+                            "core.chk.empty_payload"}
+    assert {i for i, _ in by_type.values()} == {"persistent_jobs.E102"}
+    assert by_type["core.chk.payload_only"][1].endswith(
+        "payload is the payload of the scheduled runs; give cron or interval, or pass the "
+        "payload to enqueue().")
+    assert by_type["core.chk.timezone_only"][1].endswith(
+        "timezone is the zone a cron expression is read in; give cron, or drop timezone.")
+
+
+@pytest.mark.parametrize("overrides", [
+    {"PERSISTENT_JOBS": []}, {"PERSISTENT_JOBS": {"JSON_ENCODER": "json"}},
+    {"PERSISTENT_JOBS": {"PAYLOAD_MAX_BYTES": 0}},
+], ids=["not-a-dict", "bad-encoder", "bad-limit"])
+def test_a_settings_error_is_not_also_reported_against_each_recurring_handler(
+    overrides: dict[str, Any],
+) -> None:
+    """Checking a schedule's payload reads the settings: a bad setting was reported once more
+    per recurring handler, as E102 with the hint "Fix cron/interval/timezone/payload/tenant in
+    the @job_handler call"."""
+    with registry.isolated():
+        job_handler("core.chk.hourly", interval=timedelta(hours=1), payload={"n": 1})(
+            lambda payload: None)
+        assert pj_errors() == []
+        with override_settings(**overrides):
+            errors = pj_errors()
+    assert errors and all(i.startswith("persistent_jobs.E0") for i, _ in errors), errors
 
 
 # ------------------------------------------------------------------ runjobs arguments

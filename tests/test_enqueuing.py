@@ -813,3 +813,30 @@ def test_enqueue_many_delays_cross_a_daylight_saving_change_without_time_zone_su
                        [many.id, one.id])
         (apart,) = cursor.fetchone()
     assert abs(float(apart)) < 1, apart
+
+
+# A UTC offset PostgreSQL cannot read (beyond +-15:59, or with seconds or microseconds, which
+# psycopg sends as they are) made the insert fail with "time zone displacement out of range",
+# which also broke the caller's transaction. The instant is what counts: it is sent in UTC.
+ODD_OFFSETS = [
+    timezone(timedelta(hours=16)),
+    timezone(timedelta(hours=-16)),
+    timezone(timedelta(hours=23, minutes=59)),
+    timezone(timedelta(hours=5, minutes=30, seconds=15, microseconds=7)),
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("tz", ODD_OFFSETS, ids=str)
+def test_a_run_at_with_any_utc_offset_is_stored_as_its_instant(tz: timezone) -> None:
+    when = datetime(2031, 1, 1, 12, tzinfo=tz)
+    with transaction.atomic():
+        plain = enqueue("test.noop", run_at=when)
+        keyed = enqueue("test.noop", run_at=when, dedup_key="odd-offset")
+        many = enqueue_many([("test.noop", {})], run_at=when)
+        many_keyed = enqueue_many([{"job_type": "test.noop", "dedup_key": "odd-many"}],
+                                  run_at=when)
+        # The caller's transaction is still usable.
+        assert PersistentJob.objects.count() == 4
+    for job in (plain, keyed, *many, *many_keyed):
+        assert PersistentJob.objects.get(id=job.id).next_run_at == when

@@ -205,6 +205,50 @@ def test_bad_handler_shapes_fail_at_decoration() -> None:
             "core.reg.class", "core.reg.one", "core.reg.two"]
 
 
+class _SlottedService:
+    __slots__ = ()
+
+    def handle(self, payload: Any, ctx: JobContext) -> str:
+        return f"service {payload} {ctx.job_type}"
+
+
+class _SlottedCallable:
+    __slots__ = ()
+
+    def __call__(self, payload: Any) -> str:
+        return f"callable {payload}"
+
+
+def test_bound_methods_slotted_callables_and_builtins_register_whole() -> None:
+    """``target.job_type = ...`` ran after the handler was registered and raised
+    ``AttributeError`` for targets that take no attributes (a bound method, an object with
+    ``__slots__``, a builtin), leaving the job type registered by a decoration that failed."""
+    ctx = JobContext(job_id=uuid.uuid4(), job_type="core.reg.method", attempt=1,
+                     max_retries=0, runner_id="r")
+    with registry.isolated():
+        method = _SlottedService().handle
+        assert job_handler("core.reg.method")(method) == method
+        slotted = _SlottedCallable()
+        assert job_handler("core.reg.slotted")(slotted) is slotted
+        assert job_handler("core.reg.builtin")(len) is len
+        specs = [registry.get(t) for t in ("core.reg.method", "core.reg.slotted",
+                                           "core.reg.builtin")]
+        assert all(spec is not None and not spec.errors for spec in specs)
+        assert specs[0].func(1, ctx) == "service 1 core.reg.method"  # type: ignore[union-attr]
+        assert specs[1].func(2, ctx) == "callable 2"  # type: ignore[union-attr]
+        assert specs[2].func([1, 2], ctx) == 2  # type: ignore[union-attr]
+        # A function still gets its job type as an attribute.
+        def plain(payload: Any) -> None:
+            return None
+
+        assert job_handler("core.reg.attr")(plain).job_type == "core.reg.attr"  # type: ignore[attr-defined]
+
+        # A builtin whose signature cannot be read is refused saying so, and not registered.
+        with pytest.raises(ConfigurationError, match="cannot read the parameters of"):
+            job_handler("core.reg.min")(min)
+        assert "core.reg.min" not in registry
+
+
 def test_a_class_handlers_execute_is_held_to_the_same_shapes_as_a_function() -> None:
     """``execute(self, payload)`` gets the payload only, as a one-parameter function does; any
     other shape is refused at decoration, not found out by every attempt failing with a
@@ -246,6 +290,33 @@ def test_a_class_handlers_execute_is_held_to_the_same_shapes_as_a_function() -> 
                     return None
         assert "core.reg.class_zero" not in registry
         assert "core.reg.class_three" not in registry
+
+
+def test_a_jobhandler_subclass_without_execute_is_refused_at_decoration() -> None:
+    """It passed registration and ``manage.py check``; every job of it then failed with
+    ``NotImplementedError`` until it was dead-lettered."""
+    with registry.isolated():
+        with pytest.raises(ConfigurationError) as info:
+            @job_handler
+            class NoExecute(JobHandler):
+                job_type = "core.reg.no_execute"
+
+                def validate(self, payload: Any) -> None:
+                    return None
+
+        message = str(info.value)
+        assert "NoExecute" in message and "does not define execute(self, payload" in message
+        assert "core.reg.no_execute" not in registry
+
+        class Base(JobHandler):
+            def execute(self, payload: Any, ctx: JobContext) -> str:
+                return "inherited"
+
+        @job_handler("core.reg.inherits_execute")
+        class Child(Base):  # an execute inherited from a user's base class is fine
+            pass
+
+        assert "core.reg.inherits_execute" in registry
 
 
 def test_handler_options_merge_over_settings_at_call_time() -> None:

@@ -225,6 +225,11 @@ class PersistentJobsBackend(BaseTaskBackend):
         ):
             problems.append((OPTION_INVALID, f"task {task.module_path}: dedup_key must be a "
                              "string or a callable (*args, **kwargs) -> str."))
+        elif isinstance(options["dedup_key"], str):
+            # A fixed key is checked now, not refused by every enqueue of the task.
+            problem = bounds.dedup_key_problem(options["dedup_key"])
+            if problem is not None:
+                problems.append((OPTION_INVALID, f"task {task.module_path}: {problem}"))
         spec.problems = problems
         return spec
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils.module_loading import import_string
 
-from ..errors import PayloadError, PermanentJobError
+from ..errors import EnqueueError, PayloadError, PermanentJobError
 from ..payload import PayloadLimits, prepare_payload
 from ..types import Dedup
 from .compat import InvalidTask, Task, normalize_json
@@ -32,6 +32,16 @@ class ResultError(PermanentJobError):
     """
 
     default_code = "RESULT_INVALID"
+
+
+class TaskArgumentsError(EnqueueError, TypeError):
+    """A task was enqueued with arguments its function cannot take (one missing, one too many,
+    one given twice, an unknown keyword).
+
+    Refused at enqueue, writing nothing: accepted, the call would fail the same way on every
+    attempt until the task was dead-lettered. A ``TypeError`` as a direct call would raise, and
+    an ``EnqueueError`` as every other refused enqueue.
+    """
 
 
 if TYPE_CHECKING:
@@ -128,13 +138,40 @@ def refuse_generators(task: AnyTask) -> None:
         )
 
 
+def check_arguments(task: AnyTask, args: Any, kwargs: Any) -> None:
+    """``TaskArgumentsError`` unless the task's function can be called with ``args`` and
+    ``kwargs`` (after the context, for a task that takes one). A function whose signature
+    cannot be read is not checked."""
+    try:
+        signature = inspect.signature(task.func)
+    except (TypeError, ValueError):
+        return
+    context = (None,) if task.takes_context else ()
+    try:
+        signature.bind(*context, *args, **kwargs)
+    except TypeError as exc:
+        raise TaskArgumentsError(
+            f"task {task.module_path} cannot be called with these arguments: {exc} (its "
+            f"parameters: {_shown_parameters(signature, task.takes_context)})."
+        ) from None
+
+
+def _shown_parameters(signature: inspect.Signature, takes_context: bool) -> str:
+    params = list(signature.parameters.values())
+    if takes_context and params:
+        params = params[1:]  # the backend passes the context
+    return f"({', '.join(str(p.replace(annotation=p.empty)) for p in params)})"
+
+
 def encode_arguments(task: AnyTask, args: Any, kwargs: Any) -> dict[str, Any]:
     """The job payload for a call: Django's JSON normalisation, then our payload checks.
 
-    Django normalises arguments (a tuple becomes a list) before a task sees them; values JSON
-    cannot carry (a datetime, a model instance) are refused here with the argument named, so the
-    enqueue fails instead of the task.
+    The arguments must fit the function (``check_arguments``). Django normalises arguments (a
+    tuple becomes a list) before a task sees them; values JSON cannot carry (a datetime, a model
+    instance) are refused here with the argument named, so the enqueue fails instead of the
+    task.
     """
+    check_arguments(task, args, kwargs)
     raw = {"args": list(args), "kwargs": dict(kwargs)}
     try:
         payload = {"args": normalize_json(list(args)), "kwargs": normalize_json(dict(kwargs))}

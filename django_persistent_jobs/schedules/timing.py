@@ -74,11 +74,75 @@ def cron_problem(expression: object) -> str | None:
                 "the minute or hour explicitly.")
     if not croniter.is_valid(expression):
         return f"cron {expression!r} is not a valid cron expression."
+    problem = _backwards_range_problem(expression, fields) or _every_second_problem(
+        expression, fields)
+    if problem:
+        return problem
     try:
         croniter(expression, datetime(2000, 1, 1), max_years_between_matches=30).get_next(datetime)
     except (CroniterBadDateError, CroniterBadCronError):
         return f"cron {expression!r} never matches a date."
     return None
+
+
+#: Each field's name and smallest and largest value, in croniter's order (seconds last).
+_FIELDS = (("minute", 0, 59), ("hour", 0, 23), ("day-of-month", 1, 31), ("month", 1, 12),
+           ("day-of-week", 0, 6), ("second", 0, 59))
+_NAMES = {
+    3: {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug",
+                                    "sep", "oct", "nov", "dec"), start=1)},
+    4: {d: i for i, d in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))},
+}
+_RANGE = re.compile(r"^([0-9a-z]+)-([0-9a-z]+)(/[0-9]+)?$", re.IGNORECASE)
+
+
+def _backwards_range_problem(expression: str, fields: list[str]) -> str | None:
+    """A range whose start is after its end (``1-0``, ``22-6``, ``sat-sun``): croniter wraps
+    it around the field, so ``1-0`` fires every minute. Refused, with the parts to write."""
+    for index, field in enumerate(fields):
+        name, low, high = _FIELDS[index]
+        for item in field.split(","):
+            match = _RANGE.match(item)
+            if match is None:
+                continue
+            start, end = (_field_value(index, token) for token in match.group(1, 2))
+            if index == 4 and start == 7:
+                start = 0  # Sunday, as croniter reads a range starting at 7 ("7-1": Sun-Mon)
+            if start is None or end is None or start <= end:
+                continue
+            step = match.group(3) or ""
+            head = f"{start}{step}" if start == high else f"{start}-{high}{step}"
+            tail = f"{low}{step}" if end == low else f"{low}-{end}{step}"
+            return (f"cron {expression!r}: the range {item!r} in the {name} field runs "
+                    f"backwards, which croniter wraps around the field (so '1-0' in the minute "
+                    f"field would fire every minute). To mean the wrap, write '{head},{tail}'.")
+    return None
+
+
+def _field_value(index: int, token: str) -> int | None:
+    if token.isdigit():
+        return int(token)
+    return _NAMES.get(index, {}).get(token.lower())
+
+
+def _every_second_problem(expression: str, fields: list[str]) -> str | None:
+    """A sixth field that matches every second. croniter's seconds field is the last one, so
+    ``*/10 * * * * *`` (written seconds-first) fires every second, not every ten. Only six
+    stars is left alone: it fires every second whichever field is taken for the seconds."""
+    if len(fields) != 6 or all(field == "*" for field in fields):
+        return None
+    try:
+        seconds = croniter.expand(expression)[0][5]
+    except (CroniterBadCronError, ValueError, IndexError):  # (is_valid said it parses)
+        return None
+    if seconds != ["*"]:
+        return None
+    rotated = " ".join(fields[1:] + fields[:1])
+    meant = (f" If the first field was meant as the seconds, write {rotated!r}."
+             if fields[5] == "*" else "")
+    return (f"cron {expression!r} has 6 fields: the sixth field is the seconds (croniter "
+            f"puts them last, not first), and {fields[5]!r} there fires every second.{meant} "
+            "To run every second, use interval=timedelta(seconds=1) (or six '*').")
 
 
 def interval_problem(interval: object) -> str | None:
@@ -93,11 +157,46 @@ def interval_problem(interval: object) -> str | None:
     return None
 
 
+#: Names the time zone database of some hosts resolves that are not one zone everywhere: a
+#: web process and a runner (or two runners) would read the same schedule in different zones,
+#: or one of them not at all. (Lower case: a case-insensitive file system finds them too.)
+_HOST_ZONES = {
+    "localtime": "is this host's own zone (/etc/localtime), which differs from host to host",
+    "posixrules": ("is a file of this host's time zone database (the rules for POSIX TZ "
+                   "strings), not a zone every host has alike"),
+    "factory": ("is the time zone database's placeholder for machines not yet set up (its "
+                "abbreviation is -00), not a real zone"),
+}
+
+
+def _host_zone_problem(name: str) -> str | None:
+    """Why ``name`` would not mean the same zone on every host, or ``None``."""
+    why = _HOST_ZONES.get(name.lower())
+    if why is not None:
+        return (f"time zone {name!r} {why}: name the zone itself, for example "
+                "'Europe/Berlin' or 'UTC'.")
+    prefix, _, rest = name.partition("/")
+    if prefix.lower() == "right" and rest:
+        return (f"time zone {name!r} counts leap seconds (its clock is about half a minute "
+                "off everyone else's) and only some hosts' time zone databases have it: use "
+                f"{rest!r}.")
+    if prefix.lower() == "posix" and rest:
+        return (f"time zone {name!r} is a copy that only some hosts' time zone databases "
+                f"keep: use {rest!r}.")
+    return None
+
+
 def timezone_problem(name: object) -> str | None:
+    """Why ``name`` is not a time zone a schedule can be read in on every host, or ``None``.
+
+    The API, the admin form and the handler check all ask here."""
     if not isinstance(name, str) or not name:
         return f"time zone must be a non-empty string, got {bounds.show(name)}."
     if len(name) > bounds.TIMEZONE_MAX_LENGTH or bounds.text_problem(name):
         return f"unknown time zone {bounds.show(name)}."
+    host_problem = _host_zone_problem(name)
+    if host_problem is not None:
+        return host_problem
     try:
         zoneinfo.ZoneInfo(name)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError, OSError):

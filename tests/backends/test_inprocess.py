@@ -241,3 +241,18 @@ def test_an_in_process_task_cannot_be_sent_to_the_durable_backend_by_using() -> 
     for it, so the job would wait for ever. Refused at once, saying what to do."""
     with pytest.raises(InvalidTask, match=r"declared for backend 'inprocess'.*never run"):
         it.double.using(backend="default").enqueue(1)
+
+
+def test_a_call_the_task_cannot_take_is_refused_at_enqueue() -> None:
+    """As with the durable backend: the call failed on the pool thread instead, retried to
+    its end, after ``enqueue`` had returned a result."""
+    from django_persistent_jobs.backends.tasks import TaskArgumentsError
+
+    with pytest.raises(TaskArgumentsError, match="missing a required argument: 'value'"):
+        it.double.enqueue()
+    with pytest.raises(TaskArgumentsError, match="too many positional arguments"):
+        it.fails_twice.enqueue("a", "b")
+    with pytest.raises(TypeError, match="multiple values for argument 'value'"):
+        it.double.enqueue(1, value=2)
+    assert it.CALLS == []
+    assert finished(it.double.enqueue(value=3)).return_value == 6

@@ -207,6 +207,21 @@ def test_a_result_read_back_by_id_keeps_the_tasks_run_after() -> None:
     assert backend.get_result(later.id).args == ["later"]
 
 
+def test_a_run_after_with_an_offset_postgresql_cannot_read_is_stored_as_its_instant() -> None:
+    """``run_after`` at UTC+16:00 (or with seconds in its offset) failed in PostgreSQL ("time
+    zone displacement out of range") and broke the caller's transaction."""
+    from datetime import timezone as tz
+
+    from django_persistent_jobs.models import PersistentJob
+
+    when = (timezone.now() + timedelta(hours=2)).astimezone(tz(timedelta(hours=16)))
+    with transaction.atomic():
+        later = tasks.record.using(run_after=when).enqueue("later")
+        assert PersistentJob.objects.filter(id=later.id).count() == 1  # still usable
+    assert PersistentJob.objects.get(id=later.id).next_run_at == when
+    assert tasks.record.get_backend().get_result(later.id).task.run_after == when
+
+
 def test_enqueue_joins_the_callers_transaction(signals_seen: list[Any]) -> None:
     class Boom(Exception):
         pass
@@ -364,6 +379,17 @@ def test_bad_definitions_and_arguments_fail_early() -> None:
         task(max_retry=3)(_plain)
     with pytest.raises(InvalidTask, match="max_retries must be an integer"):
         task(max_retries=-1)(_plain)
+    with pytest.raises(InvalidTask, match=r"backoff is called as backoff\(attempt\)"):
+        task(backoff=lambda: 5)(_plain)
+    with pytest.raises(InvalidTask, match="timezone is the zone a cron expression is read in"):
+        task(timezone="Europe/Berlin")(_plain)
+    # A fixed dedup_key every enqueue would refuse is refused with the definition.
+    with pytest.raises(InvalidTask, match=r"dedup_key must be a string of 1\.\.255 characters"):
+        task(dedup_key="k" * 300)(_plain)
+    with pytest.raises(InvalidTask, match="dedup_key 'a\\\\x00' contains a NUL character"):
+        task(dedup_key="a\x00")(_plain)
+    with pytest.raises(InvalidTask, match=r"dedup_key must be a string of 1\.\.255 characters"):
+        task(dedup_key="")(_plain)
     with pytest.raises(InvalidTask, match="unknown time zone"):
         task(cron="0 * * * *", timezone="Mars/Olympus")(_plain)
     with pytest.raises(InvalidTask, match="takes required arguments"):
@@ -377,6 +403,47 @@ def test_bad_definitions_and_arguments_fail_early() -> None:
         tasks.echo.enqueue(timezone.now())
     with pytest.raises(PayloadError, match="NaN"):
         tasks.echo.enqueue(float("nan"))
+
+
+def test_a_call_the_task_cannot_take_is_refused_at_enqueue_writing_nothing() -> None:
+    """Arguments the function cannot bind were accepted, then every attempt failed with a
+    ``TypeError`` (HANDLER_ERROR, retried) until the task was dead-lettered."""
+    from django_persistent_jobs.backends.tasks import TaskArgumentsError
+    from django_persistent_jobs.errors import EnqueueError
+    from django_persistent_jobs.models import PersistentJob
+
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = [
+        (tasks.add, (1,), {}),  # missing b
+        (tasks.add, (1, 2, 3), {}),  # extra positional
+        (tasks.add, (1, 2), {"a": 3}),  # a given twice
+        (tasks.add, (1,), {"c": 2}),  # unknown keyword
+        (tasks.record, (), {}),  # a context task: the context is not the caller's to pass
+        (tasks.record, ("x",), {"context": None}),
+        (tasks.refresh_user, (), {}),  # before its dedup_key callable is called
+    ]
+    for declared, args, kwargs in calls:
+        with pytest.raises(TaskArgumentsError) as info:
+            declared.enqueue(*args, **kwargs)
+        message = str(info.value)
+        assert message.startswith(f"task {declared.module_path} cannot be called with these "
+                                  "arguments: "), message
+        assert isinstance(info.value, TypeError) and isinstance(info.value, EnqueueError)
+    assert "missing a required argument: 'b'" in _refusal(tasks.add, 1)
+    assert "multiple values for argument 'a'" in _refusal(tasks.add, 1, 2, a=3)
+    assert "too many positional arguments" in _refusal(tasks.add, 1, 2, 3)
+    assert PersistentJob.objects.count() == 0
+    # What the function can take still goes in.
+    assert tasks.add.enqueue(1, b=2).kwargs == {"b": 2}
+    assert tasks.echo.enqueue(1, 2, x=3).args == [1, 2]
+    assert tasks.record.enqueue(label="y").kwargs == {"label": "y"}
+
+
+def _refusal(declared: Any, *args: Any, **kwargs: Any) -> str:
+    from django_persistent_jobs.backends.tasks import TaskArgumentsError
+
+    with pytest.raises(TaskArgumentsError) as info:
+        declared.enqueue(*args, **kwargs)
+    return str(info.value)
 
 
 def test_a_recurring_task_is_a_schedule_run_by_the_runner(start_runner: StartRunner) -> None:

@@ -99,6 +99,7 @@ def test_add_schedule_validates_and_stores() -> None:
     ({"interval": -5}, "positive"),
     ({"interval": timedelta(0)}, "positive"),
     ({"cron": "0 2 * * *", "timezone": "Europe/Atlantis"}, "unknown time zone"),
+    ({"cron": "0 2 * * *", "timezone": "localtime"}, "this host's own zone"),
     ({"cron": "0 2 * * *", "payload": {"when": object()}}, "payload"),
     ({"cron": "0 2 * * *", "priority": 10**6}, "priority"),
 ])

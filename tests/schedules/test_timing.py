@@ -25,6 +25,7 @@ from django_persistent_jobs.schedules.timing import (
     next_cron_tick,
     next_interval_tick,
     tick_label,
+    timezone_problem,
 )
 
 BERLIN = "Europe/Berlin"
@@ -197,6 +198,18 @@ def test_tick_label_is_canonical() -> None:
     ("0,R 3 * * *", "random (R)"),
     ("", "non-empty"),
     (None, "non-empty"),
+    # croniter's seconds field is the LAST one: written seconds-first, or with '*' there, the
+    # schedule fired every second.
+    ("*/10 * * * * *", "the sixth field is the seconds"),
+    ("0 */5 * * * *", "'*' there fires every second"),
+    ("0 3 * * * */1", "'*/1' there fires every second"),
+    ("0 3 * * * 0-59", "'0-59' there fires every second"),
+    # Ranges that run backwards: croniter wraps them ("1-0" became every minute).
+    ("1-0 * * * *", "the range '1-0' in the minute field runs backwards"),
+    ("0 22-6 * * *", "write '22-23,0-6'"),
+    ("0 0 * * sat-sun", "the range 'sat-sun' in the day-of-week field runs backwards"),
+    ("0 0 1 dec-feb *", "write '12,1-2'"),
+    ("0 0 * * * 50-10/5", "the range '50-10/5' in the second field runs backwards"),
 ])
 def test_cron_problem(expression: object, fragment: str) -> None:
     problem = cron_problem(expression)
@@ -204,8 +217,33 @@ def test_cron_problem(expression: object, fragment: str) -> None:
 
 
 def test_valid_cron_expressions() -> None:
-    for expression in ("0 2 * * *", "*/5 * * * *", "0 9 * * mon-fri", "* * * * * 15"):
-        assert cron_problem(expression) is None
+    for expression in ("0 2 * * *", "*/5 * * * *", "0 9 * * mon-fri", "* * * * * 15",
+                       "*/10 * * * * 30", "0 0 * * * */2", "0 1-3 * * *", "0 0 * * 5-7",
+                       "0 0 1 jan-mar *", "0 0 * * fri-sat", "5-5 * * * *", "0 0 * * 7-1",
+                       "* * * * * *"):  # every field '*': every second, whichever is first
+        assert cron_problem(expression) is None, expression
+
+
+@pytest.mark.parametrize(("name", "fragment"), [
+    # Names that resolve to something different on each host: a web process and a runner
+    # (or two runners) could fire the same schedule at different wall times.
+    ("localtime", "is this host's own zone (/etc/localtime)"),
+    ("LocalTime", "is this host's own zone (/etc/localtime)"),
+    ("posixrules", "is a file of this host's time zone database"),
+    ("Factory", "is the time zone database's placeholder"),
+    ("right/UTC", "counts leap seconds"),
+    ("right/Europe/Berlin", "use 'Europe/Berlin'"),
+    ("posix/Europe/Berlin", "use 'Europe/Berlin'"),
+    ("Mars/Olympus", "unknown time zone 'Mars/Olympus'."),
+])
+def test_time_zones_that_differ_between_hosts_are_refused(name: str, fragment: str) -> None:
+    problem = timezone_problem(name)
+    assert problem is not None and fragment in problem, problem
+
+
+def test_portable_time_zones_are_accepted() -> None:
+    for name in ("UTC", BERLIN, NEW_YORK, "Etc/GMT+5", "EST5EDT", "Asia/Kolkata"):
+        assert timezone_problem(name) is None, name
 
 
 def test_bad_schedules_are_system_check_errors_naming_the_handler() -> None:
