@@ -357,6 +357,7 @@ def test_a_settings_error_is_not_also_reported_against_each_recurring_handler(
     ({"concurrency": 0}, "--concurrency must be at least 1."),
     ({"poll_interval": 0}, "--poll-interval must be greater than 0."),
     ({"poll_interval": -1.5}, "--poll-interval must be greater than 0."),
+    ({"poll_interval": 1e-6}, "--poll-interval must be at least 0.01 seconds"),
     ({"queues": " , ,"}, "--queues needs at least one queue name."),
 ])
 def test_runjobs_refuses_bad_arguments(options: dict[str, Any], message: str) -> None:

@@ -153,14 +153,18 @@ class Runner:
         # Capped like the settings of the same names (``bounds.MAX_SECONDS``): a longer wait
         # overflows the thread waits it feeds (``threading.TIMEOUT_MAX``), which would surface
         # as a traceback at start-up or a loop that dies once the runner runs.
-        for option, value, low in (("poll_interval", poll_interval, "> 0"),
+        # ``poll_interval`` has the setting's minimum (``conf.MIN_LOOP_INTERVAL``): a tinier
+        # one makes an idle runner busy-loop.
+        for option, value, low in (("poll_interval", poll_interval,
+                                    f">= {conf.MIN_LOOP_INTERVAL:g}"),
                                    ("shutdown_grace", shutdown_grace, ">= 0"),
                                    ("database_wait", database_wait, ">= 0")):
             if value is None:
                 continue
             number = isinstance(value, int | float) and not isinstance(value, bool)
+            least = conf.MIN_LOOP_INTERVAL if option == "poll_interval" else 0.0
             if not number or not math.isfinite(value) or value > bounds.MAX_SECONDS or (
-                    value <= 0 if low == "> 0" else value < 0):
+                    value < least):
                 raise ConfigurationError(
                     f"{option} must be a finite number of seconds {low} (at most "
                     f"{bounds.MAX_SECONDS:.0f}), got {value!r}.")

@@ -41,3 +41,11 @@ def test_an_unusable_name_is_refused(name: str) -> None:
 def test_database_wait_must_not_be_negative() -> None:
     with pytest.raises(ConfigurationError, match="database_wait"):
         Runner(database_wait=-1)
+
+
+@pytest.mark.parametrize("poll_interval", [0, 1e-6, 0.009])
+def test_poll_interval_has_the_settings_minimum(poll_interval: float) -> None:
+    """As ``POLL_INTERVAL``: a tinier one makes an idle runner busy-loop."""
+    with pytest.raises(ConfigurationError, match=r"poll_interval must be .*>= 0\.01"):
+        Runner(poll_interval=poll_interval)
+    assert Runner(poll_interval=0.01).settings.poll_interval == 0.01

@@ -54,6 +54,10 @@ class Command(BaseCommand):
         processes = options["processes"]
         if options["poll_interval"] is not None and options["poll_interval"] <= 0:
             raise CommandError("--poll-interval must be greater than 0.")
+        if options["poll_interval"] is not None and options[
+                "poll_interval"] < conf.MIN_LOOP_INTERVAL:
+            raise CommandError(f"--poll-interval must be at least {conf.MIN_LOOP_INTERVAL:g} "
+                               "seconds (a shorter one makes an idle runner busy-loop).")
         if options["database_wait"] is not None and not options["database_wait"] >= 0:
             raise CommandError("--database-wait must be a number of seconds, 0 or more.")
         queues = None
