@@ -71,6 +71,16 @@ class JobAttemptAdmin(JobsDatabaseMixin[JobAttempt], JobViewersMixin, ReadOnlyAd
     )
     search_fields = ("error_message",)
     search_help_text = "Search the error messages."
+    allowed_lookups = frozenset({
+        # The sidebar filters.
+        "outcome__exact", "outcome__isnull", "error_code__exact", "error_code__isnull",
+        JobTypeFilter.parameter_name, "runner_id__exact", "runner_id__isnull",
+        TenantFilter.parameter_name, "started_at__gte", "started_at__lt", "started_at__isnull",
+        # A dashboard failure group's "attempts" link, and the plain forms of the filters.
+        "outcome", "error_code", "runner_id", "outcome__in", "finished_at__gte", "finished_at__lte",
+    })
+    time_lookups = frozenset({"started_at__gte", "started_at__lt", "finished_at__gte",
+                              "finished_at__lte"})
     list_select_related = ("job",)
     list_per_page = 100
     ordering = ("-started_at", "-id")

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
-from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import quote as admin_quote
 from django.core.exceptions import BadRequest, PermissionDenied
 from django.db.models import CharField, Q, QuerySet
@@ -33,7 +32,7 @@ from ..models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from ..services import failure_group_dead_letters, retry_failure_group
 from ..stats import FAILED_OUTCOMES, run_start, runner_state, runner_thresholds
 from . import actions, display
-from .database import JobsDatabaseMixin, objects, refuse_nul
+from .database import JobsDatabaseMixin, objects, parse_time, refuse_nul
 from .schedules import schedule_link
 
 if TYPE_CHECKING:
@@ -136,15 +135,9 @@ def progress_fraction(progress: Any) -> tuple[float | None, str]:
 
 
 def _moment(name: str, value: str) -> datetime:
-    """A time from a filter parameter; an unreadable one is a bad lookup (the admin's
-    "?e=1" redirect), never a 500."""
-    try:
-        moment = parse_datetime(value)
-    except ValueError:
-        moment = None
-    if moment is None:
-        raise IncorrectLookupParameters(f"{name} must be an ISO 8601 time, got {value!r}.")
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    """A time from a filter parameter; an unreadable one, or one outside what a UTC timestamp
+    holds, is a bad lookup (the admin's "?e=1" redirect), never a 500."""
+    return parse_time(name, value)
 
 
 class FailedAttemptsFilter(admin.ListFilter):
@@ -209,6 +202,17 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
         FailedAttemptsFilter,
     )
     search_fields = ("dedup_key", "tenant", "job_type")
+    allowed_lookups = frozenset({
+        # The sidebar filters.
+        "status__exact", "status__isnull", "job_type__exact", "job_type__isnull",
+        "queue__exact", "queue__isnull", "tenant__exact", "tenant__isnull",
+        "last_error_code__exact", "last_error_code__isnull",
+        FailedAttemptsFilter.CODE, FailedAttemptsFilter.SINCE, FailedAttemptsFilter.UNTIL,
+        # The links of the dashboard, the job page, the runners and the schedules.
+        "status", "job_type", "queue", "tenant", "last_error_code", "locked_by",
+        "schedule__name",
+    })
+    time_lookups = frozenset({FailedAttemptsFilter.SINCE, FailedAttemptsFilter.UNTIL})
     search_help_text = ("Search by job id (whole, or its last 8 characters as shown), dedup key, "
                         "tenant or job type.")
     actions = ["retry_now", "retry_later", "retry_reset", "cancel"]
@@ -365,7 +369,9 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
         if request.method == "POST" and request.POST.get("confirm") == "yes" and shown_at:
             try:
                 until = parse_datetime(shown_at)
-            except ValueError:
+                if until is not None and until.tzinfo is not None:
+                    until.astimezone(UTC)  # (outside years 1-9999 in UTC: OverflowError)
+            except (ValueError, OverflowError):
                 until = None
             if until is None or until.tzinfo is None:
                 raise BadRequest(f"shown_at must be an ISO 8601 time with its offset, "

@@ -137,6 +137,9 @@ class JobScheduleAdmin(JobsDatabaseMixin[JobSchedule], _ScheduleAdminBase):
     list_display = ("name", "job_type", "expression", "zone", "next_run", "last_run_at",
                     "last_outcome", "state", "source")
     list_filter = ("source", "active", "paused", "last_result")
+    allowed_lookups = frozenset({f"{name}__{lookup}" for name in list_filter
+                                 for lookup in ("exact", "isnull")}
+                                | set(list_filter))
     search_fields = ("name", "job_type")
     actions = ["pause", "resume", "run_now"]
     ordering = ("name",)
