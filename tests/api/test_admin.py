@@ -86,3 +86,65 @@ def test_a_token_never_carries_job_permissions_its_creator_lacks(client: Client)
         assert response.status_code == 302, response.content.decode()[:2000]
     assert sorted(t.user.username for t in ApiToken.objects.all()) == ["clerk", "viewer-bot"]
 
+
+
+def test_a_view_only_user_cannot_revoke_tokens(client: Client):
+    """Revoking changes a token: a user who may only view tokens is not offered the action and
+    a hand-made POST of it revokes nothing."""
+    from django.contrib.auth.models import Permission
+
+    owner = make_user("ci-bot", "view_persistentjob")
+    token, secret = ApiToken.objects.create_token(user=owner, name="ci")
+    viewer = make_user("viewer", staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_apitoken"))
+    assert client.login(username="viewer", password="pw-123456")
+    listing = client.get("/admin/django_persistent_jobs/apitoken/")
+    assert listing.status_code == 200 and "revoke_tokens" not in listing.content.decode()
+    client.post("/admin/django_persistent_jobs/apitoken/",
+                {"action": "revoke_tokens", "_selected_action": [token.pk]})
+    token.refresh_from_db()
+    assert token.revoked_at is None
+    assert Client().get("/jobs/", **bearer(secret)).status_code == 200
+
+
+def test_no_token_is_made_for_an_inactive_user(client: Client):
+    """An inactive user has no permission (``has_perm`` is False), so the check that a token
+    carries no permission its creator lacks passed for one; once the account was reactivated,
+    the token acted with permissions the creator never had. A token for an inactive user is
+    refused, for everyone: it could authenticate nobody until then anyway."""
+    from django.contrib.auth.models import Permission
+
+    dormant = make_user("dormant", "view_persistentjob", "retry_persistentjob",
+                        "cancel_persistentjob")
+    dormant.is_active = False
+    dormant.save()
+    clerk = make_user("clerk", "view_persistentjob", staff=True)
+    clerk.user_permissions.add(*Permission.objects.filter(
+        content_type__app_label="django_persistent_jobs", codename__endswith="_apitoken"))
+    User.objects.create_superuser("root", password="pw-123456")
+    for requester in ("clerk", "root"):
+        assert client.login(username=requester, password="pw-123456")
+        response = client.post("/admin/django_persistent_jobs/apitoken/add/",
+                               {"name": "sneaky", "user": dormant.pk, "tenant": ""})
+        assert response.status_code == 200, requester  # the form again, with the error
+        assert "inactive" in response.content.decode(), requester
+        assert not ApiToken.objects.exists()
+
+
+def test_the_token_list_reads_the_users_of_a_page_in_one_query(client: Client):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    User.objects.create_superuser("root", password="pw-123456")
+    assert client.login(username="root", password="pw-123456")
+    counts = []
+    for tokens in (1, 21):
+        while ApiToken.objects.count() < tokens:
+            ApiToken.objects.create_token(
+                user=User.objects.create(username=f"u{ApiToken.objects.count()}"), name="t")
+        with CaptureQueriesContext(connection) as queries:
+            listing = client.get("/admin/django_persistent_jobs/apitoken/")
+        assert listing.status_code == 200
+        assert f"u{tokens - 1}" in listing.content.decode()
+        counts.append(len(queries.captured_queries))
+    assert counts[0] == counts[1], counts
