@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote as admin_quote
 from django.core.exceptions import BadRequest, PermissionDenied
-from django.db.models import CharField, Q, QuerySet
+from django.db.models import CharField, Count, Q, QuerySet
 from django.db.models.functions import Cast, Now
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -297,10 +297,24 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
 
     # ------------------------------------------------------------------ bulk actions
     def _bulk(self, request: HttpRequest, queryset: QuerySet[PersistentJob], name: str) -> None:
+        """Run the action on the selected jobs it applies to, one service call each; the others
+        are counted by status in one query and reported in one line. ("Select all" over a
+        table of finished jobs called the service, a query or more, once per row, only to be
+        refused.)"""
         action = actions.ACTIONS[name]
+        applicable = queryset.filter(status__in=action.applies_to)
+        skipped = dict(queryset.exclude(status__in=action.applies_to).order_by()
+                       .values_list("status").annotate(n=Count("id")).values_list("status", "n"))
         done, refused = actions.perform(self, request, action,
-                                        list(queryset.values_list("id", flat=True)))
+                                        list(applicable.values_list("id", flat=True)))
         actions.report(self, request, action.verb, len(done), refused)
+        if skipped:
+            counts = ", ".join(f"{n} {status.replace('_', '-')}"
+                               for status, n in sorted(skipped.items()))
+            allowed = ", ".join(status.replace("_", "-") for status in action.applies_to)
+            self.message_user(
+                request, f"Skipped {sum(skipped.values())} job(s) ({counts}): "
+                         f"{action.label} applies only to {allowed} jobs.", messages.WARNING)
 
     @admin.action(description="Retry now", permissions=["retry"])
     def retry_now(self, request: HttpRequest, queryset: QuerySet[PersistentJob]) -> None:
