@@ -31,7 +31,7 @@ from django.utils.safestring import SafeString
 from ..models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from ..services import failure_group_dead_letters, retry_failure_group
 from ..stats import FAILED_OUTCOMES, run_start, runner_state, runner_thresholds
-from . import actions, display
+from . import actions, display, listing
 from .database import JobsDatabaseMixin, objects, parse_time, refuse_nul
 from .schedules import schedule_link
 
@@ -195,10 +195,11 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
     list_display_links = ("short_id",)
     list_filter = (
         "status",
-        ("job_type", admin.AllValuesFieldListFilter),
-        ("queue", admin.AllValuesFieldListFilter),
-        ("tenant", admin.AllValuesFieldListFilter),
-        ("last_error_code", admin.AllValuesFieldListFilter),
+        # Choices from cheap sources, not a SELECT DISTINCT over the table (``listing``).
+        ("job_type", listing.values_filter(listing.job_types)),
+        ("queue", listing.values_filter(listing.queues)),
+        ("tenant", listing.values_filter(listing.tenants, empty=True)),
+        ("last_error_code", listing.values_filter(listing.recent_error_codes)),
         FailedAttemptsFilter,
     )
     search_fields = ("dedup_key", "tenant", "job_type")
@@ -217,7 +218,11 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
                         "tenant or job type.")
     actions = ["retry_now", "retry_later", "retry_reset", "cancel"]
     list_per_page = 50
+    # The count reads at most listing.EXACT_UP_TO rows, then estimates; no second, unfiltered
+    # count; no per-choice counts in the sidebar (each would read the table).
+    paginator = listing.EstimatedCountPaginator
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
     change_form_template = "admin/django_persistent_jobs/persistentjob/change_form.html"
 
     # ------------------------------------------------------------------ permissions
