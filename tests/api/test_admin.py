@@ -88,16 +88,27 @@ def test_a_token_never_carries_job_permissions_its_creator_lacks(client: Client)
 
 
 
+def quick_user(username: str, *perms: str, staff: bool = False) -> User:
+    """``make_user`` without a password (no slow hashing): these tests log in with
+    ``force_login``."""
+    from django.contrib.auth.models import Permission
+
+    user = User.objects.create_user(username, is_staff=staff)
+    user.user_permissions.set(Permission.objects.filter(
+        content_type__app_label="django_persistent_jobs", codename__in=perms))
+    return user
+
+
 def test_a_view_only_user_cannot_revoke_tokens(client: Client):
     """Revoking changes a token: a user who may only view tokens is not offered the action and
     a hand-made POST of it revokes nothing."""
     from django.contrib.auth.models import Permission
 
-    owner = make_user("ci-bot", "view_persistentjob")
+    owner = quick_user("ci-bot", "view_persistentjob")
     token, secret = ApiToken.objects.create_token(user=owner, name="ci")
-    viewer = make_user("viewer", staff=True)
+    viewer = quick_user("viewer", staff=True)
     viewer.user_permissions.add(Permission.objects.get(codename="view_apitoken"))
-    assert client.login(username="viewer", password="pw-123456")
+    client.force_login(viewer)
     listing = client.get("/admin/django_persistent_jobs/apitoken/")
     assert listing.status_code == 200 and "revoke_tokens" not in listing.content.decode()
     client.post("/admin/django_persistent_jobs/apitoken/",
@@ -114,16 +125,16 @@ def test_no_token_is_made_for_an_inactive_user(client: Client):
     refused, for everyone: it could authenticate nobody until then anyway."""
     from django.contrib.auth.models import Permission
 
-    dormant = make_user("dormant", "view_persistentjob", "retry_persistentjob",
+    dormant = quick_user("dormant", "view_persistentjob", "retry_persistentjob",
                         "cancel_persistentjob")
     dormant.is_active = False
     dormant.save()
-    clerk = make_user("clerk", "view_persistentjob", staff=True)
+    clerk = quick_user("clerk", "view_persistentjob", staff=True)
     clerk.user_permissions.add(*Permission.objects.filter(
         content_type__app_label="django_persistent_jobs", codename__endswith="_apitoken"))
-    User.objects.create_superuser("root", password="pw-123456")
-    for requester in ("clerk", "root"):
-        assert client.login(username=requester, password="pw-123456")
+    root = User.objects.create_superuser("root", password=None)
+    for requester in (clerk, root):
+        client.force_login(requester)
         response = client.post("/admin/django_persistent_jobs/apitoken/add/",
                                {"name": "sneaky", "user": dormant.pk, "tenant": ""})
         assert response.status_code == 200, requester  # the form again, with the error
@@ -135,8 +146,7 @@ def test_the_token_list_reads_the_users_of_a_page_in_one_query(client: Client):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    User.objects.create_superuser("root", password="pw-123456")
-    assert client.login(username="root", password="pw-123456")
+    client.force_login(User.objects.create_superuser("root", password=None))
     counts = []
     for tokens in (1, 21):
         while ApiToken.objects.count() < tokens:
@@ -148,3 +158,23 @@ def test_the_token_list_reads_the_users_of_a_page_in_one_query(client: Client):
         assert f"u{tokens - 1}" in listing.content.decode()
         counts.append(len(queries.captured_queries))
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("query", ["key_hash__startswith=a", "user_pk__regex=%28",
+                                   "revoked_at__year=99999"])
+def test_the_token_list_takes_only_its_own_filters(client: Client, query: str):
+    """As on the job pages: a lookup the list does not write (here one that would read the
+    stored secret digests back prefix by prefix) is a bad request, and a time outside what UTC
+    holds is the invalid-filter page."""
+    from django.contrib.auth.models import Permission
+
+    ApiToken.objects.create_token(user=quick_user("ci-bot"), name="ci")
+    viewer = quick_user("viewer", staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_apitoken"))
+    client.force_login(viewer)
+    assert client.get(f"/admin/django_persistent_jobs/apitoken/?{query}").status_code == 400
+    assert client.get("/admin/django_persistent_jobs/apitoken/?revoked_at__isnull=True"
+                      ).status_code == 200
+    late = client.get("/admin/django_persistent_jobs/apitoken/"
+                      "?revoked_at__gte=0001-01-01T00:00:00%2B05:00")
+    assert late.status_code == 302 and late["Location"].endswith("?e=1")
