@@ -157,6 +157,11 @@ class JobScheduleForm(_ScheduleFormBase):
             self.fields["interval_seconds"].help_text = "Seconds; give this or cron, not both."
         if self.instance.pk is not None and "version" in self.fields:
             self.fields["version"].initial = definition_version(self.instance.pk)
+        if self.instance.pk is not None and "paused" in self.fields:
+            # The box's value as drawn goes back with the form, and "changed" is judged
+            # against it, not against the row at save time: a post that does not carry it
+            # (no version either) never resumes a schedule paused meanwhile.
+            self.fields["paused"].show_hidden_initial = True
 
     def clean(self) -> dict[str, Any]:
         data: dict[str, Any] = super().clean() or {}

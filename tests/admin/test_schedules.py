@@ -87,6 +87,30 @@ def test_a_form_drawn_before_a_pause_does_not_resume_the_schedule(root: Client) 
     assert schedule.paused and schedule.payload == {"a": 1}
 
 
+def test_a_hand_made_post_without_what_it_saw_does_not_resume_a_paused_schedule(
+    root: Client,
+) -> None:
+    add_schedule("nightly", "test.recurring.tick", interval=60)
+    pause_schedule("nightly")
+    response = root.post(change_url("nightly"), {
+        "name": "nightly", "job_type": "test.recurring.tick", "cron": "",
+        "interval_seconds": "60", "timezone": "UTC", "payload": '{"b": 2}', "queue": "",
+        "priority": ""})
+    assert response.status_code == 302, response.content.decode()[:3000]
+    schedule = JobSchedule.objects.get(name="nightly")
+    assert schedule.paused and schedule.payload == {"b": 2}
+
+
+def test_a_fresh_form_resumes_when_its_box_is_unticked(root: Client) -> None:
+    add_schedule("nightly", "test.recurring.tick", interval=60)
+    pause_schedule("nightly")
+    form = drawn_form(root, "nightly")
+    assert form["paused"] == "on" and form["initial-paused"] == "True"
+    del form["paused"]
+    assert root.post(change_url("nightly"), form).status_code == 302
+    assert not JobSchedule.objects.get(name="nightly").paused
+
+
 def test_a_form_drawn_before_another_edit_does_not_overwrite_it(root: Client) -> None:
     add_schedule("nightly", "test.recurring.tick", interval=60)
     stale = drawn_form(root, "nightly")
