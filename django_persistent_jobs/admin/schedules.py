@@ -15,7 +15,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
+from django.db import connections
 from django.db.models import OuterRef, QuerySet, Subquery
+from django.forms.fields import InvalidJSONInput
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone as dj_timezone
@@ -38,7 +40,7 @@ from ..schedules.services import (
 )
 from ..schedules.timing import default_timezone
 from . import display
-from .database import JobsDatabaseMixin, objects
+from .database import JobsDatabaseMixin, alias, objects
 
 if TYPE_CHECKING:
     _ScheduleAdminBase = admin.ModelAdmin[JobSchedule]
@@ -63,9 +65,12 @@ def _in_zone(value: Any, zone: str | None) -> str:
 
 
 def runs_url(name: str) -> str:
-    """The job changelist narrowed to this schedule's runs (runs carry its name as dedup key)."""
+    """The job changelist narrowed to this schedule's runs: the jobs whose ``schedule`` record
+    (written on every run it enqueues) names it. A search for the name (``?q=``) also listed
+    other schedules' runs whose names contain it, and jobs whose dedup key or type contains it:
+    for a code schedule, named after its job type, every job of the type."""
     return (reverse("admin:django_persistent_jobs_persistentjob_changelist") + "?"
-            + urlencode({"q": name}))
+            + urlencode({"schedule__name": name}))
 
 
 def schedule_link(job: PersistentJob) -> str:
@@ -88,12 +93,58 @@ else:  # ModelForm is not subscriptable at run time
     _ScheduleFormBase = forms.ModelForm
 
 
+def definition_version(pk: Any) -> str | None:
+    """A digest of what the change form edits of schedule ``pk`` as stored now (its definition
+    and ``paused``), or None if there is no such row. Computed by PostgreSQL from the stored
+    values, so any payload it holds is digested. What firing changes (next and last run,
+    ``updated_at``) is left out: a tick while the form is open is no conflict."""
+    connection = connections[alias()]
+    quote = connection.ops.quote_name
+    column_of = {field.name: field.column or field.name
+                 for field in JobSchedule._meta.concrete_fields}
+    columns = ", ".join(quote(column_of[name]) for name in _DEFINITION_FIELDS)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT md5(ROW({columns})::text) FROM "
+                       f"{quote(JobSchedule._meta.db_table)} WHERE id = %s", [pk])
+        row = cursor.fetchone()
+    return str(row[0]) if row else None
+
+
+class PayloadField(forms.JSONField):
+    """The payload box. A JSON integer longer than Python reads (``sys.get_int_max_str_digits``,
+    4300 digits) made ``json.loads`` raise a ``ValueError`` that Django's field does not catch:
+    a 500 when the form was cleaned, and again when it was drawn with the error. Now it is a form
+    error, and the box keeps what was typed."""
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except ValueError as exc:  # (a JSONDecodeError is already a ValidationError)
+            raise ValidationError(f"The payload is not usable JSON: {exc}.",
+                                  code="invalid") from exc
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        try:
+            return super().bound_data(data, initial)
+        except ValueError:
+            return InvalidJSONInput(data)
+
+
 class JobScheduleForm(_ScheduleFormBase):
-    """Validates with the same function the Python API uses, so the messages match."""
+    """Validates with the same function the Python API uses, so the messages match.
+
+    The change form carries the digest of the schedule as it was drawn (``version``) and refuses
+    to save if the stored schedule has changed since: a form opened before someone else paused
+    the schedule during an incident resumed it when saved for a payload edit (its unticked
+    *paused* box differed from the row), and overwrote any definition edited meanwhile.
+    """
+
+    version = forms.CharField(widget=forms.HiddenInput, required=False)
 
     class Meta:
         model = JobSchedule
         fields = _DEFINITION_FIELDS
+        field_classes = {"payload": PayloadField}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -104,9 +155,24 @@ class JobScheduleForm(_ScheduleFormBase):
             self.fields["timezone"].initial = default_timezone()
         if "interval_seconds" in self.fields:
             self.fields["interval_seconds"].help_text = "Seconds; give this or cron, not both."
+        if self.instance.pk is not None and "version" in self.fields:
+            self.fields["version"].initial = definition_version(self.instance.pk)
+        if self.instance.pk is not None and "paused" in self.fields:
+            # The box's value as drawn goes back with the form, and "changed" is judged
+            # against it, not against the row at save time: a post that does not carry it
+            # (no version either) never resumes a schedule paused meanwhile.
+            self.fields["paused"].show_hidden_initial = True
 
     def clean(self) -> dict[str, Any]:
         data: dict[str, Any] = super().clean() or {}
+        seen = data.get("version")
+        if self.instance.pk is not None and seen and seen != definition_version(
+                self.instance.pk):
+            raise ValidationError(
+                "This schedule was changed since this page was drawn (by someone else, or in "
+                "another tab): saving would undo that change, a pause included. Nothing was "
+                "saved. Reload the page to see the schedule as it is now, then make your change "
+                "again.")
         if not {"job_type", "cron"} <= set(self.fields):
             return data
         try:
@@ -137,6 +203,9 @@ class JobScheduleAdmin(JobsDatabaseMixin[JobSchedule], _ScheduleAdminBase):
     list_display = ("name", "job_type", "expression", "zone", "next_run", "last_run_at",
                     "last_outcome", "state", "source")
     list_filter = ("source", "active", "paused", "last_result")
+    allowed_lookups = frozenset({f"{name}__{lookup}" for name in list_filter
+                                 for lookup in ("exact", "isnull")}
+                                | set(list_filter))
     search_fields = ("name", "job_type")
     actions = ["pause", "resume", "run_now"]
     ordering = ("name",)
@@ -196,6 +265,8 @@ class JobScheduleAdmin(JobsDatabaseMixin[JobSchedule], _ScheduleAdminBase):
         it is redacted as on the job page (``REDACT_KEYS``). Who may edit it sees it whole:
         the form saves what it shows."""
         fields = [f for f in super().get_fields(request, obj) if f != "shown_payload"]
+        if obj is None or not self.has_change_permission(request, obj):
+            fields = [f for f in fields if f != "version"]  # (only a change form has one)
         if obj is not None and not self.has_change_permission(request, obj):
             fields = ["shown_payload" if f == "payload" else f for f in fields]
         return fields

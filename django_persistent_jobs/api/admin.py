@@ -5,18 +5,21 @@ Registered from ``PersistentJobsConfig.ready()`` when ``django.contrib.admin`` i
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
 
+from ..admin.database import parse_time
 from .auth import ADD, CANCEL, RETRY, VIEW
-from .tokens import DISPLAY_CHARS, TOKEN_PREFIX, ApiToken, hash_token
+from .tokens import DISPLAY_CHARS, TOKEN_PREFIX, ApiToken, hash_token, user_model
 
 #: What a token can do with the jobs: the permissions the API checks.
 JOB_PERMISSIONS = (VIEW, ADD, RETRY, CANCEL)
@@ -47,10 +50,17 @@ class ApiTokenForm(forms.ModelForm):  # type: ignore[type-arg]
             self.fields["user"].initial = self.instance.user
 
     def clean_user(self) -> Any:
-        """Refuse a user with a job permission the requester lacks (or a superuser, for a
-        requester who is not one): the token would act as that user, so whoever may add
-        tokens could otherwise do through the API what the admin refuses them."""
+        """Refuse an inactive user, and a user with a job permission the requester lacks (or a
+        superuser, for a requester who is not one): the token would act as that user, so whoever
+        may add tokens could otherwise do through the API what the admin refuses them."""
         user = self.cleaned_data["user"]
+        if not getattr(user, "is_active", True):
+            # Django grants an inactive user no permission, so the comparison below would pass
+            # for one; reactivated, the account's token would act with all it may do then.
+            raise forms.ValidationError(
+                f"{user} is inactive: a token for them could authenticate nobody now, and would "
+                "act with whatever the account may do once it is reactivated. Reactivate the "
+                "account first, then create its token.")
         requester = self.requester
         if requester is None or requester.is_superuser or user.pk == requester.pk:
             return user
@@ -80,6 +90,15 @@ class ApiTokenAdmin(_Base):
     search_fields = ("name", "key_prefix", "user_pk", "tenant")
     readonly_fields = ("key_prefix", "created_at", "last_used_at", "revoked_at")
     actions = ("revoke_tokens",)
+    #: The filter parameters the list accepts: those of its "revoked at" filter. Django's admin
+    #: otherwise takes any lookup on the token's fields, ``key_hash__startswith`` included (the
+    #: stored digests, read back prefix by prefix), and values PostgreSQL refuses (a 500).
+    allowed_lookups = frozenset({"revoked_at__gte", "revoked_at__lt", "revoked_at__isnull"})
+    time_lookups = frozenset({"revoked_at__gte", "revoked_at__lt"})
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None,
+                       ) -> bool:
+        return lookup in self.allowed_lookups
 
     def get_form(self, request: HttpRequest, obj: ApiToken | None = None, change: bool = False,
                  **kwargs: Any) -> Any:
@@ -109,7 +128,29 @@ class ApiTokenAdmin(_Base):
             return
         super().save_model(request, obj, form, change)
 
-    @admin.action(description="Revoke selected tokens")
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        """Each row shows its token's user: read the users of the page in one query, not one
+        per row (``ApiToken.user`` reads its own when not given)."""
+        for name in self.time_lookups:  # (a time outside what UTC holds: "?e=1", not a 500)
+            for value in request.GET.getlist(name):
+                parse_time(name, value)
+        changelist = super().get_changelist_instance(request)
+        tokens = list(changelist.result_list)
+        model = user_model()
+        if model is not None and tokens:
+            pk_field = model._meta.pk
+            keys = set()
+            for token in tokens:
+                with contextlib.suppress(ValidationError, ValueError, TypeError):
+                    keys.add(pk_field.to_python(token.user_pk))
+            users = {str(u.pk): u for u in model._default_manager.filter(pk__in=keys)}
+            for token in tokens:
+                if token.user_pk in users:
+                    token.user = users[token.user_pk]
+        return changelist
+
+    # Revoking changes the token: who may only view tokens may not revoke them.
+    @admin.action(description="Revoke selected tokens", permissions=["change"])
     def revoke_tokens(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
         count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
         self.message_user(request, f"Revoked {count} token(s).", messages.SUCCESS)

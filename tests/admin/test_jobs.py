@@ -205,8 +205,8 @@ def test_retry_permission_grants_only_the_retry_actions(jobs: Jobs) -> None:
     assert jobs.status(jobs.pending) == "pending"
     result = run_action(client, "retry_now", jobs.dead, jobs.failed, jobs.done)
     assert (messages.SUCCESS, "Retried (now) 2 job(s).") in result
-    assert (messages.WARNING, f"Job {jobs.done.id} is completed; only failed, dead-lettered, "
-                              "cancelled or pending jobs can be retried.") in result
+    assert (messages.WARNING, "Skipped 1 job(s) (1 completed): Retry now applies only to "
+                              "failed, dead-lettered, cancelled, pending jobs.") in result
     assert [jobs.status(j) for j in (jobs.dead, jobs.failed, jobs.done)] == [
         "pending", "pending", "completed"]
 
@@ -237,8 +237,8 @@ def test_cancel_permission_grants_only_the_cancel_action(jobs: Jobs) -> None:
     assert jobs.status(jobs.dead) == "dead_lettered"
     result = run_action(client, "cancel", jobs.pending, jobs.failed, jobs.done)
     assert (messages.SUCCESS, "Cancelled (or asked to stop) 2 job(s).") in result
-    assert (messages.WARNING, f"Job {jobs.done.id} is completed; only pending, failed or "
-                              "running jobs can be cancelled.") in result
+    assert (messages.WARNING, "Skipped 1 job(s) (1 completed): Cancel applies only to "
+                              "pending, failed, running jobs.") in result
     assert [jobs.status(j) for j in (jobs.pending, jobs.failed, jobs.done)] == [
         "cancelled", "cancelled", "completed"]
 
@@ -260,3 +260,37 @@ def test_a_bulk_action_reports_a_database_error_per_job_and_what_it_did(
     assert warning.startswith(f"Job {jobs.dead.id}: database error: ")
     assert "frozen for an audit" in warning
     assert [jobs.status(j) for j in (jobs.dead, jobs.failed)] == ["dead_lettered", "pending"]
+
+
+@pytest.mark.django_db
+def test_a_bulk_action_over_every_row_calls_the_service_only_for_jobs_it_applies_to(
+    admin_client_: Client, jobs: Jobs,
+) -> None:
+    """"Select all" on a list of many finished jobs: they are skipped in one query and
+    counted in one message, not read and refused one by one (a query or more each)."""
+    from django.test.utils import CaptureQueriesContext
+
+    for _ in range(30):
+        _set(enqueue("core.adm.alpha", {}), status="completed", attempts=1,
+             finished_at=db_now())
+
+    def select_all() -> tuple[list[tuple[int, str]], int]:
+        with CaptureQueriesContext(connection) as queries:
+            response = admin_client_.post(reverse(CHANGELIST), {
+                "action": "retry_now", "index": "0", "select_across": "1",
+                "_selected_action": [str(jobs.dead.id)]}, follow=True)
+        assert response.status_code == 200
+        return [(m.level, m.message) for m in response.context["messages"]], len(
+            queries.captured_queries)
+
+    result, few = select_all()
+    assert (messages.SUCCESS, "Retried (now) 3 job(s).") in result
+    assert (messages.WARNING, "Skipped 31 job(s) (31 completed): Retry now applies only to "
+                              "failed, dead-lettered, cancelled, pending jobs.") in result
+    for _ in range(30):
+        _set(enqueue("core.adm.alpha", {}), status="completed", attempts=1,
+             finished_at=db_now())
+    result, more = select_all()
+    assert (messages.WARNING, "Skipped 61 job(s) (61 completed): Retry now applies only to "
+                              "failed, dead-lettered, cancelled, pending jobs.") in result
+    assert more == few  # (the three jobs retried before are pending now: retried again)
