@@ -30,7 +30,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import close_old_connections, connections, transaction
 from django.utils import timezone
 
-from .. import conf
+from .. import backoff, bounds, conf
 from ..errors import JobError, TransientJobError
 from ..handlers import HandlerSpec, check_options, code_location, global_backoff
 from ..ids import uuid7
@@ -387,10 +387,8 @@ class InProcessBackend(BaseTaskBackend):
             if isinstance(exc, TransientJobError) and exc.retry_after is not None:
                 delay = float(exc.retry_after)
             else:
-                try:
-                    delay = max(0.0, float((spec.backoff or global_backoff())(attempt)))
-                except Exception:
-                    delay = 60.0
+                delay = min(backoff.delay_after(spec.backoff or global_backoff(), attempt),
+                            bounds.MAX_SECONDS)
             object.__setattr__(result, "status", TaskResultStatus.READY)
             heapq.heappush(self._e.delayed, _Entry(
                 (time.monotonic() + delay, next(self._e.seq)), result, attempt + 1))

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-import math
 import threading
 import time
 import traceback as tb_module
@@ -27,7 +26,7 @@ from asgiref.sync import async_to_sync
 from django.db import connections, transaction
 from psycopg.pq import TransactionStatus
 
-from .. import bounds, signals
+from .. import backoff, signals
 from .._flag import Flag
 from ..context import JobContext
 from ..errors import JobCancelledError, JobError, PermanentJobError, TransientJobError
@@ -155,28 +154,11 @@ class Outcome:
     error_class: str = ""
 
 
-#: The retry delay used when a backoff function raises or returns no usable number of seconds.
-BACKOFF_FALLBACK_SECONDS = 60.0
-
-
 def _backoff_for(spec: HandlerSpec | None, attempt: int) -> float:
-    """The delay before the next attempt. A backoff may return seconds or a ``timedelta``
-    (``bounds.seconds_of``, as ``retry_job(mode="later")`` reads it); huge and infinite values
-    are bounded when stored (``store.storable_delay``). Anything else (NaN, a string, None)
-    must not become "retry at once" in a loop: it is logged and the fallback is used."""
-    fn = spec.effective_backoff() if spec is not None else global_backoff()
-    try:
-        value = fn(attempt)
-    except Exception:
-        logger.exception("backoff function failed; retrying in %ss", BACKOFF_FALLBACK_SECONDS)
-        return BACKOFF_FALLBACK_SECONDS
-    seconds = bounds.seconds_of(value)
-    if seconds is None or math.isnan(seconds):
-        logger.error("backoff function returned %s, not seconds; retrying in %ss",
-                     bounds.show(value), BACKOFF_FALLBACK_SECONDS,
-                     extra={"event": "backoff_unusable"})
-        return BACKOFF_FALLBACK_SECONDS
-    return max(0.0, seconds)
+    """The delay before the next attempt (``backoff.delay_after``); bounded when stored
+    (``store.storable_delay``)."""
+    return backoff.delay_after(spec.effective_backoff() if spec is not None else global_backoff(),
+                               attempt)
 
 
 def _describe(exc: BaseException) -> str:

@@ -256,3 +256,21 @@ def test_a_call_the_task_cannot_take_is_refused_at_enqueue() -> None:
         it.double.enqueue(1, value=2)
     assert it.CALLS == []
     assert finished(it.double.enqueue(value=3)).return_value == 6
+
+
+def test_a_backoffs_answer_is_read_as_the_runner_reads_it() -> None:
+    """A ``timedelta`` is its seconds (it used to fall back to 60 s); NaN is no delay at all,
+    so the 60 s fallback, not a retry at once."""
+    spaced = it.spaced_by_timedelta.enqueue()
+    finished(spaced)
+    assert spaced.status == TaskResultStatus.FAILED and spaced.attempts == 2
+    unusable = it.unusable_backoff.enqueue()
+
+    def failed_once() -> bool:
+        unusable.refresh()
+        return len(unusable.errors) == 1
+
+    wait_for(failed_once, message="the first attempt to fail")
+    time.sleep(0.3)  # a retry at once would have run by now
+    unusable.refresh()
+    assert len(unusable.errors) == 1 and not unusable.is_finished

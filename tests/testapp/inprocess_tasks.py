@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from datetime import timedelta
 from typing import Any
 
 from django_persistent_jobs.backends.compat import TaskContext
@@ -72,3 +73,14 @@ def hangs_serial() -> str:
 def quick_serial(label: str) -> str:
     CALLS.append(("quick", label))
     return label
+
+
+@task(backend="inprocess", max_retries=1, backoff=lambda attempt: timedelta(milliseconds=50))
+def spaced_by_timedelta() -> None:
+    """A ``timedelta`` backoff, as ``retry_job(mode="later")`` and the runner take it."""
+    raise RuntimeError("again")
+
+
+@task(backend="inprocess", max_retries=1, backoff=lambda attempt: float("nan"))
+def unusable_backoff() -> None:
+    raise RuntimeError("again")
