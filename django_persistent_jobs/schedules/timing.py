@@ -50,8 +50,10 @@ _MICROSECOND = timedelta(microseconds=1)
 def cron_problem(expression: object) -> str | None:
     """Return why ``expression`` is not a usable cron expression, or ``None`` if it is.
 
-    Five fields are standard cron; a sixth (croniter's optional seconds field, last) is accepted.
-    An expression that can never fire (``0 0 30 2 *``) is refused too, because it would sit in
+    Five fields are standard cron; a sixth (croniter's optional seconds field, last) is accepted,
+    and seven are the Quartz form the product brief names (seconds first, year last; ``?`` for
+    "no specific value"), see ``croniter_form``. An expression that can never fire
+    (``0 0 30 2 *``, a year that has passed) is refused too, because it would sit in
     the schedules table looking healthy while nothing ever runs.
     """
     if not isinstance(expression, str) or not expression.strip():
@@ -63,9 +65,13 @@ def cron_problem(expression: object) -> str | None:
     if problem:
         return f"cron {bounds.show(expression)} contains {problem}."
     fields = expression.split()
-    if len(fields) not in (5, 6):
+    if len(fields) not in (5, 6, 7):
         return (f"cron {expression!r} has {len(fields)} fields; use 5 (minute hour day month "
-                "weekday) or 6 (with seconds last).")
+                "weekday), 6 (with seconds last) or 7 (second minute hour day month weekday "
+                "year).")
+    written, expression = expression, croniter_form(expression)
+    if len(fields) == 7:
+        fields = expression.split()
     if any(token in ("R", "H") or token.startswith(("R(", "H(", "H/"))
            for token in re.split(r"[,\s]+", expression)):
         # croniter draws R afresh at every computation (a "daily" schedule would fire several
@@ -73,21 +79,37 @@ def cron_problem(expression: object) -> str | None:
         return (f"cron {expression!r} uses croniter's random (R) or hashed (H) fields; give "
                 "the minute or hour explicitly.")
     if not croniter.is_valid(expression):
-        return f"cron {expression!r} is not a valid cron expression."
-    problem = _backwards_range_problem(expression, fields) or _every_second_problem(
-        expression, fields)
+        return f"cron {written!r} is not a valid cron expression."
+    problem = _backwards_range_problem(written, fields) or _every_second_problem(
+        written, fields)
     if problem:
         return problem
     try:
-        croniter(expression, datetime(2000, 1, 1), max_years_between_matches=30).get_next(datetime)
+        # From now: a seven-field expression's year may have passed (it would never fire).
+        start = datetime.now(UTC).replace(tzinfo=None, microsecond=0)
+        croniter(expression, start, max_years_between_matches=30).get_next(datetime)
     except (CroniterBadDateError, CroniterBadCronError):
-        return f"cron {expression!r} never matches a date."
+        return f"cron {written!r} never matches a date."
     return None
+
+
+def croniter_form(expression: str) -> str:
+    """``expression`` as croniter reads it. Five and six fields are croniter's own (seconds
+    last). Seven are the Quartz / Rust ``cron`` crate form the product brief specifies:
+    ``second minute hour day month weekday year``, with ``?`` ("no specific value") allowed in
+    the day fields; croniter's own seven-field order puts the seconds sixth, so they are moved
+    there. The stored expression stays as written; every computation reads it through this."""
+    fields = expression.split()
+    if len(fields) != 7:
+        return expression
+    second, minute, hour, day, month, weekday, year = (
+        "*" if field == "?" else field for field in fields)
+    return " ".join((minute, hour, day, month, weekday, second, year))
 
 
 #: Each field's name and smallest and largest value, in croniter's order (seconds last).
 _FIELDS = (("minute", 0, 59), ("hour", 0, 23), ("day-of-month", 1, 31), ("month", 1, 12),
-           ("day-of-week", 0, 6), ("second", 0, 59))
+           ("day-of-week", 0, 6), ("second", 0, 59), ("year", 1970, 2099))
 _NAMES = {
     3: {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug",
                                     "sep", "oct", "nov", "dec"), start=1)},
@@ -213,7 +235,7 @@ def default_timezone() -> str:
 
 def fires_every_hour(expression: str) -> bool:
     """True when the hour field is ``*``: the schedule then follows elapsed time across DST."""
-    return expression.split()[1] in ("*", "*/1")
+    return croniter_form(expression).split()[1] in ("*", "*/1")
 
 
 def _aware(value: datetime, name: str) -> datetime:
@@ -278,7 +300,7 @@ def next_cron_tick(expression: str, zone: tzinfo | str, after: datetime) -> date
 
 def _scan(expression: str, tz: tzinfo, every_hour: bool, start: datetime,
           after: datetime) -> datetime:
-    iterator = croniter(expression, start.replace(microsecond=0))
+    iterator = croniter(croniter_form(expression), start.replace(microsecond=0))
     for _ in range(MAX_SCAN):
         try:
             wall: datetime = iterator.get_next(datetime)

@@ -22,6 +22,7 @@ from django_persistent_jobs.runner import Runner
 from django_persistent_jobs.schedules.timing import (
     Timing,
     cron_problem,
+    croniter_form,
     next_cron_tick,
     next_interval_tick,
     tick_label,
@@ -188,7 +189,10 @@ def test_tick_label_is_canonical() -> None:
 # ----------------------------------------------------------------------------- validation
 @pytest.mark.parametrize(("expression", "fragment"), [
     ("* * * *", "has 4 fields"),
-    ("* * * * * * *", "has 7 fields"),
+    ("* * * * * * * *", "has 8 fields"),
+    ("0 61 * * * ? *", "not a valid"),  # seven fields: the minute is the second one
+    ("0 0 0 30 2 ? *", "never matches"),
+    ("0 0 12 * * ? 2020", "never matches"),  # a year that has passed
     ("61 * * * *", "not a valid"),
     ("0 0 30 2 *", "never matches"),
     # croniter's random and hashed fields: no stable tick grid ("R 3" fired up to 4x a day).
@@ -270,3 +274,26 @@ def test_bad_schedules_are_system_check_errors_naming_the_handler() -> None:
 
 def test_schedule_error_is_a_value_error() -> None:
     assert issubclass(ScheduleError, ValueError)
+
+
+@pytest.mark.parametrize(("quartz", "classic"), [
+    ("0 */5 * * * ? *", "*/5 * * * *"),          # every five minutes, at second 0
+    ("0 30 9 ? * MON-FRI *", "30 9 * * mon-fri"),  # 09:30 on weekdays
+    ("0 0 2 1 * ? *", "0 2 1 * *"),                # 02:00 on the 1st
+    ("15 0 12 * * ? 2031", "0 12 * * * 15"),       # 12:00:15 daily, in 2031 only
+])
+def test_seven_field_cron_is_the_quartz_form_seconds_first_and_year_last(
+    quartz: str, classic: str,
+) -> None:
+    """The product brief specifies "standard 7-field cron syntax" (the Rust ``cron`` crate's
+    and Quartz's: second minute hour day month weekday year, ``?`` for "no specific value");
+    croniter's own seven fields put the seconds sixth. Both forms give the same ticks."""
+    assert cron_problem(quartz) is None
+    zone = ZoneInfo(BERLIN)
+    after = datetime(2031, 3, 29, 23, 58, 7, tzinfo=UTC)  # across a DST change in Berlin
+    quartz_ticks, classic_ticks = [after], [after]
+    for _ in range(5):
+        quartz_ticks.append(next_cron_tick(quartz, zone, quartz_ticks[-1]))
+        classic_ticks.append(next_cron_tick(classic, zone, classic_ticks[-1]))
+    assert quartz_ticks == classic_ticks
+    assert croniter_form("0 */5 * * * ? *") == "*/5 * * * * 0 *"
