@@ -16,6 +16,7 @@ from typing import Any
 from django.db import models
 from django.db.models import Exists, OuterRef, Q
 from django.db.models.expressions import BaseExpression, RawSQL
+from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import Cast, Now
 
 from ..ids import uuid7
@@ -255,6 +256,10 @@ class PersistentJob(models.Model):
                          condition=Q(status__in=TYPE_STATUS_INDEXED)),
             models.Index(fields=["tenant", "status"], name="pj_tenant_status_idx",
                          condition=Q(tenant__isnull=False)),
+            # A schedule's runs (the admin's "runs of X", ``?schedule__name=X``): only recurring
+            # runs have a schedule, so one-shot jobs add nothing here.
+            models.Index(KeyTransform("name", "schedule"), name="pj_schedule_name_idx",
+                         condition=Q(schedule__isnull=False)),
         ]
         constraints = [
             models.UniqueConstraint(

@@ -287,3 +287,22 @@ def test_due_is_claimable_plus_the_jobs_held_by_dedup() -> None:
     assert len(due_now) == 4
     earlier = set(jobs.filter(due(past - timedelta(minutes=1))).values_list("id", flat=True))
     assert earlier == set()
+
+
+@pytest.mark.django_db
+def test_a_schedules_runs_are_found_through_an_index() -> None:
+    """The admin's "runs of X" (``?schedule__name=X``) must not read a table of a million
+    finished one-shot jobs: only recurring runs are in ``pj_schedule_name_idx``."""
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO persistent_jobs (id, job_type, payload, status, max_retries, schedule,
+                                         finished_at, attempts)
+            SELECT gen_random_uuid(), 'core.idx', '{}'::jsonb, 'completed', 3,
+                   CASE WHEN g % 100 = 0 THEN jsonb_build_object('name', 'sched-' || (g % 7))
+                   END, now(), 1
+            FROM generate_series(1, 20000) AS g
+        """)
+        cursor.execute("ANALYZE persistent_jobs")
+    plan = PersistentJob.objects.filter(schedule__name="sched-3").explain()
+    assert "pj_schedule_name_idx" in plan, plan
+    assert PersistentJob.objects.filter(schedule__name="sched-3").count() == 28
