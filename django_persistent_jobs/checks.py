@@ -49,7 +49,9 @@ SETTING_CHECKS: dict[str, tuple[str, _Hint]] = {
     "DEFAULT_QUEUE": ("persistent_jobs.E011", "For example 'default'."),
     "DATABASE": ("persistent_jobs.E012", _database_aliases),
     conf.NOT_POSTGRESQL: ("persistent_jobs.E013",
-                          "Point PERSISTENT_JOBS['DATABASE'] at a PostgreSQL database."),
+                          "Set DATABASES['default'] ENGINE to 'django.db.backends.postgresql' "
+                          "(a new project starts on SQLite), or point "
+                          "PERSISTENT_JOBS['DATABASE'] at a PostgreSQL alias."),
     "ALLOW_UNREGISTERED": ("persistent_jobs.E014", "Use True or False."),
     "CONCURRENCY": ("persistent_jobs.E015", "Use a whole number of at least 1."),
     "POLL_INTERVAL": ("persistent_jobs.E016", "Use seconds (a number or a timedelta)."),

@@ -371,6 +371,14 @@ def job_handler(
     """
     if isinstance(job_type, type):  # bare @job_handler on a JobHandler subclass
         return job_handler()(job_type)
+    if callable(job_type):
+        # Bare @job_handler on a function: it would become the job type, the function would be
+        # replaced by the decorator, and nothing would be registered until an enqueue said so.
+        name = getattr(job_type, "__qualname__", None) or repr(job_type)
+        raise ConfigurationError(
+            f"@job_handler needs a job type to decorate a function ({name}): write "
+            "@job_handler(\"app.name\"). Only a JobHandler subclass with a job_type attribute "
+            "can use a bare @job_handler.")
 
     def decorate(target: Any) -> Any:
         options: dict[str, Any] = {

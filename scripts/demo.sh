@@ -4,6 +4,8 @@ source "$(dirname "$0")/_bootstrap.sh"
 if [ -z "${DATABASE_URL:-}" ]; then
     DATABASE_URL="$("$PYBIN" scripts/demo_db.py)"
     export DATABASE_URL
+else
+    "$PYBIN" scripts/demo_db.py --ensure "$DATABASE_URL"
 fi
 export DJANGO_SETTINGS_MODULE=example_project.settings
 echo "==> database: $DATABASE_URL"

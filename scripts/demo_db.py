@@ -50,5 +50,32 @@ def embedded_url() -> str:
     return f"postgres://postgres@{quote(str(data_dir), safe='')}/{DEMO_DB}"
 
 
+def ensure_named(url: str) -> None:
+    """A ``DATABASE_URL`` given by the user: create its database if the server answers but
+    does not have it (as the default demo database is created), else say what is wrong in one
+    line instead of a traceback from ``migrate``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        psycopg.connect(url, connect_timeout=3).close()
+        return
+    except psycopg.OperationalError as exc:
+        if "does not exist" not in str(exc):
+            sys.exit(f"==> cannot connect to DATABASE_URL={url}: {' '.join(str(exc).split())}")
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/")
+    admin = urlunsplit(parts._replace(path="/postgres"))
+    try:
+        with psycopg.connect(admin, autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.Error as exc:
+        sys.exit(f"==> database {name!r} does not exist and could not be created: "
+                 f"{' '.join(str(exc).split())} (createdb it, or unset DATABASE_URL)")
+    print(f"==> created database {name}", file=sys.stderr)
+
+
 if __name__ == "__main__":
-    print(local_url() or embedded_url())
+    if sys.argv[1:2] == ["--ensure"]:
+        ensure_named(sys.argv[2])
+    else:
+        print(local_url() or embedded_url())

@@ -494,3 +494,14 @@ def test_async_handlers_are_accepted_and_marked() -> None:
         assert one is not None and two is not None
         assert asyncio.run(one.func({"a": 1}, ctx)) == "one {'a': 1}"
         assert asyncio.run(two.func(5, ctx)) == "two 5 core.reg.async_two"
+
+
+def test_a_bare_job_handler_on_a_function_is_refused_at_once() -> None:
+    """``@job_handler`` without a type above a function took the function for the type and
+    registered nothing: ``check`` was clean and every enqueue said "not registered"."""
+    before = registry.job_types()
+    with pytest.raises(ConfigurationError, match=r"needs a job type.*@job_handler\("):
+        @job_handler
+        def resize_image(payload: Any) -> None:
+            return None
+    assert registry.job_types() == before

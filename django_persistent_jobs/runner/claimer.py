@@ -190,7 +190,9 @@ class UnknownTypes:
         """Claim up to ``room`` such jobs and hand them to the executor; True if any were.
         Looks at most every ``UNKNOWN_TYPES_CHECK_SECONDS`` unless ``force``."""
         claiming = self.claiming
-        if room <= 0 or conf.settings.ALLOW_UNREGISTERED:
+        if room <= 0 or conf.settings.ALLOW_UNREGISTERED or not len(registry):
+            # (A runner with no handler at all is misconfigured, a wrong settings module or
+            # an app missing: it must not judge every job in the table unknown.)
             return False
         now = time.monotonic()
         if not force and now - self.looked_at < UNKNOWN_TYPES_CHECK_SECONDS:

@@ -507,6 +507,12 @@ class Runner:
             self.settings.poll_interval, len(registry), " (burst)" if self.burst else "",
             extra={"event": "runner_started", "runner_id": self.runner_id},
         )
+        if not len(registry):
+            logger.warning(
+                "runner %s has no handlers: it claims nothing (check DJANGO_SETTINGS_MODULE, "
+                "INSTALLED_APPS, and that handlers live in an installed app's jobs.py or in a "
+                "module the app imports)", self.runner_id,
+                extra={"event": "no_handlers", "runner_id": self.runner_id})
 
     def _claiming(self) -> Claiming:
         """What the claim loop is given."""

@@ -573,3 +573,19 @@ def test_a_job_another_live_runner_has_a_handler_for_is_left_to_it(
     wait_status(orphan.id, JobStatus.DEAD_LETTERED)
     stored = get_job(theirs.id)
     assert (stored.status, stored.attempts) == (JobStatus.PENDING, 0)
+
+
+def test_a_runner_with_no_handlers_judges_no_job_unknown(
+    isolated_registry: Registry, caplog: Any,
+) -> None:
+    """A runner started with the wrong settings module (no app, no handler) must not
+    dead-letter the whole table as ``UNKNOWN_JOB_TYPE``: it claims nothing and says why. (A
+    burst runner looks for unknown types before it stops, so its exit settles the question.)"""
+    for job_type in isolated_registry.job_types():
+        isolated_registry.unregister(job_type)
+    stranded = PersistentJob.objects.create(job_type="hs.someone_elses", payload={})
+    with caplog.at_level("WARNING", logger="django_persistent_jobs.runner"):
+        assert Runner(burst=True, cleanup=False, scheduler=False).run() == 0
+    assert any(getattr(r, "event", None) == "no_handlers" for r in caplog.records)
+    stored = get_job(stranded.id)
+    assert (stored.status, stored.attempts) == (JobStatus.PENDING, 0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -65,9 +66,39 @@ def _filter_from(options: dict[str, Any]) -> queries.JobFilter:
 
 
 def _database_error(exc: DatabaseError) -> str:
-    """A database error as one line (the driver's messages span several)."""
+    """A database error as one line (the driver's messages span several); on a database that
+    was never migrated, what to do about it (as ``runjobs`` says)."""
     message = " ".join(str(exc).split())
+    if 'relation "persistent_jobs' in message and "does not exist" in message:
+        return ("The persistent_jobs tables are missing; run `python manage.py migrate` first "
+                f"(database error: {message}).")
     return f"database error: {message}"
+
+
+#: The shortest id prefix ``show``, ``retry`` and ``cancel`` accept: the admin lists the first
+#: eight hex digits of each id.
+MIN_ID_PREFIX = 8
+_HEX = frozenset("0123456789abcdef")
+
+
+def _resolve_id(text: str) -> str:
+    """A full job id as given, or the one job whose id starts with ``text`` (at least
+    ``MIN_ID_PREFIX`` hex digits, as the admin shows them). Ids are UUIDs, so a prefix is a
+    range of the primary key: one index probe, whatever the table holds. Anything else is
+    passed on unchanged, for the service to refuse in its own words."""
+    digits = text.strip().lower().replace("-", "")
+    if len(digits) >= 32 or len(digits) < MIN_ID_PREFIX or not set(digits) <= _HEX:
+        return text
+    from django_persistent_jobs.models import PersistentJob
+
+    low = uuid.UUID(digits.ljust(32, "0"))
+    high = uuid.UUID(digits.ljust(32, "f"))
+    found = list(PersistentJob.objects.filter(pk__gte=low, pk__lte=high)
+                 .order_by("pk").values_list("pk", flat=True)[:2])
+    if len(found) > 1:
+        raise CommandError(f"{text!r} is the start of several job ids ({found[0]}, "
+                           f"{found[1]}, ...); give more of it.", returncode=EXIT_USAGE)
+    return str(found[0]) if found else text
 
 class Command(BaseCommand):
     help = ("Inspect and operate persistent jobs. Exit codes: 0 ok, 1 error, 2 bad usage, "
@@ -151,7 +182,7 @@ class Command(BaseCommand):
 
     def do_show(self, options: dict[str, Any]) -> int:
         try:
-            job = queries.get_job(options["job_id"])
+            job = queries.get_job(_resolve_id(options["job_id"]))
         except JobNotFoundError as exc:
             self.stderr.write(str(exc))
             return EXIT_NOT_FOUND
@@ -162,6 +193,15 @@ class Command(BaseCommand):
             lines.append(f"  attempt {attempt['attempt']}: {attempt['outcome']} "
                          f"{attempt['error_code']} {attempt['duration_seconds']}s "
                          f"on {attempt['runner_id']}")
+            # What failed, not only its code: the first line of the message here, the whole
+            # traceback from -v 2 on (both are in --json).
+            message = (attempt.get("error_message") or "").strip()
+            if message:
+                first = message.splitlines()[0]
+                lines.append(f"    {first[:300]}{' ...' if len(first) > 300 else ''}")
+            traceback = (attempt.get("traceback") or "").rstrip()
+            if traceback and options["verbosity"] >= 2:
+                lines.extend(f"    {line}" for line in traceback.splitlines())
         self.emit(options, data, "\n".join(lines))
         return EXIT_OK
 
@@ -171,7 +211,7 @@ class Command(BaseCommand):
         if ids and not job_filter.is_empty:
             raise CommandError("Give job ids or filters, not both.", returncode=EXIT_USAGE)
         if ids:
-            return list(ids)
+            return [_resolve_id(job_id) for job_id in ids]
         if job_filter.is_empty:
             raise CommandError("Give job ids, or filters selecting the jobs (for example "
                                "--status dead_lettered --job-type emails.send).",
@@ -238,8 +278,7 @@ class Command(BaseCommand):
             raise CommandError(problem, returncode=EXIT_USAGE)
         data = dashboard_stats(window=timedelta(seconds=options["window"]),
                                tenant=options["tenant"]).to_dict()
-        lines = [f"{key}: {json.dumps(value, default=str)}" for key, value in data.items()]
-        self.emit(options, data, "\n".join(lines))
+        self.emit(options, data, "\n".join(_stats_text(data)))
         return EXIT_OK
 
     def do_prune(self, options: dict[str, Any]) -> int:
@@ -247,3 +286,58 @@ class Command(BaseCommand):
         self.emit(options, {"deleted": deleted},
                   f"Deleted {deleted} finished job(s) older than their retention.")
         return EXIT_OK
+
+
+#: At most this many stuck jobs and failure groups in the text of ``jobs stats``.
+STATS_TEXT_ROWS = 20
+
+
+def _stats_text(data: dict[str, Any]) -> list[str]:
+    """``jobs stats`` for a person: the answers an operator looks for first (what is waiting
+    or failing, is anything stuck, who runs it), one line each; the hourly and daily series and
+    every other field are in ``--json``."""
+    def seconds(value: Any) -> str:
+        return "-" if value is None else f"{float(value):.0f}s"
+
+    window_h = float(data["window"]) / 3600
+    head = f"as of {data['now']}, failures over the last {window_h:g} h"
+    lines = [head + (f", tenant {data['tenant']}" if data.get("tenant") else "")]
+    counts = data["status_counts"]
+    lines.append("jobs: " + ", ".join(f"{status} {counts.get(status, 0)}"
+                                      for status in JobStatus.values))
+    quiet = [q["queue"] for q in data["queues"] if not (q["waiting"] or q["running"])]
+    for queue in data["queues"]:
+        if queue["queue"] in quiet:
+            continue
+        lines.append(f"queue {queue['queue']}: {queue['waiting']} waiting ({queue['due']} due, "
+                     f"oldest due for {seconds(queue['oldest_due_wait'])}), "
+                     f"{queue['running']} running, "
+                     + (f"served by {len(queue['runners'])} runner(s)" if queue["served"]
+                        else "NOT served by any live runner"))
+    if quiet:
+        lines.append(f"queues with nothing waiting or running: {', '.join(quiet)}")
+    runners = data["runners"]
+    if not runners:
+        lines.append("runners: none")
+    for runner in runners:
+        lines.append(f"runner {runner['id']}: {runner['state']}, heartbeat "
+                     f"{seconds(runner['heartbeat_age'])} ago, {runner['jobs_held']} job(s) held")
+    stuck = data["stuck"]
+    kinds = ", ".join(f"{kind} {n}" for kind, n in data["stuck_counts"].items() if n)
+    lines.append(f"stuck: {data['stuck_total']}" + (f" ({kinds})" if kinds else ""))
+    for job in stuck[:STATS_TEXT_ROWS]:
+        lines.append(f"  {job['id']} {job['job_type']} {job['status']}: {job['detail']}")
+    if len(stuck) > STATS_TEXT_ROWS:
+        lines.append(f"  ... and {len(stuck) - STATS_TEXT_ROWS} more (--json)")
+    groups = data["failure_groups"]
+    lines.append(f"failures: {len(groups)} group(s) by job type and error code")
+    for group in groups[:STATS_TEXT_ROWS]:
+        message = " ".join(str(group.get("last_message") or "").split())[:160]
+        lines.append(f"  {group['job_type']} {group['error_code']}: {group['attempts']} "
+                     f"attempt(s) of {group['jobs']} job(s), {group['dead_letters']} dead-"
+                     f"lettered, last {group['last_seen']}: {message}")
+    if len(groups) > STATS_TEXT_ROWS:
+        lines.append(f"  ... and {len(groups) - STATS_TEXT_ROWS} more (--json)")
+    lines.append("(--json for the hourly and daily series, job types and tenants)")
+    return lines
+

@@ -23,7 +23,7 @@ from django.core.management import load_command_class
 from django.test import override_settings
 from django.utils import timezone
 
-from django_persistent_jobs.models import PersistentJob
+from django_persistent_jobs.models import JobAttempt, PersistentJob
 from tests.api_support import stage
 from tests.core_support import ROOT, run_without_database, subprocess_env
 
@@ -186,7 +186,12 @@ def test_stats_json_and_human():
     assert data["status_counts"]["dead_lettered"] == 1 and data["status_counts"]["pending"] == 1
     assert jobs_json("stats", "--tenant", "globex")["status_counts"]["dead_lettered"] == 0
     code, out, _ = jobs("stats")
-    assert code == 0 and "status_counts" in out
+    # For a person: the counts, the failure groups and the stuck list, one line each, not a
+    # dump of every field (the hourly series alone is a line of kilobytes).
+    assert code == 0 and "jobs: pending 1, running 0, completed 0, failed 0" in out, out
+    assert "failures: 0 group(s)" in out, out  # (groups are read from attempts)
+    assert "stuck: " in out and "runners: none" in out and '"hourly"' not in out
+    assert max(len(line) for line in out.splitlines()) < 400
     assert jobs("stats", "--window", "5")[0] == 2
 
 
@@ -231,3 +236,36 @@ def test_a_database_error_on_one_job_is_reported_for_it_and_the_rest_still_liste
     assert by_id[str(frozen.id)]["error"]["code"] == "database_error"
     assert "frozen for an audit" in by_id[str(frozen.id)]["error"]["message"]
     assert (data["ok"], data["refused"]) == (1, 1)
+
+
+def test_show_takes_the_short_id_the_admin_lists_and_says_what_failed() -> None:
+    job = stage(status="dead_lettered", attempts=1, error_code="SMTP")
+    JobAttempt.objects.create(job_id=job.id, attempt=1, runner_id="r", outcome="dead_lettered",
+                              error_code="SMTP", error_message="SMTPError: 550 mailbox full\nmore",
+                              traceback="Traceback (most recent call last):\n  boom")
+    short = str(job.id)[:8]
+    code, out, err = jobs("show", short)
+    assert code == 0, err
+    assert str(job.id) in out and "    SMTPError: 550 mailbox full" in out
+    assert "Traceback" not in out  # from -v 2 on
+    assert "Traceback (most recent call last)" in jobs("-v", "2", "show", short)[1]
+    # retry takes it too
+    assert jobs_json("retry", short)["results"][0] == {"id": str(job.id), "ok": True,
+                                                       "status": "pending"}
+    # too short to be a prefix: refused as no job id; several matches: say so
+    assert jobs("show", short[:7])[0] == 3
+    twin = PersistentJob.objects.create(id=uuid.UUID(str(job.id)[:8] + "-0000-7000-8000-"
+                                                     + "0" * 12), job_type="test.noop")
+    code, _, err = jobs("show", short)
+    assert code == 2 and "several job ids" in err and str(twin.id) in err
+
+
+def test_a_database_that_was_never_migrated_is_named() -> None:
+    from django.db import ProgrammingError
+
+    from django_persistent_jobs.management.commands.jobs import _database_error
+
+    message = _database_error(ProgrammingError(
+        'relation "persistent_jobs" does not exist\nLINE 1: SELECT ...'))
+    assert message.startswith("The persistent_jobs tables are missing; run `python manage.py "
+                              "migrate` first")
