@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.auth import get_user
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import BadRequest, RequestDataTooBig, SuspiciousOperation
 from django.http import HttpRequest
+from django.http.multipartparser import MultiPartParserError
 from django.middleware.csrf import CsrfViewMiddleware
 
-from .http import ApiError, body_too_large
+from .http import ApiError, body_too_large, unreadable_form
 from .tokens import ApiToken
 
 APP = "django_persistent_jobs"
@@ -65,6 +66,10 @@ def _check_csrf(request: HttpRequest) -> None:
     except RequestDataTooBig:
         # Without an X-CSRFToken header the check reads a form body for csrfmiddlewaretoken.
         raise body_too_large() from None
+    except (SuspiciousOperation, MultiPartParserError, BadRequest) as exc:
+        # Reading that form failed (too many fields or files, a malformed multipart body, a
+        # charset other than UTF-8): Django would answer with its HTML 400 page.
+        raise unreadable_form(exc) from None
     if reason:
         raise ApiError(403, "csrf_failed", f"CSRF check failed: {reason}. Send the csrftoken "
                                            "cookie's value in the X-CSRFToken header.")
