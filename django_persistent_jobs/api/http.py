@@ -15,7 +15,14 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import BadRequest, RequestDataTooBig, SuspiciousOperation
-from django.db import InterfaceError, OperationalError, connections, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.http import HttpRequest, HttpResponse, JsonResponse, RawPostDataException
 from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
@@ -159,10 +166,32 @@ View = Callable[..., HttpResponse]
 RETRY_AFTER_SECONDS = 15
 
 
+#: PostgreSQL's read_only_sql_transaction: a write to a database that is (now) read-only, a
+#: standby after a failover, or one set ``default_transaction_read_only``. Django raises it
+#: as ``InternalError``, the class it shares with errors that are bugs.
+READ_ONLY_SQLSTATE = "25006"
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a database error (psycopg 3's ``sqlstate``, psycopg2's ``pgcode``)."""
+    cause = exc.__cause__
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    return code if isinstance(code, str) else None
+
+
+def is_unavailable(exc: DatabaseError) -> bool:
+    """Whether a database error means the database cannot be used right now (down, restarting,
+    failing over, read-only, a lock or statement timeout), not that the request or the code is
+    wrong: what the API answers with a 503 a client can retry."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, InternalError) and sqlstate(exc) == READ_ONLY_SQLSTATE
+
+
 def database_unavailable(exc: BaseException) -> ApiError:
-    """A 503 for a database the request could not use (down, restarting, failing over, a lock
-    or statement timeout): a transient condition clients and load balancers retry, answered in
-    JSON like every other error instead of Django's HTML 500 page.
+    """A 503 for a database the request could not use (down, restarting, failing over,
+    read-only, a lock or statement timeout): a transient condition clients and load balancers
+    retry, answered in JSON like every other error instead of Django's HTML 500 page.
 
     The cause is logged, not returned: psycopg's message names the database's host and port,
     and the caller may not even be authenticated yet (checking a token needs the database).
@@ -206,7 +235,9 @@ def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
                 response = view(request, *args, **kwargs)
             except ApiError as error:
                 response = error_response(error)
-            except (OperationalError, InterfaceError) as exc:
+            except DatabaseError as exc:
+                if not is_unavailable(exc):
+                    raise
                 response = error_response(database_unavailable(exc))
             if request.method == "HEAD":
                 length = len(response.content)

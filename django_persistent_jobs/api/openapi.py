@@ -60,8 +60,9 @@ _E403 = _error("Missing permission, CSRF failure (session), or outside the token
 _E404 = _error("No such job (or not visible to a tenant-bound token).")
 _E409 = _error("The job's state does not allow this action.")
 _E413 = _error("The body is larger than the site's DATA_UPLOAD_MAX_MEMORY_SIZE.")
-_E503 = {**_error("The database is unavailable (down, restarting, a lock or statement "
-                  "timeout); nothing was done. Try again after `Retry-After` seconds."),
+_E503 = {**_error("The database is unavailable (down, restarting, read-only, a lock or "
+                  "statement timeout); nothing was done. Try again after `Retry-After` "
+                  "seconds."),
          "headers": {"Retry-After": {"schema": {"type": "string"}}}}
 
 _SUMMARY_PROPERTIES: dict[str, Any] = {

@@ -15,6 +15,7 @@ from django.test import Client
 
 from django_persistent_jobs.api.openapi import document
 from django_persistent_jobs.api.tokens import ApiToken, hash_token
+from django_persistent_jobs.metrics import available as metrics_available
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from tests.api_support import (
     ALL_PERMS,
@@ -350,6 +351,46 @@ def test_an_unreachable_database_is_a_json_503_on_every_endpoint() -> None:
         assert body["error"]["code"] == "database_unavailable"
         assert "127.0.0.1" not in content and "port 1" not in content
         assert_matches_schema(method, path, status, body)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("atomic_requests", [False, True])
+def test_a_read_only_database_still_answers_reads_and_refuses_writes_with_json_503(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        atomic_requests: bool) -> None:
+    """A database that turned read-only (a standby after a failover: PostgreSQL's 25006,
+    "cannot execute UPDATE in a read-only transaction", which Django raises as InternalError)
+    answered every endpoint, reads included, with Django's HTML 500: checking a token first
+    records its use (an UPDATE). Recording use is now best-effort, reads answer, and writes are
+    the documented JSON 503 ``database_unavailable``, whether or not each request runs in a
+    transaction of its own (``ATOMIC_REQUESTS``)."""
+    from django.db import connection, connections
+
+    monkeypatch.setitem(connections.settings[connection.alias], "ATOMIC_REQUESTS",
+                        atomic_requests)
+    secret = make_token(make_user("operator", *ALL_PERMS))
+    job = stage(status="failed")
+    before = table_fingerprint()
+    client = Client(raise_request_exception=False)
+    with connection.cursor() as cursor:
+        cursor.execute("SET default_transaction_read_only = on")
+    try:
+        for path in ("/jobs/", f"/jobs/{job.id}", "/jobs/stats"):
+            response = call(client, "GET", path, secret)
+            assert response.status_code == 200, (path, response.content[:300])
+        assert "could not record" in caplog.text
+        metrics = client.get("/metrics", **bearer(secret))  # reads only: served
+        assert metrics.status_code == (200 if metrics_available() else 501), metrics.content[:300]
+        for path, body in ((f"/jobs/{job.id}/retry", None), (f"/jobs/{job.id}/cancel", None),
+                           ("/jobs/", {"job_type": "test.noop"})):
+            response = call(client, "POST", path, secret, body)
+            assert response.status_code == 503, (path, response.content[:300])
+            assert response.json()["error"]["code"] == "database_unavailable"
+            assert response["Retry-After"] == "15"
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET default_transaction_read_only = off")
+    assert table_fingerprint() == before
 
 
 def test_retry_400_for_a_bad_mode(client: Client, operator_token: str):
