@@ -11,7 +11,9 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+from django.db import connection
 from django.test import Client
+from django.utils.timezone import now as timezone_now
 
 from django_persistent_jobs.api.openapi import document
 from django_persistent_jobs.api.tokens import ApiToken, hash_token
@@ -73,6 +75,36 @@ def test_enqueue_run_at(client: Client, operator_token: str):
                     {"job_type": "test.noop", "run_at": when.isoformat()})
     assert response.status_code == 201
     assert PersistentJob.objects.get().next_run_at == when
+
+
+@pytest.mark.parametrize("time_zone", ["America/New_York", "UTC"])
+def test_times_are_utc_with_an_offset_with_use_tz_false(client: Client, operator_token: str,
+                                                        settings: Any, time_zone: str):
+    """With ``USE_TZ = False`` Django hands out naive datetimes in ``TIME_ZONE``: the API
+    served them as they were, local times without an offset, which ``format: date-time``
+    forbids and clients read as UTC. They are UTC with their offset, as with ``USE_TZ``."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = time_zone
+    created = call(client, "POST", "/jobs/", operator_token,
+                   {"job_type": "test.noop", "run_at": "2030-01-02T03:04:05Z"})
+    assert created.status_code == 201
+    job = created.json()["job"]
+    assert job["next_run_at"] == "2030-01-02T03:04:05+00:00"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now() AT TIME ZONE 'UTC'")
+        utc_now = cursor.fetchone()[0].replace(tzinfo=UTC)
+    PersistentJob.objects.filter(pk=job["id"]).update(status="failed", attempts=1)
+    JobAttempt.objects.create(job_id=job["id"], attempt=1, runner_id="r", outcome="failed",
+                              started_at=timezone_now(), finished_at=timezone_now())
+    listed = call(client, "GET", "/jobs/", operator_token).json()["results"][0]
+    detail = call(client, "GET", f"/jobs/{job['id']}", operator_token).json()
+    for data in (job, listed, detail, detail["attempt_history"][0]):
+        for name in ("created_at", "updated_at", "started_at", "finished_at"):
+            if data.get(name) is not None:
+                when = datetime.fromisoformat(data[name])
+                assert when.utcoffset() == timedelta(0), (name, data[name])
+                assert abs(when - utc_now) < timedelta(minutes=5), (name, data[name])
+    assert listed["next_run_at"] == detail["next_run_at"] == "2030-01-02T03:04:05+00:00"
 
 
 def test_get_job_shows_attempts_with_codes_and_timings(client: Client, operator_token: str):
@@ -364,7 +396,7 @@ def test_a_read_only_database_still_answers_reads_and_refuses_writes_with_json_5
     records its use (an UPDATE). Recording use is now best-effort, reads answer, and writes are
     the documented JSON 503 ``database_unavailable``, whether or not each request runs in a
     transaction of its own (``ATOMIC_REQUESTS``)."""
-    from django.db import connection, connections
+    from django.db import connections
 
     monkeypatch.setitem(connections.settings[connection.alias], "ATOMIC_REQUESTS",
                         atomic_requests)
