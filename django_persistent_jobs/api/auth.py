@@ -73,7 +73,7 @@ def _check_csrf(request: HttpRequest) -> None:
     except (SuspiciousOperation, MultiPartParserError, BadRequest) as exc:
         # Reading that form failed (too many fields or files, a malformed multipart body, a
         # charset other than UTF-8): Django would answer with its HTML 400 page.
-        raise unreadable_form(exc) from None
+        raise unreadable_form(request, exc) from None
     if reason:
         raise ApiError(403, "csrf_failed", f"CSRF check failed: {reason}. Send the csrftoken "
                                            "cookie's value in the X-CSRFToken header.")

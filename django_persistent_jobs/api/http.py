@@ -99,10 +99,12 @@ class Body:
     form: bool
 
 
-def unreadable_form(exc: Exception) -> ApiError:
+def unreadable_form(request: HttpRequest, exc: Exception) -> ApiError:
     """A 400 for a form Django refused to parse: too many fields or files
     (``DATA_UPLOAD_MAX_NUMBER_FIELDS``/``_FILES``), a malformed multipart body, a charset other
     than UTF-8. Said in JSON, not with Django's HTML 400 page."""
+    if isinstance(exc, SuspiciousOperation):
+        _log_suspicious(request, exc)
     return ApiError(400, "invalid_form", f"The form could not be read: {exc}", field="body")
 
 
@@ -116,7 +118,7 @@ def read_body(request: HttpRequest, *, optional: bool = False) -> Body:
     except RequestDataTooBig:
         raise body_too_large() from None
     except (SuspiciousOperation, MultiPartParserError, BadRequest) as exc:
-        raise unreadable_form(exc) from None
+        raise unreadable_form(request, exc) from None
     for name in files:
         raise ApiError(400, "invalid", f"{name} is a file; no field of this API takes one.",
                        field=name)
@@ -209,6 +211,32 @@ def database_unavailable(exc: BaseException) -> ApiError:
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
+def _read_query(request: HttpRequest) -> None:
+    """Parse the query string up front: past ``DATA_UPLOAD_MAX_NUMBER_FIELDS`` Django refuses
+    it (``TooManyFieldsSent``) wherever a view first reads ``request.GET``; said here, naming
+    the query, instead of Django's HTML 400 page."""
+    try:
+        request.GET  # noqa: B018 - parsed (and cached) for its error
+    except SuspiciousOperation as exc:
+        _log_suspicious(request, exc)
+        raise ApiError(400, "invalid", f"The query string could not be read: {exc}",
+                       field="query") from None
+
+
+def _log_suspicious(request: HttpRequest, exc: SuspiciousOperation) -> None:
+    """Where Django's own handler would log it (``django.security.<class>``), for the sites
+    that watch that logger: answering in JSON must not hide it."""
+    logging.getLogger(f"django.security.{type(exc).__name__}").error(
+        str(exc), extra={"status_code": 400, "request": request})
+
+
+def refused(request: HttpRequest, exc: SuspiciousOperation) -> ApiError:
+    """A 400 for what Django refuses as suspicious (too many fields or files in a form read
+    while checking a session's CSRF token, a disallowed host): JSON, not Django's HTML page."""
+    _log_suspicious(request, exc)
+    return ApiError(400, "bad_request", f"The request was refused: {exc}")
+
+
 def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
     """Allowed methods answered with JSON 405 otherwise; ``ApiError`` rendered as JSON, and a
     database that cannot be used as a JSON 503 (``database_unavailable``).
@@ -232,9 +260,12 @@ def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
                         405, "method_not_allowed",
                         f"{request.method} is not allowed here; use {', '.join(allowed)}.",
                         headers={"Allow": ", ".join(allowed)})
+                _read_query(request)
                 response = view(request, *args, **kwargs)
             except ApiError as error:
                 response = error_response(error)
+            except SuspiciousOperation as exc:
+                response = error_response(refused(request, exc))
             except DatabaseError as exc:
                 if not is_unavailable(exc):
                     raise

@@ -351,6 +351,47 @@ def test_a_body_over_the_upload_limit_is_json_413(client: Client, operator_token
     assert table_fingerprint() == before
 
 
+def test_more_fields_than_django_reads_is_a_json_400(client: Client, operator_token: str,
+                                                     settings: Any):
+    """Past ``DATA_UPLOAD_MAX_NUMBER_FIELDS`` (a query string, or a session's form whose CSRF
+    check reads it) Django raises ``TooManyFieldsSent``: its HTML 400 page, not the API's JSON
+    400 naming the body."""
+    settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = 50
+    job = stage(status="failed")
+    before = table_fingerprint()
+    many = "&".join("status=failed" for _ in range(51))
+    for method, path in (("GET", f"/jobs/?{many}"), ("GET", f"/jobs/stats?{many}"),
+                         ("GET", f"/jobs/{job.id}?{many}"),
+                         ("POST", f"/jobs/{job.id}/cancel?{many}")):
+        response = call(client, method, path, operator_token)
+        assert response.status_code == 400, (path, response.content[:300])
+        assert response.json()["error"]["field"] == "query"
+    fields = "&".join(f"f{i}=1" for i in range(51))
+    response = client.post(f"/jobs/{job.id}/cancel", fields,
+                           content_type="application/x-www-form-urlencoded",
+                           **bearer(operator_token))
+    assert response.status_code == 400, response.content[:300]
+    make_user("staffer", *ALL_PERMS)
+    browser = Client(enforce_csrf_checks=True)
+    assert browser.login(username="staffer", password="pw-123456")
+    browser.get("/admin/login/")
+    csrf = browser.cookies["csrftoken"].value
+    for content_type, body in (
+            ("application/x-www-form-urlencoded", f"csrfmiddlewaretoken={csrf}&{fields}"),
+            ("multipart/form-data; boundary=B",
+             "".join(f'--B\r\nContent-Disposition: form-data; name="f{i}"\r\n\r\n1\r\n'
+                     for i in range(51)) + "--B--\r\n")):
+        response = browser.generic("POST", f"/jobs/{job.id}/cancel", body,
+                                   content_type=content_type)
+        assert response["Content-Type"].startswith("application/json"), response.content[:300]
+        assert response.status_code == 400, response.content[:300]
+        assert response.json()["error"] == {
+            "code": "invalid_form", "field": "body", "message": response.json()["error"][
+                "message"]}
+        assert_matches_schema("POST", f"/jobs/{job.id}/cancel", 400, response.json())
+    assert table_fingerprint() == before
+
+
 def test_an_unreachable_database_is_a_json_503_on_every_endpoint() -> None:
     """Every answer is JSON, errors included (docs/api.md): with the database down (a failover,
     a restart) a client gets a JSON 503 with ``Retry-After``, what HTTP clients and load
