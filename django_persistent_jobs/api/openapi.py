@@ -185,7 +185,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                 "Enqueue, inspect, retry and cancel persistent jobs. Authenticate with "
                 "`Authorization: Bearer <token>` (an API token; it has its user's permissions "
                 "and may be bound to one tenant) or a Django session, which must send the CSRF "
-                "token (X-CSRFToken) on POST."
+                "token (X-CSRFToken, or a form's csrfmiddlewaretoken) on POST. POST bodies are "
+                "JSON or the same fields as a form."
             ),
         },
         "servers": [{"url": base_path.rstrip("/") or "/"}],
@@ -277,7 +278,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "summary": "This document.",
                     "security": [],
                     "responses": {"200": {"description": "The OpenAPI document.", "content": {
-                        "application/json": {"schema": {"type": "object"}}}}},
+                        "application/json": {"schema": {"type": "object"}}}},
+                        "400": _E400},
                 },
             },
         },

@@ -369,7 +369,9 @@ def stats_view(request: HttpRequest) -> HttpResponse:
 
 @json_endpoint(["GET"])
 def openapi_view(request: HttpRequest) -> HttpResponse:
-    """The OpenAPI 3 document; public, like any API description (it holds no data)."""
+    """The OpenAPI 3 document; public, like any API description (it holds no data). Unknown
+    query parameters are 400 here too, as on every endpoint (docs/api.md)."""
+    _refuse_query(request)
     return json_response(openapi.document(request.path.rsplit("/", 1)[0] or "/"))
 
 
