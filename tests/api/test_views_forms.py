@@ -212,3 +212,20 @@ def test_the_document_declares_the_form_bodies():
     for bad in ({"priority": "high"}, {"delay": "1_000"}, {"run_at": "tomorrow"},
                 {"dedup": "sometimes"}, {"colour": "red"}, {"job_type": ""}):
         assert not validator.is_valid({"job_type": "test.noop", **bad}), bad
+
+
+def test_an_unreadable_form_is_a_json_400_and_does_nothing(client: Client,
+                                                           operator_token: str):
+    """A multipart body without a boundary, or a url-encoded one in another charset than
+    UTF-8: Django refuses to parse it; the API says so in JSON instead of acting on no fields
+    (an empty form would cancel)."""
+    job = stage(status="failed")
+    before = table_fingerprint()
+    for content_type, body in (("multipart/form-data", b"x"),
+                               (f"{FORM}; charset=latin-1", b"mode=now")):
+        path = f"/jobs/{job.id}/cancel"
+        response = checked("POST", path, client.generic(
+            "POST", path, body, content_type=content_type, **bearer(operator_token)))
+        assert response.status_code == 400, (content_type, response.content[:300])
+        assert response.json()["error"]["field"] == "body"
+    assert table_fingerprint() == before
