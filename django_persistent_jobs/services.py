@@ -149,7 +149,11 @@ def cancel_job(job_id: uuid.UUID | str, *, actor: str | None = None) -> Persiste
     is logged as for ``retry_job``.
     """
     job = _load(job_id)
-    with connections[_alias()].cursor() as cursor:
+    # A savepoint inside a caller's transaction (ATOMIC_REQUESTS, an atomic() block, a bulk
+    # action), as retry_job has: an UPDATE the database refuses (a trigger, a lock timeout)
+    # then undoes only itself, instead of aborting the caller's transaction for every later
+    # statement ("current transaction is aborted").
+    with transaction.atomic(using=_alias()), connections[_alias()].cursor() as cursor:
         cursor.execute(
             "UPDATE persistent_jobs SET "
             "status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END, "

@@ -52,8 +52,9 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Coalesce, Trunc
+from django.db.models.functions import Coalesce
 from django.db.models.lookups import LessThan
+from django.utils import timezone
 
 from . import conf
 from .handlers import registry
@@ -87,9 +88,32 @@ STUCK_KINDS: dict[str, str] = {
 }
 
 
+def as_utc(value: datetime) -> datetime:
+    """``value`` as an aware UTC datetime. With ``USE_TZ = False`` Django hands out naive
+    datetimes in ``TIME_ZONE`` (the connection's zone): read them there, not in the server
+    process's zone, which is what ``astimezone`` would assume."""
+    if timezone.is_naive(value):
+        value = timezone.make_aware(value, timezone.get_default_timezone())
+    return value.astimezone(UTC)
+
+
+class _UtcHour(Func):
+    """The UTC hour a ``timestamptz`` falls in, as a naive UTC timestamp: truncated in UTC
+    whatever ``USE_TZ`` and the connection's time zone (Django's ``Trunc(tzinfo=UTC)`` ignores
+    its ``tzinfo`` when ``USE_TZ`` is off, and truncates in ``TIME_ZONE``, whose hours need not
+    be UTC's). ``_utc_hour_key`` makes the value aware."""
+
+    template = "date_trunc('hour', %(expressions)s AT TIME ZONE 'UTC')"
+    output_field = DateTimeField()
+
+
+def _utc_hour_key(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if timezone.is_naive(value) else value.astimezone(UTC)
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, datetime):
-        return value.astimezone(UTC).isoformat()
+        return as_utc(value).isoformat()
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, dict):
@@ -374,7 +398,7 @@ def _series(
     jobs: QuerySet[PersistentJob], attempts: QuerySet[JobAttempt], now: datetime,
 ) -> tuple[list[Bucket], list[Bucket]]:
     """(hourly over 24 h, daily over 7 days), from one pass per table grouped by UTC hour."""
-    hour = now.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    hour = as_utc(now).replace(minute=0, second=0, microsecond=0)
     hours = [hour - timedelta(hours=23 - i) for i in range(24)]
     today = hour.replace(hour=0)
     days = [today - timedelta(days=6 - i) for i in range(7)]
@@ -383,22 +407,22 @@ def _series(
     finished = (
         jobs.filter(status__in=(JobStatus.COMPLETED, JobStatus.DEAD_LETTERED),
                     finished_at__gte=days[0], finished_at__lte=now)
-        .order_by().annotate(b=Trunc("finished_at", "hour", tzinfo=UTC))
+        .order_by().annotate(b=_UtcHour("finished_at"))
         .values("b", "status").annotate(n=Count("id"))
     )
     for row in finished:
-        per_hour[row["b"]][row["status"]] += row["n"]
+        per_hour[_utc_hour_key(row["b"])][row["status"]] += row["n"]
     failed = (
         attempts.filter(outcome__in=FAILED_OUTCOMES, finished_at__gte=days[0],
                         finished_at__lte=now)
-        .order_by().annotate(b=Trunc("finished_at", "hour", tzinfo=UTC))
+        .order_by().annotate(b=_UtcHour("finished_at"))
         .values("b").annotate(n=Count("id"))
     )
     for bucket in failed:
-        per_hour[bucket["b"]]["failed"] += bucket["n"]
+        per_hour[_utc_hour_key(bucket["b"])]["failed"] += bucket["n"]
     per_day: dict[datetime, dict[str, int]] = defaultdict(lambda: dict(empty))
     for start, counts in per_hour.items():
-        day = per_day[start.astimezone(UTC).replace(hour=0)]
+        day = per_day[start.replace(hour=0)]
         for key, n in counts.items():
             day[key] += n
     return ([Bucket(start=h, **per_hour.get(h, empty)) for h in hours],

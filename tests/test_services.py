@@ -11,7 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 
 from django_persistent_jobs import (
     InvalidJobStateError,
@@ -30,6 +30,7 @@ from tests.core_support import (
     db_now,
     notifications_until_marker,
     raw_connection,
+    refusing_updates,
     wait_for,
 )
 
@@ -212,6 +213,21 @@ def test_cancel_refuses_finished_jobs(status: str) -> None:
         cancel_job(job.id)
     assert str(info.value) == (f"Job {job.id} is {status}; only pending, failed or running jobs "
                                "can be cancelled.")
+
+
+@pytest.mark.django_db
+def test_a_refused_cancel_inside_a_transaction_leaves_it_usable_for_the_next() -> None:
+    """Inside a caller's transaction (``ATOMIC_REQUESTS``, an ``atomic()`` block, the admin's
+    bulk action) a cancel that the database refuses undoes only itself: the next cancel in the
+    same transaction succeeds instead of failing with "current transaction is aborted"."""
+    frozen, other = make("pending"), make("pending")
+    with transaction.atomic(), refusing_updates(
+            "pj_svc_refuse", "persistent_jobs", f"OLD.id = '{frozen.id}'", "frozen for an audit"):
+        with pytest.raises(DatabaseError, match="frozen for an audit"):
+            cancel_job(frozen.id)
+        assert cancel_job(other.id).status == JobStatus.CANCELLED
+    assert PersistentJob.objects.get(id=other.id).status == "cancelled"
+    assert PersistentJob.objects.get(id=frozen.id).status == "pending"
 
 
 @pytest.mark.django_db

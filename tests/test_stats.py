@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from django.db import connection
 
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, PersistentJob
@@ -122,6 +123,43 @@ def test_hourly_and_daily_series_count_completions_failures_and_dead_letters() -
     assert stats.daily[-1].start == hour.replace(hour=0)
     assert sum(b.completed for b in stats.daily) == 3  # the 30-day-old one is outside
     assert sum(b.failed for b in stats.daily) == 3
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("time_zone", ["UTC", "Asia/Kolkata"])
+def test_the_series_count_and_times_are_utc_with_use_tz_false(settings: Any,
+                                                              time_zone: str) -> None:
+    """With ``USE_TZ = False`` Django hands out naive datetimes (in ``TIME_ZONE``): the series
+    were all zeros (the truncated hours came back naive and never matched the aware UTC
+    buckets), and ``to_dict`` read naive times in the server's zone. The buckets are UTC hours
+    and days whatever the settings (Asia/Kolkata, +05:30, has no whole-hour offset)."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = time_zone
+    done = job("stats.mail")
+    dead = job("stats.report")
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE persistent_jobs SET status = 'completed', "
+                       "finished_at = now() - interval '1 minute' WHERE id = %s", [done.id])
+        cursor.execute("UPDATE persistent_jobs SET status = 'dead_lettered', "
+                       "finished_at = now() - interval '2 hours' WHERE id = %s", [dead.id])
+        cursor.execute("SELECT date_trunc('hour', (now() - interval '1 minute') AT TIME ZONE "
+                       "'UTC'), date_trunc('hour', (now() - interval '2 hours') AT TIME ZONE "
+                       "'UTC'), now() AT TIME ZONE 'UTC'")
+        done_hour, dead_hour, utc_now = (v.replace(tzinfo=UTC) for v in cursor.fetchone())
+    stats = dashboard_stats()
+    assert stats.status_counts["completed"] == 1
+    by_hour = {b.start: b for b in stats.hourly}
+    assert by_hour[done_hour].completed == 1
+    assert by_hour[dead_hour].dead_lettered == 1
+    assert sum(b.completed for b in stats.hourly) == 1
+    assert sum(b.completed for b in stats.daily) == 1
+    assert sum(b.dead_lettered for b in stats.daily) == 1
+    assert all(b.start.tzinfo is not None and b.start.utcoffset() == timedelta(0)
+               for b in [*stats.hourly, *stats.daily])
+    data = stats.to_dict()
+    served_now = datetime.fromisoformat(data["now"])
+    assert served_now.utcoffset() == timedelta(0)
+    assert abs(served_now - utc_now) < timedelta(seconds=30)
 
 
 @pytest.mark.django_db

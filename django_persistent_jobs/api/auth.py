@@ -9,15 +9,18 @@ never attaches a bearer token by itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.auth import get_user
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import BadRequest, RequestDataTooBig, SuspiciousOperation
+from django.db import DatabaseError, connections, router, transaction
 from django.http import HttpRequest
+from django.http.multipartparser import MultiPartParserError
 from django.middleware.csrf import CsrfViewMiddleware
 
-from .http import ApiError, body_too_large
+from .http import ApiError, body_too_large, unreadable_form
 from .tokens import ApiToken
 
 APP = "django_persistent_jobs"
@@ -25,6 +28,8 @@ VIEW = f"{APP}.view_persistentjob"
 ADD = f"{APP}.add_persistentjob"
 RETRY = f"{APP}.retry_persistentjob"
 CANCEL = f"{APP}.cancel_persistentjob"
+
+logger = logging.getLogger("django_persistent_jobs.api")
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="persistent-jobs"'}
 
@@ -65,9 +70,34 @@ def _check_csrf(request: HttpRequest) -> None:
     except RequestDataTooBig:
         # Without an X-CSRFToken header the check reads a form body for csrfmiddlewaretoken.
         raise body_too_large() from None
+    except (SuspiciousOperation, MultiPartParserError, BadRequest) as exc:
+        # Reading that form failed (too many fields or files, a malformed multipart body, a
+        # charset other than UTF-8): Django would answer with its HTML 400 page.
+        raise unreadable_form(request, exc) from None
     if reason:
         raise ApiError(403, "csrf_failed", f"CSRF check failed: {reason}. Send the csrftoken "
                                            "cookie's value in the X-CSRFToken header.")
+
+
+def _record_use(token: ApiToken) -> None:
+    """``token.touch()``, best-effort: recording when a token was last used must not decide
+    whether the request is served. A database that refuses the write (read-only after a
+    failover, a lock or statement timeout on the token's row) would otherwise fail every
+    request, reads included; the savepoint keeps a request's own transaction
+    (``ATOMIC_REQUESTS``) usable after the refusal. Logged, and the request goes on.
+
+    If the connection is left unusable (the savepoint could not even be rolled back: the
+    database went away), the error is raised after all, for the caller's 503.
+    """
+    alias = router.db_for_write(ApiToken)
+    try:
+        with transaction.atomic(using=alias):
+            token.touch()
+    except DatabaseError as exc:
+        if connections[alias].needs_rollback:
+            raise
+        logger.warning("API token %r: could not record its use: %s", token.name,
+                       str(exc).strip().split("\n")[0])
 
 
 def authenticate(request: HttpRequest) -> Caller:
@@ -83,7 +113,7 @@ def authenticate(request: HttpRequest) -> Caller:
             raise ApiError(401, "authentication_failed",
                            "The token is unknown or revoked, or its user is inactive.",
                            headers=_CHALLENGE)
-        token.touch()
+        _record_use(token)
         return Caller(user=token.user, token=token, tenant=token.tenant)
     user = getattr(request, "user", None)
     if user is None and hasattr(request, "session"):

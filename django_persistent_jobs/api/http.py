@@ -9,13 +9,22 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import wraps
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
-from django.db import InterfaceError, OperationalError, connections, transaction
+from django.core.exceptions import BadRequest, RequestDataTooBig, SuspiciousOperation
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.http import HttpRequest, HttpResponse, JsonResponse, RawPostDataException
+from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
 logger = logging.getLogger("django_persistent_jobs.api")
@@ -64,6 +73,66 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def loads_strict(text: str | bytes) -> Any:
+    """``json.loads`` refusing NaN and Infinity, which are not JSON (Python's parser would
+    accept them, and PostgreSQL's jsonb would then refuse the value)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+#: The form encodings a POST body may use besides JSON: what an HTML ``<form>``, ``curl -d`` and
+#: Django's test client (``client.post(path, data)``, and ``client.post(path)`` alone: an empty
+#: multipart form) send.
+FORM_CONTENT_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+#: The field an HTML form carries its CSRF token in; Django's CSRF check reads it, the API
+#: does not (it is no field of any endpoint).
+CSRF_FORM_FIELD = "csrfmiddlewaretoken"
+
+
+@dataclass(frozen=True)
+class Body:
+    """A POST body's fields. ``form``: they came from a form, so every value is a string (the
+    views parse the fields that JSON would carry as numbers or objects, and a blank one counts
+    as not given, as an empty input of an HTML form means)."""
+
+    fields: dict[str, Any]
+    form: bool
+
+
+def unreadable_form(request: HttpRequest, exc: Exception) -> ApiError:
+    """A 400 for a form Django refused to parse: too many fields or files
+    (``DATA_UPLOAD_MAX_NUMBER_FIELDS``/``_FILES``), a malformed multipart body, a charset other
+    than UTF-8. Said in JSON, not with Django's HTML 400 page."""
+    if isinstance(exc, SuspiciousOperation):
+        _log_suspicious(request, exc)
+    return ApiError(400, "invalid_form", f"The form could not be read: {exc}", field="body")
+
+
+def read_body(request: HttpRequest, *, optional: bool = False) -> Body:
+    """The POST body's fields: a form's (url-encoded or multipart), else a JSON object's (see
+    ``read_json_object``; ``optional``: an empty body counts as no fields)."""
+    if request.content_type not in FORM_CONTENT_TYPES:
+        return Body(read_json_object(request, optional=optional), form=False)
+    try:
+        post, files = request.POST, request.FILES
+    except RequestDataTooBig:
+        raise body_too_large() from None
+    except (SuspiciousOperation, MultiPartParserError, BadRequest) as exc:
+        raise unreadable_form(request, exc) from None
+    for name in files:
+        raise ApiError(400, "invalid", f"{name} is a file; no field of this API takes one.",
+                       field=name)
+    fields: dict[str, str] = {}
+    for name, values in post.lists():
+        if name == CSRF_FORM_FIELD:
+            continue
+        if len(values) > 1:
+            raise ApiError(400, "invalid", f"Give {name} once; the form has it {len(values)} "
+                                           "times.", field=name)
+        fields[name] = values[0]
+    return Body(fields, form=True)
+
+
 def read_json_object(request: HttpRequest, *, optional: bool = False) -> dict[str, Any]:
     """The request body as a JSON object; an empty body counts as ``{}`` when ``optional``."""
     try:
@@ -71,10 +140,11 @@ def read_json_object(request: HttpRequest, *, optional: bool = False) -> dict[st
     except RequestDataTooBig:
         raise body_too_large() from None
     except RawPostDataException:
-        # A session's CSRF check read a multipart form (an HTML <form>) looking for
-        # csrfmiddlewaretoken, which consumes the stream: whatever it was, it was no JSON.
-        raise ApiError(400, "invalid_json", "The request body must be a JSON object sent as "
-                                            "application/json, not a form.",
+        # The stream was consumed as a multipart form (by a session's CSRF check), although
+        # the body is not declared as one (``read_body`` reads declared forms).
+        raise ApiError(400, "invalid_json", "The request body must be a JSON object, or a "
+                                            "form declared as one (Content-Type "
+                                            f"{' or '.join(FORM_CONTENT_TYPES)}).",
                        field="body") from None
     if not raw.strip():
         if optional:
@@ -82,8 +152,7 @@ def read_json_object(request: HttpRequest, *, optional: bool = False) -> dict[st
         raise ApiError(400, "invalid_json", "The request body must be a JSON object.",
                        field="body")
     try:
-        # NaN and Infinity are not JSON; Python's parser would accept them.
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = loads_strict(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ApiError(400, "invalid_json", f"The request body is not valid JSON: {exc}",
                        field="body") from None
@@ -99,10 +168,32 @@ View = Callable[..., HttpResponse]
 RETRY_AFTER_SECONDS = 15
 
 
+#: PostgreSQL's read_only_sql_transaction: a write to a database that is (now) read-only, a
+#: standby after a failover, or one set ``default_transaction_read_only``. Django raises it
+#: as ``InternalError``, the class it shares with errors that are bugs.
+READ_ONLY_SQLSTATE = "25006"
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a database error (psycopg 3's ``sqlstate``, psycopg2's ``pgcode``)."""
+    cause = exc.__cause__
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    return code if isinstance(code, str) else None
+
+
+def is_unavailable(exc: DatabaseError) -> bool:
+    """Whether a database error means the database cannot be used right now (down, restarting,
+    failing over, read-only, a lock or statement timeout), not that the request or the code is
+    wrong: what the API answers with a 503 a client can retry."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, InternalError) and sqlstate(exc) == READ_ONLY_SQLSTATE
+
+
 def database_unavailable(exc: BaseException) -> ApiError:
-    """A 503 for a database the request could not use (down, restarting, failing over, a lock
-    or statement timeout): a transient condition clients and load balancers retry, answered in
-    JSON like every other error instead of Django's HTML 500 page.
+    """A 503 for a database the request could not use (down, restarting, failing over,
+    read-only, a lock or statement timeout): a transient condition clients and load balancers
+    retry, answered in JSON like every other error instead of Django's HTML 500 page.
 
     The cause is logged, not returned: psycopg's message names the database's host and port,
     and the caller may not even be authenticated yet (checking a token needs the database).
@@ -118,6 +209,32 @@ def database_unavailable(exc: BaseException) -> ApiError:
     return ApiError(503, "database_unavailable",
                     "The database is unavailable; nothing was done. Try again shortly.",
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def _read_query(request: HttpRequest) -> None:
+    """Parse the query string up front: past ``DATA_UPLOAD_MAX_NUMBER_FIELDS`` Django refuses
+    it (``TooManyFieldsSent``) wherever a view first reads ``request.GET``; said here, naming
+    the query, instead of Django's HTML 400 page."""
+    try:
+        request.GET  # noqa: B018 - parsed (and cached) for its error
+    except SuspiciousOperation as exc:
+        _log_suspicious(request, exc)
+        raise ApiError(400, "invalid", f"The query string could not be read: {exc}",
+                       field="query") from None
+
+
+def _log_suspicious(request: HttpRequest, exc: SuspiciousOperation) -> None:
+    """Where Django's own handler would log it (``django.security.<class>``), for the sites
+    that watch that logger: answering in JSON must not hide it."""
+    logging.getLogger(f"django.security.{type(exc).__name__}").error(
+        str(exc), extra={"status_code": 400, "request": request})
+
+
+def refused(request: HttpRequest, exc: SuspiciousOperation) -> ApiError:
+    """A 400 for what Django refuses as suspicious (too many fields or files in a form read
+    while checking a session's CSRF token, a disallowed host): JSON, not Django's HTML page."""
+    _log_suspicious(request, exc)
+    return ApiError(400, "bad_request", f"The request was refused: {exc}")
 
 
 def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
@@ -143,10 +260,15 @@ def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
                         405, "method_not_allowed",
                         f"{request.method} is not allowed here; use {', '.join(allowed)}.",
                         headers={"Allow": ", ".join(allowed)})
+                _read_query(request)
                 response = view(request, *args, **kwargs)
             except ApiError as error:
                 response = error_response(error)
-            except (OperationalError, InterfaceError) as exc:
+            except SuspiciousOperation as exc:
+                response = error_response(refused(request, exc))
+            except DatabaseError as exc:
+                if not is_unavailable(exc):
+                    raise
                 response = error_response(database_unavailable(exc))
             if request.method == "HEAD":
                 length = len(response.content)

@@ -60,8 +60,9 @@ _E403 = _error("Missing permission, CSRF failure (session), or outside the token
 _E404 = _error("No such job (or not visible to a tenant-bound token).")
 _E409 = _error("The job's state does not allow this action.")
 _E413 = _error("The body is larger than the site's DATA_UPLOAD_MAX_MEMORY_SIZE.")
-_E503 = {**_error("The database is unavailable (down, restarting, a lock or statement "
-                  "timeout); nothing was done. Try again after `Retry-After` seconds."),
+_E503 = {**_error("The database is unavailable (down, restarting, read-only, a lock or "
+                  "statement timeout); nothing was done. Try again after `Retry-After` "
+                  "seconds."),
          "headers": {"Retry-After": {"schema": {"type": "string"}}}}
 
 _SUMMARY_PROPERTIES: dict[str, Any] = {
@@ -111,6 +112,66 @@ _FILTER_PARAMETERS: list[dict[str, Any]] = [
 ]
 
 
+#: Form media types a POST body may use besides JSON (``http.FORM_CONTENT_TYPES``).
+_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+_CSRF_FIELD: dict[str, Any] = {
+    "type": "string",
+    "description": "A session's CSRF token, as an HTML form sends it (instead of the "
+                   "X-CSRFToken header); not a field of the request, and ignored with a token."}
+#: A form's text for a JSON number (ASCII digits), or blank: not given.
+_NUMBER_TEXT = r"^(-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?)?$"
+_INTEGER_TEXT = r"^(-?(0|[1-9][0-9]*))?$"
+
+
+def _body(json_schema: dict[str, Any], form_schema: dict[str, Any],
+          required: bool) -> dict[str, Any]:
+    """A request body: a JSON object, or the same fields as a form (either encoding)."""
+    return {"required": required, "content": {
+        "application/json": {"schema": json_schema},
+        **{media_type: {"schema": form_schema} for media_type in _FORM_TYPES}}}
+
+
+def _form_schemas() -> dict[str, Any]:
+    """The form bodies: every value is text; a blank one counts as not given."""
+    def text(max_length: int) -> dict[str, Any]:
+        return {"type": "string", "maxLength": max_length}
+
+    return {
+        "EnqueueForm": {
+            "type": "object", "additionalProperties": False, "required": ["job_type"],
+            "description": "`EnqueueRequest`'s fields as a form: each value is text and a blank "
+                           "one counts as not given; numbers are JSON numbers in ASCII digits "
+                           "(`5`, `-3`, `1.5`), `payload` is JSON text (blank: `{}`).",
+            "properties": {
+                "job_type": {"type": "string", "minLength": 1,
+                             "maxLength": JOB_TYPE_MAX_LENGTH},
+                "payload": {"type": "string", "contentMediaType": "application/json"},
+                "run_at": {"type": "string", "anyOf": [{"format": "date-time"},
+                                                       {"maxLength": 0}]},
+                "delay": {"type": "string", "pattern": _NUMBER_TEXT},
+                "dedup_key": text(DEDUP_KEY_MAX_LENGTH),
+                "dedup": {"type": "string", "enum": [*(d.value for d in Dedup), ""]},
+                "priority": {"type": "string", "pattern": _INTEGER_TEXT},
+                "queue": text(QUEUE_MAX_LENGTH),
+                "tenant": text(TENANT_MAX_LENGTH),
+                "max_retries": {"type": "string", "pattern": _INTEGER_TEXT},
+                "timeout": {"type": "string", "pattern": _NUMBER_TEXT},
+                "csrfmiddlewaretoken": _CSRF_FIELD,
+            },
+        },
+        "RetryForm": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"mode": {"type": "string", "enum": ["now", "later", "reset", ""],
+                                    "default": "now"},
+                           "csrfmiddlewaretoken": _CSRF_FIELD},
+        },
+        "CancelForm": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"csrfmiddlewaretoken": _CSRF_FIELD},
+        },
+    }
+
+
 def document(base_path: str = "/jobs") -> dict[str, Any]:
     """The OpenAPI document for the API mounted at ``base_path``."""
     job_id = {"name": "job_id", "in": "path", "required": True,
@@ -124,7 +185,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                 "Enqueue, inspect, retry and cancel persistent jobs. Authenticate with "
                 "`Authorization: Bearer <token>` (an API token; it has its user's permissions "
                 "and may be bound to one tenant) or a Django session, which must send the CSRF "
-                "token (X-CSRFToken) on POST."
+                "token (X-CSRFToken, or a form's csrfmiddlewaretoken) on POST. POST bodies are "
+                "JSON or the same fields as a form."
             ),
         },
         "servers": [{"url": base_path.rstrip("/") or "/"}],
@@ -148,8 +210,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                 "post": {
                     "operationId": "enqueueJob",
                     "summary": "Enqueue a job (permission `add_persistentjob`).",
-                    "requestBody": {"required": True, "content": {
-                        "application/json": {"schema": _ref("EnqueueRequest")}}},
+                    "requestBody": _body(_ref("EnqueueRequest"), _ref("EnqueueForm"),
+                                         required=True),
                     "responses": {
                         "201": _ok("The job was created.", "EnqueueResult"),
                         "200": _ok("Skip dedup: an active job holds the dedup key; it is "
@@ -176,8 +238,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "summary": "Put a failed, dead-lettered, cancelled or pending job back in "
                                "play (permission `retry_persistentjob`).",
                     "parameters": [job_id],
-                    "requestBody": {"required": False, "content": {
-                        "application/json": {"schema": _ref("RetryRequest")}}},
+                    "requestBody": _body(_ref("RetryRequest"), _ref("RetryForm"),
+                                         required=False),
                     "responses": {"200": _ok("The retried job.", "Job"), "400": _E400,
                                   "401": _E401, "403": _E403, "404": _E404, "409": _E409,
                                   "413": _E413, "503": _E503},
@@ -189,8 +251,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "summary": "Cancel a waiting job, or ask a running one to stop (permission "
                                "`cancel_persistentjob`).",
                     "parameters": [job_id],
-                    "requestBody": {"required": False, "content": {
-                        "application/json": {"schema": {"type": "object", "maxProperties": 0}}}},
+                    "requestBody": _body({"type": "object", "maxProperties": 0},
+                                         _ref("CancelForm"), required=False),
                     "responses": {"200": _ok("The job, cancelled or with its cancellation "
                                              "requested.", "Job"),
                                   "400": _E400, "401": _E401, "403": _E403, "404": _E404,
@@ -216,7 +278,8 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "summary": "This document.",
                     "security": [],
                     "responses": {"200": {"description": "The OpenAPI document.", "content": {
-                        "application/json": {"schema": {"type": "object"}}}}},
+                        "application/json": {"schema": {"type": "object"}}}},
+                        "400": _E400},
                 },
             },
         },
@@ -310,6 +373,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "properties": {"mode": {"type": "string", "enum": ["now", "later", "reset"],
                                             "default": "now"}},
                 },
+                **_form_schemas(),
                 **stats_schemas(),
             },
         },

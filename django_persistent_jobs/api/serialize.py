@@ -10,10 +10,13 @@ from datetime import datetime
 from typing import Any
 
 from ..models import JobAttempt, PersistentJob
+from ..stats import as_utc
 
 
 def when(value: datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
+    """ISO 8601 in UTC with its offset (``format: date-time``), also with ``USE_TZ = False``,
+    where Django hands out naive datetimes in ``TIME_ZONE``."""
+    return as_utc(value).isoformat() if value is not None else None
 
 
 def job_summary(job: PersistentJob) -> dict[str, Any]:

@@ -8,8 +8,10 @@ so a rejected request writes nothing.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +40,8 @@ from .http import (
     error_response,
     json_endpoint,
     json_response,
-    read_json_object,
+    loads_strict,
+    read_body,
 )
 from .serialize import job_detail, job_summary
 
@@ -93,6 +96,41 @@ def _seconds(data: dict[str, Any], name: str, *, positive: bool) -> float | None
     return seconds
 
 
+#: The enqueue fields JSON carries as numbers: a form carries them as text.
+_FORM_NUMBERS = frozenset({"priority", "max_retries", "delay", "timeout"})
+#: A JSON number, in ASCII digits: what a form's number field may hold (so ``1_000`` or
+#: full-width digits, which Python's ``int()`` would take, are refused as in JSON).
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def _from_form(fields: dict[str, Any]) -> dict[str, Any]:
+    """A form's fields as the JSON body would carry them, for the same checks to apply.
+
+    A blank field counts as not given (an HTML form sends its empty inputs); ``payload`` is
+    JSON text; the number fields are parsed when they are JSON numbers and otherwise left as
+    text, which their check then refuses with its usual message.
+    """
+    data: dict[str, Any] = {}
+    for name, text in fields.items():
+        if text == "":
+            continue
+        if name == "payload":
+            try:
+                data[name] = loads_strict(text)
+            except (ValueError, RecursionError) as exc:
+                raise bad_request("payload", f"payload must be JSON text in a form (an object "
+                                             f'such as {{"to": "a@example.com"}}, or any JSON '
+                                             f"value): {exc}", code="invalid_json") from None
+        elif name in _FORM_NUMBERS and _JSON_NUMBER.fullmatch(text):
+            try:
+                data[name] = json.loads(text)
+            except ValueError:  # more digits than Python converts: refused as text below
+                data[name] = text
+        else:
+            data[name] = text
+    return data
+
+
 def _field_of(exc: EnqueueError) -> str:
     """Which input an ``enqueue`` refusal is about (its messages start with the option name)."""
     if isinstance(exc, UnknownJobTypeError):
@@ -109,7 +147,7 @@ def _refuse_query(request: HttpRequest, allowed: tuple[str, ...] = ()) -> None:
     unknown = sorted(set(request.GET) - set(allowed))
     if unknown:
         where = f"allowed: {', '.join(allowed)}" if allowed else "this endpoint takes none"
-        hint = " (give it in the JSON body)" if request.method == "POST" else ""
+        hint = " (give it in the body)" if request.method == "POST" else ""
         raise bad_request(unknown[0], f"Unknown query parameter {unknown[0]!r}{hint}; {where}.")
 
 
@@ -152,11 +190,14 @@ def _record_in_history(caller: auth.Caller, job: PersistentJob, action: str) -> 
 def _enqueue(request: HttpRequest, caller: auth.Caller) -> HttpResponse:
     caller.require(auth.ADD)
     _refuse_query(request)
-    data = read_json_object(request)
+    body = read_body(request)
+    data = body.fields
     unknown = sorted(set(data) - set(ENQUEUE_FIELDS))
     if unknown:
         raise bad_request(unknown[0], f"Unknown field {unknown[0]!r}; allowed: "
                                       f"{', '.join(ENQUEUE_FIELDS)}.")
+    if body.form:
+        data = _from_form(data)
     job_type = _text(data, "job_type", 1, bounds.JOB_TYPE_MAX_LENGTH)
     if job_type is None:
         raise bad_request("job_type", "job_type is required.")
@@ -260,11 +301,14 @@ def retry_view(request: HttpRequest, job_id: str) -> HttpResponse:
     caller = auth.authenticate(request)
     caller.require(auth.RETRY)
     _refuse_query(request)
-    data = read_json_object(request, optional=True)
+    body = read_body(request, optional=True)
+    data = body.fields
     unknown = sorted(set(data) - {"mode"})
     if unknown:
         raise bad_request(unknown[0], f"Unknown field {unknown[0]!r}; allowed: mode.")
     mode = data.get("mode", "now")
+    if body.form and mode == "":
+        mode = "now"  # a blank form field counts as not given
     if mode not in services.RETRY_MODES:
         raise bad_request("mode", f"mode must be one of {', '.join(services.RETRY_MODES)}.")
     try:
@@ -285,7 +329,7 @@ def cancel_view(request: HttpRequest, job_id: str) -> HttpResponse:
     caller = auth.authenticate(request)
     caller.require(auth.CANCEL)
     _refuse_query(request)
-    data = read_json_object(request, optional=True)
+    data = read_body(request, optional=True).fields
     if data:
         field = sorted(data)[0]
         raise bad_request(field, f"Unknown field {field!r}; cancel takes no fields.")
@@ -325,7 +369,9 @@ def stats_view(request: HttpRequest) -> HttpResponse:
 
 @json_endpoint(["GET"])
 def openapi_view(request: HttpRequest) -> HttpResponse:
-    """The OpenAPI 3 document; public, like any API description (it holds no data)."""
+    """The OpenAPI 3 document; public, like any API description (it holds no data). Unknown
+    query parameters are 400 here too, as on every endpoint (docs/api.md)."""
+    _refuse_query(request)
     return json_response(openapi.document(request.path.rsplit("/", 1)[0] or "/"))
 
 

@@ -11,10 +11,13 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+from django.db import connection
 from django.test import Client
+from django.utils.timezone import now as timezone_now
 
 from django_persistent_jobs.api.openapi import document
 from django_persistent_jobs.api.tokens import ApiToken, hash_token
+from django_persistent_jobs.metrics import available as metrics_available
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from tests.api_support import (
     ALL_PERMS,
@@ -72,6 +75,36 @@ def test_enqueue_run_at(client: Client, operator_token: str):
                     {"job_type": "test.noop", "run_at": when.isoformat()})
     assert response.status_code == 201
     assert PersistentJob.objects.get().next_run_at == when
+
+
+@pytest.mark.parametrize("time_zone", ["America/New_York", "UTC"])
+def test_times_are_utc_with_an_offset_with_use_tz_false(client: Client, operator_token: str,
+                                                        settings: Any, time_zone: str):
+    """With ``USE_TZ = False`` Django hands out naive datetimes in ``TIME_ZONE``: the API
+    served them as they were, local times without an offset, which ``format: date-time``
+    forbids and clients read as UTC. They are UTC with their offset, as with ``USE_TZ``."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = time_zone
+    created = call(client, "POST", "/jobs/", operator_token,
+                   {"job_type": "test.noop", "run_at": "2030-01-02T03:04:05Z"})
+    assert created.status_code == 201
+    job = created.json()["job"]
+    assert job["next_run_at"] == "2030-01-02T03:04:05+00:00"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now() AT TIME ZONE 'UTC'")
+        utc_now = cursor.fetchone()[0].replace(tzinfo=UTC)
+    PersistentJob.objects.filter(pk=job["id"]).update(status="failed", attempts=1)
+    JobAttempt.objects.create(job_id=job["id"], attempt=1, runner_id="r", outcome="failed",
+                              started_at=timezone_now(), finished_at=timezone_now())
+    listed = call(client, "GET", "/jobs/", operator_token).json()["results"][0]
+    detail = call(client, "GET", f"/jobs/{job['id']}", operator_token).json()
+    for data in (job, listed, detail, detail["attempt_history"][0]):
+        for name in ("created_at", "updated_at", "started_at", "finished_at"):
+            if data.get(name) is not None:
+                when = datetime.fromisoformat(data[name])
+                assert when.utcoffset() == timedelta(0), (name, data[name])
+                assert abs(when - utc_now) < timedelta(minutes=5), (name, data[name])
+    assert listed["next_run_at"] == detail["next_run_at"] == "2030-01-02T03:04:05+00:00"
 
 
 def test_get_job_shows_attempts_with_codes_and_timings(client: Client, operator_token: str):
@@ -261,6 +294,7 @@ def test_unknown_query_parameters_are_400_on_every_endpoint(client: Client,
         ("POST", "/jobs/?dry_run=1", {"job_type": "test.noop"}),
         ("GET", f"/jobs/{job.id}?expand=attempts", None),
         ("GET", "/jobs/stats?tenant=acme", None),
+        ("GET", "/jobs/openapi.json?foo=1", None),  # was 200: the document ignored it
     ]:
         response = call(client, method, path, operator_token, body)
         assert response.status_code == 400, (path, response.json())
@@ -318,6 +352,47 @@ def test_a_body_over_the_upload_limit_is_json_413(client: Client, operator_token
     assert table_fingerprint() == before
 
 
+def test_more_fields_than_django_reads_is_a_json_400(client: Client, operator_token: str,
+                                                     settings: Any):
+    """Past ``DATA_UPLOAD_MAX_NUMBER_FIELDS`` (a query string, or a session's form whose CSRF
+    check reads it) Django raises ``TooManyFieldsSent``: its HTML 400 page, not the API's JSON
+    400 naming the body."""
+    settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = 50
+    job = stage(status="failed")
+    before = table_fingerprint()
+    many = "&".join("status=failed" for _ in range(51))
+    for method, path in (("GET", f"/jobs/?{many}"), ("GET", f"/jobs/stats?{many}"),
+                         ("GET", f"/jobs/{job.id}?{many}"),
+                         ("POST", f"/jobs/{job.id}/cancel?{many}")):
+        response = call(client, method, path, operator_token)
+        assert response.status_code == 400, (path, response.content[:300])
+        assert response.json()["error"]["field"] == "query"
+    fields = "&".join(f"f{i}=1" for i in range(51))
+    response = client.post(f"/jobs/{job.id}/cancel", fields,
+                           content_type="application/x-www-form-urlencoded",
+                           **bearer(operator_token))
+    assert response.status_code == 400, response.content[:300]
+    make_user("staffer", *ALL_PERMS)
+    browser = Client(enforce_csrf_checks=True)
+    assert browser.login(username="staffer", password="pw-123456")
+    browser.get("/admin/login/")
+    csrf = browser.cookies["csrftoken"].value
+    for content_type, body in (
+            ("application/x-www-form-urlencoded", f"csrfmiddlewaretoken={csrf}&{fields}"),
+            ("multipart/form-data; boundary=B",
+             "".join(f'--B\r\nContent-Disposition: form-data; name="f{i}"\r\n\r\n1\r\n'
+                     for i in range(51)) + "--B--\r\n")):
+        response = browser.generic("POST", f"/jobs/{job.id}/cancel", body,
+                                   content_type=content_type)
+        assert response["Content-Type"].startswith("application/json"), response.content[:300]
+        assert response.status_code == 400, response.content[:300]
+        assert response.json()["error"] == {
+            "code": "invalid_form", "field": "body", "message": response.json()["error"][
+                "message"]}
+        assert_matches_schema("POST", f"/jobs/{job.id}/cancel", 400, response.json())
+    assert table_fingerprint() == before
+
+
 def test_an_unreachable_database_is_a_json_503_on_every_endpoint() -> None:
     """Every answer is JSON, errors included (docs/api.md): with the database down (a failover,
     a restart) a client gets a JSON 503 with ``Retry-After``, what HTTP clients and load
@@ -350,6 +425,46 @@ def test_an_unreachable_database_is_a_json_503_on_every_endpoint() -> None:
         assert body["error"]["code"] == "database_unavailable"
         assert "127.0.0.1" not in content and "port 1" not in content
         assert_matches_schema(method, path, status, body)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("atomic_requests", [False, True])
+def test_a_read_only_database_still_answers_reads_and_refuses_writes_with_json_503(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        atomic_requests: bool) -> None:
+    """A database that turned read-only (a standby after a failover: PostgreSQL's 25006,
+    "cannot execute UPDATE in a read-only transaction", which Django raises as InternalError)
+    answered every endpoint, reads included, with Django's HTML 500: checking a token first
+    records its use (an UPDATE). Recording use is now best-effort, reads answer, and writes are
+    the documented JSON 503 ``database_unavailable``, whether or not each request runs in a
+    transaction of its own (``ATOMIC_REQUESTS``)."""
+    from django.db import connections
+
+    monkeypatch.setitem(connections.settings[connection.alias], "ATOMIC_REQUESTS",
+                        atomic_requests)
+    secret = make_token(make_user("operator", *ALL_PERMS))
+    job = stage(status="failed")
+    before = table_fingerprint()
+    client = Client(raise_request_exception=False)
+    with connection.cursor() as cursor:
+        cursor.execute("SET default_transaction_read_only = on")
+    try:
+        for path in ("/jobs/", f"/jobs/{job.id}", "/jobs/stats"):
+            response = call(client, "GET", path, secret)
+            assert response.status_code == 200, (path, response.content[:300])
+        assert "could not record" in caplog.text
+        metrics = client.get("/metrics", **bearer(secret))  # reads only: served
+        assert metrics.status_code == (200 if metrics_available() else 501), metrics.content[:300]
+        for path, body in ((f"/jobs/{job.id}/retry", None), (f"/jobs/{job.id}/cancel", None),
+                           ("/jobs/", {"job_type": "test.noop"})):
+            response = call(client, "POST", path, secret, body)
+            assert response.status_code == 503, (path, response.content[:300])
+            assert response.json()["error"]["code"] == "database_unavailable"
+            assert response["Retry-After"] == "15"
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET default_transaction_read_only = off")
+    assert table_fingerprint() == before
 
 
 def test_retry_400_for_a_bad_mode(client: Client, operator_token: str):
@@ -469,25 +584,26 @@ def test_session_auth_requires_csrf_on_post(operator_token: str):
     assert call(plain, "POST", f"/jobs/{other.id}/cancel", operator_token).status_code == 200
 
 
-def test_a_session_post_of_a_form_is_json_400_or_413_not_a_500(settings: Any):
+def test_a_session_post_of_a_form_is_served_and_an_oversized_one_is_json_413(settings: Any):
     """A browser form posted with the session (an HTML ``<form>`` with its
-    ``csrfmiddlewaretoken``) is not a JSON body: a JSON 400 naming the body, not a 500 (the CSRF
-    check had read the multipart stream, and reading the body then raised); an oversized one
-    is the API's JSON 413, not Django's HTML 400."""
+    ``csrfmiddlewaretoken``) is read as the same fields in JSON would be (it once was a 500: the
+    CSRF check had read the multipart stream, and reading the body then raised; then a 400);
+    an oversized one is the API's JSON 413, not Django's HTML 400. (More in
+    ``test_views_forms.py``.)"""
     make_user("staffer", *ALL_PERMS)
     browser = Client(enforce_csrf_checks=True)
     assert browser.login(username="staffer", password="pw-123456")
     browser.get("/admin/login/")
     csrf = browser.cookies["csrftoken"].value
-    job = stage(status="failed")
+    job = stage(status="failed", attempts=3)
+    response = browser.post(f"/jobs/{job.id}/retry", {"csrfmiddlewaretoken": csrf,
+                                                      "mode": "reset"})  # multipart
+    assert response.status_code == 200, response.content[:300]
+    assert_matches_schema("POST", f"/jobs/{job.id}/retry", 200, response.json())
+    assert PersistentJob.objects.get(pk=job.pk).attempts == 0
+    response = browser.post("/jobs/", {"csrfmiddlewaretoken": csrf, "job_type": "test.noop"})
+    assert response.status_code == 201, response.content[:300]
     before = table_fingerprint()
-    for path, form in ((f"/jobs/{job.id}/retry", {"mode": "reset"}),
-                       ("/jobs/", {"job_type": "test.noop"})):
-        response = browser.post(path, {"csrfmiddlewaretoken": csrf, **form})  # multipart
-        assert response.status_code == 400, (path, response.content[:300])
-        assert response["Content-Type"].startswith("application/json")
-        assert response.json()["error"]["field"] == "body"
-        assert_matches_schema("POST", path, 400, response.json())
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
     response = browser.post(
         f"/jobs/{job.id}/cancel", f"csrfmiddlewaretoken={csrf}&pad={'x' * 2000}",
