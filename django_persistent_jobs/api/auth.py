@@ -97,7 +97,8 @@ def _record_use(token: ApiToken) -> None:
         if connections[alias].needs_rollback:
             raise
         logger.warning("API token %r: could not record its use: %s", token.name,
-                       str(exc).strip().split("\n")[0])
+                       str(exc).strip().split("\n")[0],
+                       extra={"event": "api_token_touch_failed"})
 
 
 def authenticate(request: HttpRequest) -> Caller:
