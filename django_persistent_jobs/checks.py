@@ -152,9 +152,22 @@ def check_task_backport_app(app_configs: Sequence[AppConfig] | None = None,
 
     if not uses_our_backends():
         return []
+    installed = backport_installed()
     return [checks.Error(
         "settings.TASKS uses a django-persistent-jobs task backend, but 'django_tasks' is not "
         "in INSTALLED_APPS: on Django 5.2 the task API comes from the django-tasks backport, "
-        "whose app runs the task backends' system checks.",
-        hint="Add 'django_tasks' to INSTALLED_APPS.", id="persistent_jobs.E208",
+        "whose app runs the task backends' system checks"
+        + ("." if installed else ", and the backport is not installed either (importing a "
+           "task module would fail with ModuleNotFoundError: No module named 'django.tasks')."),
+        hint="Add 'django_tasks' to INSTALLED_APPS." if installed else
+        "pip install 'django-persistent-jobs[tasks]' (the django-tasks backport), then add "
+        "'django_tasks' to INSTALLED_APPS; or move to Django 6.1 (Python 3.12+).",
+        id="persistent_jobs.E208",
     )]
+
+
+def backport_installed() -> bool:
+    """Whether the ``django-tasks`` backport can be imported (Django 5.2's task API)."""
+    import importlib.util
+
+    return importlib.util.find_spec("django_tasks") is not None

@@ -43,8 +43,16 @@ def _durable_backends() -> list[dict[str, Any]]:
 
 
 def uses_our_backends() -> bool:
-    """Whether ``settings.TASKS`` names one of our backends (for the checks)."""
-    return bool(_configured_backends(durable_only=False))
+    """Whether ``settings.TASKS`` names one of our backends (for the checks): one that imports,
+    or a path into our ``backends`` package that does not (on Django 5.2 without the backport
+    our backends cannot be imported, and that is what the check must say)."""
+    if _configured_backends(durable_only=False):
+        return True
+    configured = getattr(settings, "TASKS", None)
+    return isinstance(configured, dict) and any(
+        isinstance(params, dict) and isinstance(params.get("BACKEND"), str)
+        and params["BACKEND"].startswith("django_persistent_jobs.backends")
+        for params in configured.values())
 
 
 #: ``OPTIONS["MODULES"]`` entries that do not exist, with the import error: the backend's check

@@ -688,3 +688,24 @@ def test_django_52_without_the_backport_app_is_a_check_error() -> None:
     done = subprocess.run([sys.executable, "-c", _CHECKS_WITHOUT_THE_BACKPORT_APP],
                           capture_output=True, text=True, timeout=60, check=True)
     assert "persistent_jobs.E208" in done.stdout, done.stdout + done.stderr
+
+
+def test_django_52_without_the_backport_installed_says_to_install_it() -> None:
+    """Without the ``django-tasks`` package at all, the check says to install the extra (the
+    first import of a task module would only say ``No module named 'django.tasks'``)."""
+    import subprocess
+    import sys
+
+    import django
+
+    if django.VERSION >= (6, 0):
+        pytest.skip("Django 6 has django.tasks built in")
+    script = _CHECKS_WITHOUT_THE_BACKPORT_APP.replace(
+        "from django.core import checks\nprint(sorted(m.id for m in checks.run_checks()))",
+        "from django.core import checks\n"
+        "print([m.hint for m in checks.run_checks() if m.id == 'persistent_jobs.E208'])")
+    blocked = "import sys\nsys.modules['django_tasks'] = None  # not installed\n" + script
+    done = subprocess.run([sys.executable, "-c", blocked],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert "pip install 'django-persistent-jobs[tasks]'" in done.stdout, (
+        done.stdout + done.stderr)
