@@ -19,13 +19,8 @@ from django.urls import reverse
 
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
+from tests.admin.pages import ATTEMPTS, DASHBOARD, GROUP, JOBS, RUNNERS
 from tests.core_support import db_now, staff_client
-
-JOBS = "admin:django_persistent_jobs_persistentjob_changelist"
-DASHBOARD = "admin:django_persistent_jobs_jobdashboard_changelist"
-ATTEMPTS = "admin:django_persistent_jobs_jobattempt_changelist"
-RUNNERS = "admin:django_persistent_jobs_jobrunnerrecord_changelist"
-GROUP = "admin:django_persistent_jobs_persistentjob_retry_group"
 
 
 @job_handler("console.a")

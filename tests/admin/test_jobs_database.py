@@ -23,21 +23,23 @@ from django.urls import reverse
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, JobSchedule, PersistentJob
 from django_persistent_jobs.schedules import services as schedules
+from tests.admin.pages import (
+    ACTION,
+    ATTEMPT,
+    ATTEMPTS,
+    DASHBOARD,
+    GROUP,
+    JOB,
+    JOBS,
+    RUNNER,
+    RUNNERS,
+    SCHEDULE,
+    SCHEDULE_ADD,
+    SCHEDULES,
+)
 from tests.core_support import pj_settings
 
 ALIAS = "jobs"
-JOBS = "admin:django_persistent_jobs_persistentjob_changelist"
-JOB = "admin:django_persistent_jobs_persistentjob_change"
-ACTION = "admin:django_persistent_jobs_persistentjob_action"
-GROUP = "admin:django_persistent_jobs_persistentjob_retry_group"
-DASHBOARD = "admin:django_persistent_jobs_jobdashboard_changelist"
-ATTEMPTS = "admin:django_persistent_jobs_jobattempt_changelist"
-ATTEMPT = "admin:django_persistent_jobs_jobattempt_change"
-RUNNERS = "admin:django_persistent_jobs_jobrunnerrecord_changelist"
-RUNNER = "admin:django_persistent_jobs_jobrunnerrecord_change"
-SCHEDULES = "admin:django_persistent_jobs_jobschedule_changelist"
-SCHEDULE = "admin:django_persistent_jobs_jobschedule_change"
-SCHEDULE_ADD = "admin:django_persistent_jobs_jobschedule_add"
 
 pytestmark = pytest.mark.django_db(databases={"default", ALIAS})
 

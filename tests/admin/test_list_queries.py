@@ -19,10 +19,8 @@ from django.urls import reverse
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.admin import listing
 from django_persistent_jobs.models import JobAttempt, JobRunnerRecord, PersistentJob
+from tests.admin.pages import ATTEMPTS, JOBS
 from tests.core_support import db_now, staff_client
-
-JOBS = "admin:django_persistent_jobs_persistentjob_changelist"
-ATTEMPTS = "admin:django_persistent_jobs_jobattempt_changelist"
 
 
 @job_handler("listq.a")

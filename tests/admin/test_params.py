@@ -24,13 +24,8 @@ import tests.testapp.recurring_jobs  # noqa: F401  (registers test.recurring.*)
 from django_persistent_jobs import enqueue, job_handler
 from django_persistent_jobs.models import JobAttempt, PersistentJob
 from django_persistent_jobs.schedules.services import add_schedule
+from tests.admin.pages import ATTEMPTS, DASHBOARD, JOBS, RUNNERS, SCHEDULES
 from tests.core_support import db_now, staff_client
-
-JOBS = "admin:django_persistent_jobs_persistentjob_changelist"
-ATTEMPTS = "admin:django_persistent_jobs_jobattempt_changelist"
-RUNNERS = "admin:django_persistent_jobs_jobrunnerrecord_changelist"
-SCHEDULES = "admin:django_persistent_jobs_jobschedule_changelist"
-DASHBOARD = "admin:django_persistent_jobs_jobdashboard_changelist"
 
 
 @job_handler("params.a")
