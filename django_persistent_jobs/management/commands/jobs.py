@@ -75,30 +75,40 @@ def _database_error(exc: DatabaseError) -> str:
     return f"database error: {message}"
 
 
-#: The shortest id prefix ``show``, ``retry`` and ``cancel`` accept: the admin lists the first
-#: eight hex digits of each id.
-MIN_ID_PREFIX = 8
+#: The fewest hex digits of an id ``show``, ``retry`` and ``cancel`` accept instead of all of
+#: it: the admin lists the last eight (``admin.display.short_id``: the random tail of a UUID v7;
+#: its head is a timestamp that jobs enqueued together share).
+MIN_ID_PART = 8
 _HEX = frozenset("0123456789abcdef")
 
 
 def _resolve_id(text: str) -> str:
-    """A full job id as given, or the one job whose id starts with ``text`` (at least
-    ``MIN_ID_PREFIX`` hex digits, as the admin shows them). Ids are UUIDs, so a prefix is a
-    range of the primary key: one index probe, whatever the table holds. Anything else is
-    passed on unchanged, for the service to refuse in its own words."""
+    """A full job id as given, or the one job whose id ends with ``text`` (the short id the
+    admin lists) or, failing that, starts with it: at least ``MIN_ID_PART`` hex digits. Two
+    jobs matching is a usage error naming both. Anything else is passed on unchanged, for the
+    service to refuse in its own words. (A tail is found by reading the ids, a head by a range
+    of the primary key.)"""
     digits = text.strip().lower().replace("-", "")
-    if len(digits) >= 32 or len(digits) < MIN_ID_PREFIX or not set(digits) <= _HEX:
+    if len(digits) >= 32 or len(digits) < MIN_ID_PART or not set(digits) <= _HEX:
         return text
+    from django.db.models import CharField, Value
+    from django.db.models.functions import Cast, Replace
+
     from django_persistent_jobs.models import PersistentJob
 
-    low = uuid.UUID(digits.ljust(32, "0"))
-    high = uuid.UUID(digits.ljust(32, "f"))
-    found = list(PersistentJob.objects.filter(pk__gte=low, pk__lte=high)
-                 .order_by("pk").values_list("pk", flat=True)[:2])
+    found = list(PersistentJob.objects.annotate(
+        pj_hex=Replace(Cast("id", CharField()), Value("-"), Value(""))).filter(
+        pj_hex__endswith=digits).order_by("pk").values_list("pk", flat=True)[:2])
+    if not found:
+        low = uuid.UUID(digits.ljust(32, "0"))
+        high = uuid.UUID(digits.ljust(32, "f"))
+        found = list(PersistentJob.objects.filter(pk__gte=low, pk__lte=high)
+                     .order_by("pk").values_list("pk", flat=True)[:2])
     if len(found) > 1:
-        raise CommandError(f"{text!r} is the start of several job ids ({found[0]}, "
-                           f"{found[1]}, ...); give more of it.", returncode=EXIT_USAGE)
+        raise CommandError(f"{text!r} is part of several job ids ({found[0]}, {found[1]}, "
+                           "...); give more of it.", returncode=EXIT_USAGE)
     return str(found[0]) if found else text
+
 
 class Command(BaseCommand):
     help = ("Inspect and operate persistent jobs. Exit codes: 0 ok, 1 error, 2 bad usage, "
