@@ -9,6 +9,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from . import bounds  # (bounds imports this module only inside a function)
+
 
 def default_backoff(attempt: int) -> float:
     """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
@@ -44,8 +46,6 @@ def delay_after(backoff: Callable[[int], Any], attempt: int) -> float:
     else (NaN, a string, None), or a backoff that raises, must not become "retry at once" in
     a loop: it is logged and ``FALLBACK_SECONDS`` is used. Shared by the runner and the
     in-process ``django.tasks`` backend."""
-    from . import bounds  # (bounds imports nothing of ours that imports this module)
-
     try:
         value = backoff(attempt)
     except Exception:

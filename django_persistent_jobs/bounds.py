@@ -194,7 +194,7 @@ def backoff_callable_problem(value: Any, name: str = "backoff") -> str | None:
     Found out here rather than at each retry of each job: a callable that cannot be bound to
     one positional argument (``lambda: 5``), or a backoff factory given instead of the backoff
     it makes (``constant`` for ``constant(5)``). A callable whose signature cannot be read (a
-    builtin) passes; what it returns is checked at each retry (``backoff_seconds``).
+    builtin) passes; what it returns is read at each retry (``backoff.delay_after``).
     """
     from .backoff import FACTORIES
 

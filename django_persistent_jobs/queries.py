@@ -17,8 +17,10 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import CharField, QuerySet, Value
+from django.db.models.functions import Cast, Replace
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -224,6 +226,15 @@ def iter_matching(job_filter: JobFilter, *, tenant: str | None = None,
         if len(ids) < batch:
             return
         after = ids[-1]
+
+
+def ids_ending_with(qs: QuerySet[PersistentJob], digits: str) -> QuerySet[Any, Any]:
+    """The ids in ``qs`` whose hex digits end with ``digits``: the short id the admin lists is
+    the tail of an id (``admin.display.short_id``; the head of a UUID v7 is a timestamp that
+    jobs enqueued together share). Read from the ids, hyphens left out, so a tail longer than
+    the id's last group matches too. The admin's search and ``jobs show`` both find by it."""
+    return qs.annotate(pj_hex=Replace(Cast("id", CharField()), Value("-"), Value(""))).filter(
+        pj_hex__endswith=digits.lower()).values("id")
 
 
 def get_job(job_id: uuid.UUID | str, *, tenant: str | None = None) -> PersistentJob:

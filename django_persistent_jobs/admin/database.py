@@ -94,15 +94,11 @@ def parse_time(name: str, value: str) -> datetime:
     return moment
 
 
-class JobsDatabaseMixin(Generic[ModelT]):
-    """A ModelAdmin whose every read (list, sidebar filters, search, actions, the object's
-    page, its history) uses the jobs database: they all start from ``get_queryset``.
-
-    Input PostgreSQL cannot compare is refused first: a list filter with a NUL character is a
-    bad filter (the admin's usual "?e=1" page), an object id with one finds no object. A filter
-    parameter not in ``allowed_lookups`` is refused as Django refuses a disallowed lookup (a
-    400), and a bulk action's selected id that is no id of the model is a message, not a 500.
-    """
+class FilterParametersMixin:
+    """A ModelAdmin whose list takes only the filter parameters in ``allowed_lookups``
+    (``lookup_allowed``: any other is refused as Django refuses a disallowed lookup, a 400), and
+    reads those in ``time_lookups`` as times first (``check_time_lookups``). The job console's
+    lists have it through ``JobsDatabaseMixin``; the API token list has it too."""
 
     #: The filter parameters the list accepts: exactly those its own sidebar filters, links
     #: (dashboard, job page, runner page) and the changelist write. Search (``q``), ordering and
@@ -115,6 +111,23 @@ class JobsDatabaseMixin(Generic[ModelT]):
                        ) -> bool:
         return lookup in self.allowed_lookups
 
+    def check_time_lookups(self, request: HttpRequest) -> None:
+        """A time a filter cannot use is the admin's "?e=1" page, not a 500 while it renders."""
+        for name in self.time_lookups:
+            for value in request.GET.getlist(name):
+                parse_time(name, value)
+
+
+class JobsDatabaseMixin(FilterParametersMixin, Generic[ModelT]):
+    """A ModelAdmin whose every read (list, sidebar filters, search, actions, the object's
+    page, its history) uses the jobs database: they all start from ``get_queryset``.
+
+    Input PostgreSQL cannot compare is refused first: a list filter with a NUL character is a
+    bad filter (the admin's usual "?e=1" page), an object id with one finds no object. A filter
+    parameter not in ``allowed_lookups`` is refused as Django refuses a disallowed lookup (a
+    400), and a bulk action's selected id that is no id of the model is a message, not a 500.
+    """
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[ModelT]:
         queryset: QuerySet[ModelT] = super().get_queryset(request)  # type: ignore[misc]
         return queryset.using(alias())
@@ -122,9 +135,7 @@ class JobsDatabaseMixin(Generic[ModelT]):
     def get_changelist_instance(self, request: HttpRequest) -> Any:
         if _nul_in(request.GET):
             raise IncorrectLookupParameters("A filter contains a NUL character.")
-        for name in self.time_lookups:
-            for value in request.GET.getlist(name):
-                parse_time(name, value)
+        self.check_time_lookups(request)
         return super().get_changelist_instance(request)  # type: ignore[misc]
 
     def response_action(self, request: HttpRequest, queryset: QuerySet[ModelT], *args: Any,

@@ -19,8 +19,8 @@ from urllib.parse import urlencode
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote as admin_quote
 from django.core.exceptions import BadRequest, PermissionDenied
-from django.db.models import CharField, Count, Q, QuerySet
-from django.db.models.functions import Cast, Now
+from django.db.models import Count, Q, QuerySet
+from django.db.models.functions import Now
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -28,6 +28,7 @@ from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from .. import queries
 from ..models import JobAttempt, JobRunnerRecord, JobStatus, PersistentJob
 from ..services import failure_group_dead_letters, retry_failure_group
 from ..stats import FAILED_OUTCOMES, run_start, runner_state, runner_thresholds
@@ -250,8 +251,7 @@ class PersistentJobAdmin(JobsDatabaseMixin[PersistentJob], ReadOnlyAdminMixin, _
         found, may_dup = super().get_search_results(request, queryset, search_term)
         if _HEX_SUFFIX.match(term):
             # The short id the list shows is the id's tail: find it by suffix too.
-            suffix_ids = queryset.annotate(pj_id_text=Cast("id", CharField())).filter(
-                pj_id_text__endswith=term.lower()).values("id")
+            suffix_ids = queries.ids_ending_with(queryset, term)
             found = queryset.filter(Q(id__in=suffix_ids) | Q(id__in=found.values("id")))
         return found, may_dup
 

@@ -17,7 +17,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
 
-from ..admin.database import parse_time
+from ..admin.database import FilterParametersMixin
 from .auth import ADD, CANCEL, RETRY, VIEW
 from .tokens import DISPLAY_CHARS, TOKEN_PREFIX, ApiToken, hash_token, user_model
 
@@ -82,7 +82,7 @@ class ApiTokenForm(forms.ModelForm):  # type: ignore[type-arg]
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(_Base):
+class ApiTokenAdmin(FilterParametersMixin, _Base):
     form = ApiTokenForm
     list_display = ("name", "key_prefix", "user", "tenant", "created_at", "last_used_at",
                     "revoked_at")
@@ -95,10 +95,6 @@ class ApiTokenAdmin(_Base):
     #: stored digests, read back prefix by prefix), and values PostgreSQL refuses (a 500).
     allowed_lookups = frozenset({"revoked_at__gte", "revoked_at__lt", "revoked_at__isnull"})
     time_lookups = frozenset({"revoked_at__gte", "revoked_at__lt"})
-
-    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None,
-                       ) -> bool:
-        return lookup in self.allowed_lookups
 
     def get_form(self, request: HttpRequest, obj: ApiToken | None = None, change: bool = False,
                  **kwargs: Any) -> Any:
@@ -131,9 +127,7 @@ class ApiTokenAdmin(_Base):
     def get_changelist_instance(self, request: HttpRequest) -> Any:
         """Each row shows its token's user: read the users of the page in one query, not one
         per row (``ApiToken.user`` reads its own when not given)."""
-        for name in self.time_lookups:  # (a time outside what UTC holds: "?e=1", not a 500)
-            for value in request.GET.getlist(name):
-                parse_time(name, value)
+        self.check_time_lookups(request)
         changelist = super().get_changelist_instance(request)
         tokens = list(changelist.result_list)
         model = user_model()

@@ -27,6 +27,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, RawPostDataExce
 from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
+from ..runner.db import sqlstate
+
 logger = logging.getLogger("django_persistent_jobs.api")
 
 
@@ -172,13 +174,6 @@ RETRY_AFTER_SECONDS = 15
 #: standby after a failover, or one set ``default_transaction_read_only``. Django raises it
 #: as ``InternalError``, the class it shares with errors that are bugs.
 READ_ONLY_SQLSTATE = "25006"
-
-
-def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a database error (psycopg 3's ``sqlstate``, psycopg2's ``pgcode``)."""
-    cause = exc.__cause__
-    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
-    return code if isinstance(code, str) else None
 
 
 def is_unavailable(exc: DatabaseError) -> bool:

@@ -125,18 +125,8 @@ def claim_loop(claiming: Claiming) -> None:
             job.lease_period = period
         if not jobs and not heartbeat_fresh(claiming.liveness):
             continue  # skipped, not "nothing due": burst mode must not stop on it
-        if jobs and claiming.stopping.is_set():
-            # SIGTERM arrived while the claim was in flight: these were claimed before we
-            # noticed, so hand them straight back rather than start them.
-            claiming.hand_back_unstarted(jobs)
+        if jobs and not _hand_over(claiming, jobs):
             break
-        # The whole claim at once: one lock (threads) or one message per worker (processes).
-        accepted = claiming.dispatch_many(jobs) if jobs else 0
-        if accepted < len(jobs):
-            # The supervisor sealed the pool for shutdown between the check above and now.
-            claiming.hand_back_unstarted(jobs[accepted:])
-            _write_starts(claiming, last=True)
-            return
         if logger.isEnabledFor(logging.DEBUG) and jobs:
             logger.debug("claimed %d job(s)", len(jobs),
                          extra={"event": "claim", "count": len(jobs),
@@ -145,7 +135,10 @@ def claim_loop(claiming: Claiming) -> None:
         if len(jobs) == limit:
             continue  # there may be more due right now
         # Caught up with the types it knows: jobs no live runner can ever run are next.
-        if unknown.claim(limit - len(jobs), force=claiming.burst and not jobs):
+        unknown_jobs = unknown.claim(limit - len(jobs), force=claiming.burst and not jobs)
+        if unknown_jobs:
+            if not _hand_over(claiming, unknown_jobs):
+                break
             continue
         if claiming.burst:
             if not jobs and idle_before_claim:
@@ -186,17 +179,17 @@ class UnknownTypes:
         self.claiming = claiming
         self.looked_at = -math.inf
 
-    def claim(self, room: int, force: bool = False) -> bool:
-        """Claim up to ``room`` such jobs and hand them to the executor; True if any were.
+    def claim(self, room: int, force: bool = False) -> list[store.ClaimedJob]:
+        """Claim up to ``room`` such jobs, for the claim loop to hand over (``_hand_over``).
         Looks at most every ``UNKNOWN_TYPES_CHECK_SECONDS`` unless ``force``."""
         claiming = self.claiming
         if room <= 0 or conf.settings.ALLOW_UNREGISTERED or not len(registry):
             # (A runner with no handler at all is misconfigured, a wrong settings module or
             # an app missing: it must not judge every job in the table unknown.)
-            return False
+            return []
         now = time.monotonic()
         if not force and now - self.looked_at < UNKNOWN_TYPES_CHECK_SECONDS:
-            return False
+            return []
         self.looked_at = now
         settings = claiming.settings
         period = claiming.lease.period()  # before the claim, as the main claim reads it
@@ -213,17 +206,9 @@ class UnknownTypes:
 
         jobs = run_with_retry(claiming.alias, do_claim, what="claiming jobs of unknown types",
                               interrupt=claiming.stopping) or []
-        if not jobs:
-            return False
-        if claiming.stopping.is_set():
-            claiming.hand_back_unstarted(jobs)
-            return False
         for job in jobs:
             job.lease_period = period
-        accepted = claiming.dispatch_many(jobs)
-        if accepted < len(jobs):
-            claiming.hand_back_unstarted(jobs[accepted:])
-        return accepted > 0
+        return jobs
 
 
 #: How often a burst runner that waits for a rescue looks again.
@@ -261,6 +246,21 @@ class RescueWait:
                         held, extra={"event": "burst_waits_for_rescue", "count": held,
                                      "runner_id": claiming.runner_id})
         return now < self.deadline
+
+
+def _hand_over(claiming: Claiming, jobs: list[store.ClaimedJob]) -> bool:
+    """Give a claim to the executor whole: one lock (threads) or one message per worker
+    (processes). False when the runner is stopping: SIGTERM arrived while the claim was in
+    flight, or the supervisor sealed the pool meanwhile; the jobs it did not take were
+    claimed before anyone noticed, so they are handed straight back, and the loop ends."""
+    if claiming.stopping.is_set():
+        claiming.hand_back_unstarted(jobs)
+        return False
+    accepted = claiming.dispatch_many(jobs)
+    if accepted < len(jobs):
+        claiming.hand_back_unstarted(jobs[accepted:])
+        return False
+    return True
 
 
 def _write_starts(claiming: Claiming, last: bool = False) -> None:

@@ -155,18 +155,16 @@ class Runner:
         # as a traceback at start-up or a loop that dies once the runner runs.
         # ``poll_interval`` has the setting's minimum (``conf.MIN_LOOP_INTERVAL``): a tinier
         # one makes an idle runner busy-loop.
-        for option, value, low in (("poll_interval", poll_interval,
-                                    f">= {conf.MIN_LOOP_INTERVAL:g}"),
-                                   ("shutdown_grace", shutdown_grace, ">= 0"),
-                                   ("database_wait", database_wait, ">= 0")):
+        for option, value, least in (("poll_interval", poll_interval, conf.MIN_LOOP_INTERVAL),
+                                     ("shutdown_grace", shutdown_grace, 0.0),
+                                     ("database_wait", database_wait, 0.0)):
             if value is None:
                 continue
             number = isinstance(value, int | float) and not isinstance(value, bool)
-            least = conf.MIN_LOOP_INTERVAL if option == "poll_interval" else 0.0
             if not number or not math.isfinite(value) or value > bounds.MAX_SECONDS or (
                     value < least):
                 raise ConfigurationError(
-                    f"{option} must be a finite number of seconds {low} (at most "
+                    f"{option} must be a finite number of seconds >= {least:g} (at most "
                     f"{bounds.MAX_SECONDS:.0f}), got {value!r}.")
         # ``runner_id`` is an alias of ``name``: an operator-chosen label, never the fencing
         # identity itself (see ``make_runner_id``).

@@ -27,7 +27,7 @@ from django_persistent_jobs.errors import (
     InvalidJobStateError,
     JobNotFoundError,
 )
-from django_persistent_jobs.models import JobStatus
+from django_persistent_jobs.models import JobStatus, PersistentJob
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -91,14 +91,8 @@ def _resolve_id(text: str) -> str:
     digits = text.strip().lower().replace("-", "")
     if len(digits) >= 32 or len(digits) < MIN_ID_PART or not set(digits) <= _HEX:
         return text
-    from django.db.models import CharField, Value
-    from django.db.models.functions import Cast, Replace
-
-    from django_persistent_jobs.models import PersistentJob
-
-    found = list(PersistentJob.objects.annotate(
-        pj_hex=Replace(Cast("id", CharField()), Value("-"), Value(""))).filter(
-        pj_hex__endswith=digits).order_by("pk").values_list("pk", flat=True)[:2])
+    found = list(queries.ids_ending_with(PersistentJob.objects.all(), digits)
+                 .order_by("pk").values_list("pk", flat=True)[:2])
     if not found:
         low = uuid.UUID(digits.ljust(32, "0"))
         high = uuid.UUID(digits.ljust(32, "f"))
