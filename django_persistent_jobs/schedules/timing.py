@@ -69,9 +69,15 @@ def cron_problem(expression: object) -> str | None:
         return (f"cron {expression!r} has {len(fields)} fields; use 5 (minute hour day month "
                 "weekday), 6 (with seconds last) or 7 (second minute hour day month weekday "
                 "year).")
+    problem = _quartz_weekday_problem(expression, fields)
+    if problem:
+        return problem
     written, expression = expression, croniter_form(expression)
-    if len(fields) == 7:
-        fields = expression.split()
+    quartz = len(fields) == 7
+    if quartz:
+        # croniter's order, the days still numbered as written (for the messages below).
+        second, minute, hour, day, month, weekday, year = fields
+        fields = [minute, hour, day, month, "*" if weekday == "?" else weekday, second, year]
     if any(token in ("R", "H") or token.startswith(("R(", "H(", "H/"))
            for token in re.split(r"[,\s]+", expression)):
         # croniter draws R afresh at every computation (a "daily" schedule would fire several
@@ -80,7 +86,7 @@ def cron_problem(expression: object) -> str | None:
                 "the minute or hour explicitly.")
     if not croniter.is_valid(expression):
         return f"cron {written!r} is not a valid cron expression."
-    problem = _backwards_range_problem(written, fields) or _every_second_problem(
+    problem = _backwards_range_problem(written, fields, quartz) or _every_second_problem(
         written, fields)
     if problem:
         return problem
@@ -97,14 +103,48 @@ def croniter_form(expression: str) -> str:
     """``expression`` as croniter reads it. Five and six fields are croniter's own (seconds
     last). Seven are the Quartz / Rust ``cron`` crate form the product brief specifies:
     ``second minute hour day month weekday year``, with ``?`` ("no specific value") allowed in
-    the day fields; croniter's own seven-field order puts the seconds sixth, so they are moved
-    there. The stored expression stays as written; every computation reads it through this."""
+    the day fields and the days numbered 1 (Sunday) to 7; croniter's own seven-field order puts
+    the seconds sixth, so they are moved there, and its days run 0 to 6. The stored expression
+    stays as written; every computation reads it through this."""
     fields = expression.split()
     if len(fields) != 7:
         return expression
     second, minute, hour, day, month, weekday, year = (
         "*" if field == "?" else field for field in fields)
-    return " ".join((minute, hour, day, month, weekday, second, year))
+    return " ".join((minute, hour, day, month, _quartz_weekday(weekday), second, year))
+
+
+#: A day-of-week number in a Quartz field: not a step (``/2``) or an nth (``#3``), which are
+#: counts, not days; ``6L`` is Quartz's last Friday of the month.
+_QUARTZ_DAY_NUMBER = re.compile(r"(?<![/#\d])(\d+)(L?)", re.IGNORECASE)
+
+
+def _quartz_weekday(field: str) -> str:
+    """A Quartz day-of-week field as croniter reads it. Quartz (and the Rust ``cron`` crate)
+    number the days 1 (Sunday) to 7 (Saturday), croniter 0 to 6: ``1`` copied as is would
+    fire on Monday. Names need nothing. Quartz's ``nL`` (the month's last such day) is
+    croniter's ``L(n-1)``; a bare ``L`` there means Saturday."""
+    if field.upper() == "L":
+        return "6"
+
+    def shift(match: re.Match[str]) -> str:
+        day = int(match.group(1)) - 1
+        return f"L{day}" if match.group(2) else str(day)
+
+    return _QUARTZ_DAY_NUMBER.sub(shift, field)
+
+
+def _quartz_weekday_problem(expression: str, fields: list[str]) -> str | None:
+    """A seven-field day-of-week number outside Quartz's 1-7 (``0``, which croniter would
+    read as Sunday, is Quartz's error too)."""
+    if len(fields) != 7:
+        return None
+    for match in _QUARTZ_DAY_NUMBER.finditer(fields[5]):
+        if not 1 <= int(match.group(1)) <= 7:
+            return (f"cron {expression!r}: in the seven-field (Quartz) form the day-of-week "
+                    f"numbers run from 1 (Sunday) to 7 (Saturday), got {match.group(1)}; "
+                    "names (SUN-SAT) work too.")
+    return None
 
 
 #: Each field's name and smallest and largest value, in croniter's order (seconds last).
@@ -118,17 +158,24 @@ _NAMES = {
 _RANGE = re.compile(r"^([0-9a-z]+)-([0-9a-z]+)(/[0-9]+)?$", re.IGNORECASE)
 
 
-def _backwards_range_problem(expression: str, fields: list[str]) -> str | None:
+def _backwards_range_problem(expression: str, fields: list[str], quartz: bool = False
+                            ) -> str | None:
     """A range whose start is after its end (``1-0``, ``22-6``, ``sat-sun``): croniter wraps
-    it around the field, so ``1-0`` fires every minute. Refused, with the parts to write."""
+    it around the field, so ``1-0`` fires every minute. Refused, with the parts to write.
+    ``fields`` in croniter's order; ``quartz``: the days numbered 1 (Sunday) to 7."""
     for index, field in enumerate(fields):
         name, low, high = _FIELDS[index]
+        if quartz and index == 4:
+            low, high = 1, 7
         for item in field.split(","):
             match = _RANGE.match(item)
             if match is None:
                 continue
             start, end = (_field_value(index, token) for token in match.group(1, 2))
-            if index == 4 and start == 7:
+            if quartz and index == 4:
+                start = _quartz_day(match.group(1), start)
+                end = _quartz_day(match.group(2), end)
+            elif index == 4 and start == 7:
                 start = 0  # Sunday, as croniter reads a range starting at 7 ("7-1": Sun-Mon)
             if start is None or end is None or start <= end:
                 continue
@@ -139,6 +186,11 @@ def _backwards_range_problem(expression: str, fields: list[str]) -> str | None:
                     f"backwards, which croniter wraps around the field (so '1-0' in the minute "
                     f"field would fire every minute). To mean the wrap, write '{head},{tail}'.")
     return None
+
+
+def _quartz_day(token: str, value: int | None) -> int | None:
+    """A Quartz day's number (1-7): a name's is one more than croniter's."""
+    return value if value is None or token.isdigit() else value + 1
 
 
 def _field_value(index: int, token: str) -> int | None:

@@ -297,3 +297,46 @@ def test_seven_field_cron_is_the_quartz_form_seconds_first_and_year_last(
         classic_ticks.append(next_cron_tick(classic, zone, classic_ticks[-1]))
     assert quartz_ticks == classic_ticks
     assert croniter_form("0 */5 * * * ? *") == "*/5 * * * * 0 *"
+
+
+@pytest.mark.parametrize(("quartz", "weekdays"), [
+    ("0 0 12 ? * 1 *", {"Sun"}),                 # Quartz and the Rust cron crate: 1 = Sunday
+    ("0 0 12 ? * 7 *", {"Sat"}),
+    ("0 0 12 ? * 2-6 *", {"Mon", "Tue", "Wed", "Thu", "Fri"}),
+    ("0 0 12 ? * 1,7 *", {"Sun", "Sat"}),
+    ("0 0 12 ? * 2/2 *", {"Mon", "Wed", "Fri"}),  # from Monday, every second day
+    ("0 0 12 ? * MON-FRI *", {"Mon", "Tue", "Wed", "Thu", "Fri"}),
+])
+def test_seven_field_day_of_week_numbers_are_quartz_numbers(quartz: str, weekdays: set[str]
+                                                             ) -> None:
+    """Copied from a Quartz or Rust ``cron`` schedule, ``1`` means Sunday; read with croniter's
+    numbering (0 = Sunday) it would fire a day late, silently."""
+    assert cron_problem(quartz) is None
+    tick = datetime(2031, 3, 2, tzinfo=UTC)
+    seen = set()
+    for _ in range(14):
+        tick = next_cron_tick(quartz, ZoneInfo("UTC"), tick)
+        seen.add(tick.strftime("%a"))
+    assert seen == weekdays
+
+
+def test_seven_field_nth_and_last_weekday_are_quartz_days() -> None:
+    """``6#3`` is the third Friday and ``6L`` the last Friday of the month in Quartz."""
+    utc = ZoneInfo("UTC")
+    after = datetime(2025, 6, 1, tzinfo=UTC)
+    assert next_cron_tick("0 0 12 ? * 6#3 *", utc, after) == datetime(2025, 6, 20, 12,
+                                                                       tzinfo=UTC)
+    assert next_cron_tick("0 0 12 ? * 6L *", utc, after) == datetime(2025, 6, 27, 12,
+                                                                      tzinfo=UTC)
+
+
+@pytest.mark.parametrize(("quartz", "needle"), [
+    ("0 0 12 ? * 0 *", "from 1 (Sunday) to 7 (Saturday), got 0"),
+    ("0 0 12 ? * 2-8 *", "got 8"),
+    ("0 0 12 ? * 7-1 *", "write '7,1'"),
+    ("0 0 12 ? * SAT-SUN *", "write '7,1'"),
+])
+def test_seven_field_day_of_week_outside_quartz_numbers_is_refused(quartz: str, needle: str
+                                                                    ) -> None:
+    problem = cron_problem(quartz)
+    assert problem is not None and needle in problem
