@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import traceback
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,8 @@ class _Engine:
 
     def __init__(self) -> None:
         self.results: OrderedDict[str, Any] = OrderedDict()
+        #: Finished results' ids, oldest finish first: the ones ``MAX_RESULTS`` drops.
+        self.finished: deque[str] = deque()
         self.lock = threading.Condition()
         self.delayed: list[_Entry] = []  # by due time
         self.ready: list[_Entry] = []  # by priority, then arrival
@@ -215,7 +217,7 @@ class InProcessBackend(BaseTaskBackend):
         def release() -> None:
             object.__setattr__(result, "enqueued_at", timezone.now())
             with self._e.lock:
-                self._remember(result)
+                self._e.results[result.id] = result
             task_enqueued.send(sender=type(self), task_result=result)
             self._schedule(result, attempt=1, not_before=task.run_after)
 
@@ -232,15 +234,16 @@ class InProcessBackend(BaseTaskBackend):
         found: AnyTaskResult = result
         return found
 
-    def _remember(self, result: Any) -> None:
-        self._e.results[result.id] = result
-        excess = len(self._e.results) - self.max_results
-        if excess > 0:
-            # The oldest finished ones go; a task that has not finished is never forgotten,
-            # and one deferred for hours must not stop the finished ones behind it going.
-            old = [k for k, r in self._e.results.items() if r.is_finished][:excess]
-            for key in old:
-                del self._e.results[key]
+    def _finished(self, result: Any) -> None:
+        """Note that ``result`` finished (lock held) and forget the oldest finished results
+        beyond ``MAX_RESULTS``, as tasks finish: trimmed only at the next enqueue, a burst
+        of tasks would stay in memory as long as the process enqueues nothing more. A task
+        that has not finished is never forgotten, and one deferred for hours does not stop
+        the finished ones behind it going."""
+        finished = self._e.finished
+        finished.append(result.id)
+        while len(finished) > self.max_results:
+            self._e.results.pop(finished.popleft(), None)
 
     # --- scheduling ------------------------------------------------------------------------
     def _start(self) -> None:
@@ -368,6 +371,7 @@ class InProcessBackend(BaseTaskBackend):
             object.__setattr__(result, "_return_value", stored)
             object.__setattr__(result, "finished_at", timezone.now())
             object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+            self._finished(result)
             self._e.lock.notify_all()
         task_finished.send(sender=type(self), task_result=result)
 
@@ -395,4 +399,5 @@ class InProcessBackend(BaseTaskBackend):
             return False
         object.__setattr__(result, "finished_at", timezone.now())
         object.__setattr__(result, "status", TaskResultStatus.FAILED)
+        self._finished(result)
         return True

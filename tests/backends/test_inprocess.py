@@ -229,10 +229,42 @@ def test_max_results_drops_the_oldest_finished_past_an_unfinished_one(
     monkeypatch.setattr(backend, "max_results", 3)
     deferred = it.note.using(run_after=timezone.now() + timedelta(hours=1)).enqueue("later")
     done = [finished(it.note.enqueue(str(i))) for i in range(5)]
-    assert len(backend._e.results) <= 3  # type: ignore[attr-defined]
-    with pytest.raises(TaskResultDoesNotExist):
-        it.note.get_result(done[0].id)
+    for gone in done[:2]:
+        with pytest.raises(TaskResultDoesNotExist):
+            it.note.get_result(gone.id)
+    assert [it.note.get_result(r.id).return_value for r in done[2:]] == ["2", "3", "4"]
     assert it.note.get_result(deferred.id).status == TaskResultStatus.READY
+
+
+def test_max_results_applies_as_tasks_finish_not_only_at_the_next_enqueue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst enqueued while the pool is busy, then nothing more: the finished results beyond
+    ``MAX_RESULTS`` go as the tasks finish (they used to stay until some later enqueue)."""
+    backend = task_backends["serial"]
+    monkeypatch.setattr(backend, "max_results", 2)
+    it.GATE.clear()
+    try:
+        blocker = it.block_serial.enqueue()
+        burst = [it.note.enqueue(str(i)) for i in range(4)]
+    finally:
+        it.GATE.set()
+    for result in [blocker, *burst]:
+        wait_for(lambda r=result: _finished_or_gone(r), message="the burst to finish")
+    kept = [r for r in [blocker, *burst] if _known(r)]
+    assert [r.id for r in kept] == [r.id for r in burst[2:]]
+
+
+def _known(result: Any) -> bool:
+    try:
+        result.refresh()
+    except TaskResultDoesNotExist:
+        return False
+    return True
+
+
+def _finished_or_gone(result: Any) -> bool:
+    return not _known(result) or result.is_finished
 
 
 def test_an_in_process_task_cannot_be_sent_to_the_durable_backend_by_using() -> None:
