@@ -160,6 +160,17 @@ class InvalidJobIdError(EnqueueError, JobNotFoundError):
     code = "INVALID_JOB_ID"
 
 
+def database_error_text(exc: BaseException) -> str:
+    """A database error as one line (the driver's messages span several), for the operator
+    surfaces that report one (the ``jobs`` command, the HTTP API); on a database that was never
+    migrated, what to do about it (as ``runjobs`` says)."""
+    message = " ".join(str(exc).split())
+    if 'relation "persistent_jobs' in message and "does not exist" in message:
+        return ("The persistent_jobs tables are missing; run `python manage.py migrate` first "
+                f"(database error: {message}).")
+    return f"database error: {message}"
+
+
 class PreparedStatementLostError(ProgrammingError):
     """``enqueue()``'s prepared insert was gone from the server session inside the caller's
     transaction (a pooler in transaction mode that does not keep prepared statements), which

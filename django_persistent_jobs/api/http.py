@@ -27,6 +27,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, RawPostDataExce
 from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
+from ..errors import database_error_text
 from ..runner.db import sqlstate
 
 logger = logging.getLogger("django_persistent_jobs.api")
@@ -195,15 +196,32 @@ def database_unavailable(exc: BaseException) -> ApiError:
     Any transaction the request is inside (``ATOMIC_REQUESTS``) is marked for rollback, since
     the failed statement left it unusable.
     """
-    for alias in connections:
-        connection = connections[alias]
-        if connection.in_atomic_block:
-            transaction.set_rollback(True, using=alias)
+    _roll_back_requests()
     logger.warning("operator API: database unavailable: %s", str(exc).strip().split("\n")[0],
                    extra={"event": "api_database_unavailable"})
     return ApiError(503, "database_unavailable",
                     "The database is unavailable; nothing was done. Try again shortly.",
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def database_refused(exc: BaseException) -> ApiError:
+    """A 500 for a statement the database refused (a trigger, a constraint, a table not
+    migrated): not retryable as is, and answered in JSON with the database's one-line reason,
+    as the ``jobs`` command reports it, instead of Django's HTML 500 page. Logged with its
+    traceback; the request's transaction, if any, is rolled back."""
+    _roll_back_requests()
+    logger.error("operator API: the database refused the request: %s", database_error_text(exc),
+                 exc_info=exc, extra={"event": "api_database_error"})
+    return ApiError(500, "database_error", database_error_text(exc))
+
+
+def _roll_back_requests() -> None:
+    """Mark any transaction the request is inside (``ATOMIC_REQUESTS``) for rollback: the
+    failed statement left it unusable."""
+    for alias in connections:
+        connection = connections[alias]
+        if connection.in_atomic_block:
+            transaction.set_rollback(True, using=alias)
 
 
 def _read_query(request: HttpRequest) -> None:
@@ -233,8 +251,9 @@ def refused(request: HttpRequest, exc: SuspiciousOperation) -> ApiError:
 
 
 def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
-    """Allowed methods answered with JSON 405 otherwise; ``ApiError`` rendered as JSON, and a
-    database that cannot be used as a JSON 503 (``database_unavailable``).
+    """Allowed methods answered with JSON 405 otherwise; ``ApiError`` rendered as JSON, a
+    database that cannot be used as a JSON 503 (``database_unavailable``), and a statement the
+    database refused as a JSON 500 (``database_refused``).
 
     The view is exempt from the CSRF middleware on purpose: bearer-token requests carry no
     cookie and need no CSRF token, and session requests are checked by ``auth.authenticate``
@@ -262,9 +281,8 @@ def json_endpoint(methods: Iterable[str]) -> Callable[[View], View]:
             except SuspiciousOperation as exc:
                 response = error_response(refused(request, exc))
             except DatabaseError as exc:
-                if not is_unavailable(exc):
-                    raise
-                response = error_response(database_unavailable(exc))
+                response = error_response(database_unavailable(exc) if is_unavailable(exc)
+                                          else database_refused(exc))
             if request.method == "HEAD":
                 length = len(response.content)
                 response.content = b""

@@ -60,6 +60,9 @@ _E403 = _error("Missing permission, CSRF failure (session), or outside the token
 _E404 = _error("No such job (or not visible to a tenant-bound token).")
 _E409 = _error("The job's state does not allow this action.")
 _E413 = _error("The body is larger than the site's DATA_UPLOAD_MAX_MEMORY_SIZE.")
+_E500 = _error("The database refused the statement (a trigger, a constraint, tables not "
+               "migrated): `error.code` is `database_error` and `error.message` the "
+               "database's reason; nothing was changed.")
 _E503 = {**_error("The database is unavailable (down, restarting, read-only, a lock or "
                   "statement timeout); nothing was done. Try again after `Retry-After` "
                   "seconds."),
@@ -205,7 +208,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                          "description": "`next_cursor` of the previous page."},
                     ],
                     "responses": {"200": _ok("A page of jobs.", "JobPage"), "400": _E400,
-                                  "401": _E401, "403": _E403, "503": _E503},
+                                  "401": _E401, "403": _E403, "500": _E500, "503": _E503},
                 },
                 "post": {
                     "operationId": "enqueueJob",
@@ -219,7 +222,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                         "400": _E400, "401": _E401, "403": _E403,
                         "409": _error("A tenant-bound token named a dedup key that an active "
                                       "job outside its tenant holds; nothing was written."),
-                        "413": _E413, "503": _E503,
+                        "413": _E413, "500": _E500, "503": _E503,
                     },
                 },
             },
@@ -229,7 +232,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "summary": "One job with its attempts.",
                     "parameters": [job_id],
                     "responses": {"200": _ok("The job.", "Job"), "400": _E400, "401": _E401,
-                                  "403": _E403, "404": _E404, "503": _E503},
+                                  "403": _E403, "404": _E404, "500": _E500, "503": _E503},
                 },
             },
             "/{job_id}/retry": {
@@ -242,7 +245,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                                          required=False),
                     "responses": {"200": _ok("The retried job.", "Job"), "400": _E400,
                                   "401": _E401, "403": _E403, "404": _E404, "409": _E409,
-                                  "413": _E413, "503": _E503},
+                                  "413": _E413, "500": _E500, "503": _E503},
                 },
             },
             "/{job_id}/cancel": {
@@ -256,7 +259,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                     "responses": {"200": _ok("The job, cancelled or with its cancellation "
                                              "requested.", "Job"),
                                   "400": _E400, "401": _E401, "403": _E403, "404": _E404,
-                                  "409": _E409, "413": _E413, "503": _E503},
+                                  "409": _E409, "413": _E413, "500": _E500, "503": _E503},
                 },
             },
             "/stats": {
@@ -269,7 +272,7 @@ def document(base_path: str = "/jobs") -> dict[str, Any]:
                                                "minimum": WINDOW_MIN_SECONDS,
                                                "maximum": WINDOW_MAX_SECONDS}}],
                     "responses": {"200": _ok("Statistics.", "Stats"), "400": _E400,
-                                  "401": _E401, "403": _E403, "503": _E503},
+                                  "401": _E401, "403": _E403, "500": _E500, "503": _E503},
                 },
             },
             "/openapi.json": {

@@ -27,6 +27,7 @@ from tests.api_support import (
     stage,
     table_fingerprint,
 )
+from tests.core_support import refusing_updates
 from tests.openapi_check import assert_matches_schema
 
 pytestmark = pytest.mark.django_db
@@ -465,6 +466,38 @@ def test_a_read_only_database_still_answers_reads_and_refuses_writes_with_json_5
         with connection.cursor() as cursor:
             cursor.execute("SET default_transaction_read_only = off")
     assert table_fingerprint() == before
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("atomic_requests", [False, True])
+def test_a_statement_the_database_refuses_is_a_json_500_with_its_reason(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        atomic_requests: bool) -> None:
+    """A trigger (or a constraint) refusing the retry's UPDATE is not "unavailable": it was
+    re-raised to Django, which answered its HTML 500 page ("every response is JSON, errors
+    included"). Now a JSON 500 ``database_error`` with the database's one-line reason, as the
+    ``jobs`` command reports it, logged with its traceback; nothing changed."""
+    from django.db import connections
+
+    monkeypatch.setitem(connections.settings[connection.alias], "ATOMIC_REQUESTS",
+                        atomic_requests)
+    secret = make_token(make_user("operator", *ALL_PERMS))
+    job = stage(status="dead_lettered")
+    client = Client(raise_request_exception=False)
+    with refusing_updates("pj_api_refuses", "persistent_jobs", f"OLD.id = '{job.id}'",
+                          "refused by the sites trigger"):
+        before = table_fingerprint()
+        response = call(client, "POST", f"/jobs/{job.id}/retry", secret)
+        assert table_fingerprint() == before
+    assert response.status_code == 500, response.content[:300]
+    assert response["Content-Type"].startswith("application/json")
+    error = response.json()["error"]
+    assert error["code"] == "database_error"
+    assert "refused by the sites trigger" in error["message"]
+    assert_matches_schema("POST", f"/jobs/{job.id}/retry", 500, response.json())
+    assert any(getattr(r, "event", None) == "api_database_error" and r.exc_info
+               for r in caplog.records)
+    assert call(client, "POST", f"/jobs/{job.id}/retry", secret).status_code == 200
 
 
 def test_retry_400_for_a_bad_mode(client: Client, operator_token: str):

@@ -26,6 +26,7 @@ from django_persistent_jobs.errors import (
     ConfigurationError,
     InvalidJobStateError,
     JobNotFoundError,
+    database_error_text,
 )
 from django_persistent_jobs.models import JobStatus, PersistentJob
 
@@ -63,16 +64,6 @@ def _filter_from(options: dict[str, Any]) -> queries.JobFilter:
         raise CommandError(f"--{exc.field.replace('_', '-')}: {exc.message}",
                            returncode=EXIT_USAGE) from None
 
-
-
-def _database_error(exc: DatabaseError) -> str:
-    """A database error as one line (the driver's messages span several); on a database that
-    was never migrated, what to do about it (as ``runjobs`` says)."""
-    message = " ".join(str(exc).split())
-    if 'relation "persistent_jobs' in message and "does not exist" in message:
-        return ("The persistent_jobs tables are missing; run `python manage.py migrate` first "
-                f"(database error: {message}).")
-    return f"database error: {message}"
 
 
 #: The fewest hex digits of an id ``show``, ``retry`` and ``cancel`` accept instead of all of
@@ -150,7 +141,7 @@ class Command(BaseCommand):
         except DatabaseError as exc:
             # An unreachable or unmigrated database is an operator's problem, not a bug: one
             # line that says which, and the exit code scripts treat as an error.
-            raise CommandError(_database_error(exc), returncode=EXIT_ERROR) from exc
+            raise CommandError(database_error_text(exc), returncode=EXIT_ERROR) from exc
         except ConfigurationError as exc:
             # Settings the system checks would refuse, reached past ``--skip-checks``: the
             # setting's own message, as ``runjobs`` gives it, not a traceback.
@@ -250,7 +241,7 @@ class Command(BaseCommand):
                 # timeout): said for this job, and the jobs already done are still listed.
                 results.append({"id": str(target), "ok": False,
                                 "error": {"code": "database_error",
-                                          "message": _database_error(exc)}})
+                                          "message": database_error_text(exc)}})
                 worst = max(worst, EXIT_ERROR)
         ok = sum(1 for r in results if r["ok"])
         lines = [f"{r['id']}: {r['status']}" if r["ok"] else

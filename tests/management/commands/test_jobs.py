@@ -265,9 +265,9 @@ def test_show_takes_the_short_id_the_admin_lists_and_says_what_failed() -> None:
 def test_a_database_that_was_never_migrated_is_named() -> None:
     from django.db import ProgrammingError
 
-    from django_persistent_jobs.management.commands.jobs import _database_error
+    from django_persistent_jobs.errors import database_error_text
 
-    message = _database_error(ProgrammingError(
+    message = database_error_text(ProgrammingError(
         'relation "persistent_jobs" does not exist\nLINE 1: SELECT ...'))
     assert message.startswith("The persistent_jobs tables are missing; run `python manage.py "
                               "migrate` first")
