@@ -141,10 +141,6 @@ def _is_final_failure(exc: BaseException, ctx: JobContext) -> bool:
 
     if isinstance(exc, JobInterrupted):  # a timeout or hand-back: recorded by the supervisor
         return False
-    if isinstance(exc, KeyboardInterrupt):
-        # The runner stops without settling the attempt; the rescue that follows decides the
-        # ending, and ``_relay_final_ending`` announces it.
-        return False
     if isinstance(exc, JobCancelledError) or ctx.cancel_requested:
         return True
     if isinstance(exc, JobError) and not exc.transient:

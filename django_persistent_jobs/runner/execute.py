@@ -582,10 +582,10 @@ def execute(alias: str, inflight: InFlight, runner_id: str, interrupt: threading
                     reset_connection(alias)
                 _report_if_completed(alias, inflight, runner_id)
             return False
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        # ``SystemExit`` from a handler (``sys.exit()`` in library code) ends the attempt, not
-        # the runner: in a worker thread it could only ever have stopped that one thread.
+        # ``SystemExit`` (``sys.exit()`` in library code) or ``KeyboardInterrupt`` raised by a
+        # handler ends the attempt, like any other exception, not the runner: handlers run on
+        # worker threads, where no signal raises either (Ctrl-C reaches ``runjobs``' main
+        # thread, or is ignored by a worker process), so it is the handler's own doing.
         if is_connection_error(exc):
             reset_connection(alias)
         elif not spec.atomic:

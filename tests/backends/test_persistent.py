@@ -605,17 +605,23 @@ def test_every_backend_check_has_a_hint() -> None:
     assert messages and all(m.hint for m in messages)
 
 
-def test_a_keyboard_interrupt_on_the_last_attempt_is_not_announced_as_the_ending(
+def test_a_keyboard_interrupt_from_a_task_fails_it_and_the_runner_goes_on(
     start_runner: StartRunner, signals_seen: list[Any],
 ) -> None:
-    """``KeyboardInterrupt`` from a task stops its runner without settling the attempt; the job
-    is rescued later and that decides the ending. The attempt must not also send a FAILED
-    task_finished of its own (the task would then be announced finished twice)."""
+    """``KeyboardInterrupt`` raised by a task is the task's failure, like any exception (no
+    signal raises it on a worker thread): its one attempt ends FAILED, announced once, and the
+    runner runs the next task. It used to stop the runner, the attempt left unsettled."""
     stopped = tasks.interrupted.enqueue()
+    after = tasks.one_try.enqueue(5)
     runner = start_runner(concurrency=1)
-    assert runner.finished.wait(30), "the runner did not stop on the KeyboardInterrupt"
-    assert [s[0] for s in signals_seen if s[1] == stopped.id] == ["enqueued", "started"]
-    assert stopped.refresh() is None and stopped.status == TaskResultStatus.RUNNING
+    wait_for(lambda: stopped.refresh() is None and stopped.status == TaskResultStatus.FAILED,
+             message="the interrupted task to fail")
+    assert [e.exception_class_path for e in stopped.errors] == ["builtins.KeyboardInterrupt"]
+    wait_for(lambda: after.refresh() is None and after.status == TaskResultStatus.SUCCESSFUL,
+             message="the next task to run")
+    assert [s[0] for s in signals_seen if s[1] == stopped.id] == [
+        "enqueued", "started", "finished"]
+    assert not runner.finished.is_set()
 
 
 def test_tasks_and_results_pickle_with_callable_options() -> None:

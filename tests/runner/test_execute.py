@@ -244,7 +244,7 @@ def test_error_text_with_nul_and_lone_surrogates_is_stored_escaped(
         line.encode("utf-8")
 
 
-def test_handler_exit_and_unprintable_errors_fail_the_attempt_not_the_runner(
+def test_handler_exit_interrupt_and_unprintable_errors_fail_the_attempt_not_the_runner(
     isolated_registry: Registry, start_runner: StartRunner,
 ) -> None:
     class Unprintable(Exception):
@@ -259,11 +259,19 @@ def test_handler_exit_and_unprintable_errors_fail_the_attempt_not_the_runner(
     def unprintable(payload: dict[str, Any]) -> None:
         raise Unprintable()
 
+    @job_handler("hs.keyboard", max_retries=1, backoff=constant(0))
+    def keyboard(payload: dict[str, Any]) -> None:
+        raise KeyboardInterrupt  # it used to stop the runner (exit 2), the job left running
+
     exited = enqueue("hs.sys_exit", {})
     odd = enqueue("hs.unprintable", {})
+    interrupted = enqueue("hs.keyboard", {})
     runner = start_runner(concurrency=1)
     dead = wait_status(exited.id, JobStatus.DEAD_LETTERED)
     assert (dead.last_error_code, dead.last_error) == ("HANDLER_ERROR", "SystemExit: 3")
+    dead = wait_status(interrupted.id, JobStatus.DEAD_LETTERED)
+    assert (dead.last_error_code, dead.attempts) == ("HANDLER_ERROR", 2)
+    assert dead.last_error.startswith("KeyboardInterrupt")
     dead = wait_status(odd.id, JobStatus.DEAD_LETTERED)
     assert dead.last_error_code == "HANDLER_ERROR"
     assert "Unprintable" in dead.last_error and "str() of this exception failed" in dead.last_error

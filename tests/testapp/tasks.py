@@ -100,8 +100,8 @@ def fails_for_good() -> None:
 
 @task(max_retries=0)
 def interrupted() -> None:
-    """Raises ``KeyboardInterrupt`` on its only attempt: the runner stops without settling it,
-    so the task's ending is decided by the rescue, not by this attempt."""
+    """Raises ``KeyboardInterrupt`` on its only attempt: a failure like any other (it must not
+    stop the runner)."""
     raise KeyboardInterrupt
 
 
