@@ -144,13 +144,38 @@ def test_a_handler_blocked_in_c_frees_its_slot_at_timeout_and_its_worker_is_repl
     # A planned kill, not a crash: operators alert on ``worker_lost`` ("died").
     runner.wait_line(r"killed at the end of its recycling grace", timeout=5)
     assert not runner.find(r"died \(")
-    assert killed_after <= 1.0 + 2 * grace + 3.0, killed_after
+    # At timeout + grace, with nothing else left in it to finish: not a second grace later.
+    assert killed_after <= 1.0 + grace + 1.5, killed_after
     wait_for(lambda: len(worker_pids(runner)) == 1, 30, "a replacement worker", reconnect=True)
     assert worker_pids(runner) != [stuck_worker]
     later = enqueue_jobs(3)
     wait_all_terminal(later, timeout=30)
     verify([follower, *later])
     assert len(ledger_of(blocked)) == 0
+    assert runner.alive
+
+
+def test_a_handler_stuck_in_c_holding_the_gil_costs_its_worker_timeout_plus_grace(
+    fleet: Fleet,
+) -> None:
+    """Stuck in C *holding the GIL*: its worker can run nothing else, not even answer for the
+    job queued behind it. It is killed at timeout + grace (it used to wait a second grace for
+    that queued job's answer), and the queued job runs on the replacement, not charged."""
+    grace = 2.0
+    runner = fleet.spawn(args=["--processes", "1"], concurrency=1,
+                         settings={"TIMEOUT_GRACE": grace})
+    (stuck_worker,) = wait_for(lambda: worker_pids(runner), 30, "a worker", reconnect=True)
+    blocked = enqueue_typed("procs.gil_at_once", {"seconds": 3600})
+    wait_for(lambda: job_row(blocked)["progress"], 20, "the handler to start", reconnect=True)
+    started = time.monotonic()
+    follower = enqueue_jobs(1)[0]
+    assert wait_status(blocked, "dead_lettered", timeout=10)["code"] == "TIMEOUT"
+    wait_for(lambda: not _alive(stuck_worker), 10, "the stuck worker to be killed",
+             reconnect=True)
+    killed_after = time.monotonic() - started
+    assert killed_after <= 1.0 + grace + 1.5, killed_after
+    assert wait_status(follower, "completed", timeout=30)["attempts"] == 1
+    assert not runner.find(r"died \(")
     assert runner.alive
 
 

@@ -154,6 +154,16 @@ class WorkerHandle:
         return self.writer is not None and bool(self.writer.pending)
 
 
+def _only_stuck(worker: WorkerHandle, now: float) -> bool:
+    """Whether all a recycled worker still holds is handler threads past their grace: no job
+    of its own still running or being completed, so the grace its other jobs get is of no use
+    and it is killed now (a handler stuck in C costs its slot for timeout + grace, not a second
+    grace). Jobs still in its queue go to other workers, uncharged, as at any worker's death (a
+    worker whose stuck handler holds the GIL cannot even answer for them)."""
+    return bool(worker.abandoned) and not (worker.in_flight or worker.completing) and all(
+        now >= at for at, _ in worker.abandoned.values())
+
+
 class ProcessExecutor(SlotWaits):
     """``Executor`` over ``processes`` worker processes of ``concurrency`` threads each."""
 
@@ -994,7 +1004,8 @@ class ProcessExecutor(SlotWaits):
                             or worker.completing):
                         worker.stop_sent = True
                         stops.append(worker)
-                    elif worker.kill_at is not None and now >= worker.kill_at:
+                    elif worker.kill_at is not None and (
+                            now >= worker.kill_at or _only_stuck(worker, now)):
                         kills.append(worker)
                 elif worker.stop_sent and worker.kill_at is not None and now >= worker.kill_at:
                     kills.append(worker)
