@@ -42,10 +42,18 @@ def is_connection_error(exc: BaseException) -> bool:
         return True
     # psycopg reports "terminating connection due to administrator command" as a DatabaseError
     # subclass on some paths; treat anything that left the connection unusable the same way.
+    if sqlstate(exc) in SESSION_ENDED_SQLSTATES:
+        return True
     cause = exc.__cause__
     return isinstance(exc, DatabaseError) and cause is not None and type(cause).__name__ in {
         "AdminShutdown", "OperationalError", "InterfaceError", "ConnectionTimeout",
     }
+
+
+#: SQLSTATEs outside the connection classes with which the server ends the session: 25P03,
+#: ``idle_in_transaction_session_timeout`` (a handler that sat in its transaction too long;
+#: psycopg raises it as an ``InternalError``). The connection is gone, as after a restart.
+SESSION_ENDED_SQLSTATES = ("25P03",)
 
 
 #: SQLSTATEs (classes, or exact codes) that describe the server's condition rather than our

@@ -278,6 +278,33 @@ def test_handler_exit_interrupt_and_unprintable_errors_fail_the_attempt_not_the_
     assert_runner_alive(runner)
 
 
+def test_a_handler_session_ended_by_idle_in_transaction_timeout_is_a_db_error(
+    isolated_registry: Registry, start_runner: StartRunner,
+) -> None:
+    """PostgreSQL ends a session that sat in a transaction past
+    ``idle_in_transaction_session_timeout`` with SQLSTATE 25P03, which psycopg raises as an
+    ``InternalError``: the connection is gone, as after a restart, so the attempt fails
+    ``DB_ERROR`` (it was ``HANDLER_ERROR``) and the retry runs on a fresh connection."""
+
+    @job_handler("hs.idles", max_retries=2, backoff=constant(0))
+    def idles(payload: dict[str, Any], ctx: JobContext) -> None:
+        with connection.cursor() as cursor:
+            if ctx.attempt == 1:
+                cursor.execute("SET LOCAL idle_in_transaction_session_timeout = '200ms'")
+                time.sleep(0.6)  # idle in the job's transaction: the server ends the session
+            cursor.execute("SELECT 1")
+        LedgerEntry.objects.create(job_id=ctx.job_id, note="idles")
+
+    job = enqueue("hs.idles", {})
+    runner = start_runner(concurrency=1)
+    done = wait_status(job.id, JobStatus.COMPLETED)
+    assert done.attempts == 2
+    first = JobAttempt.objects.get(job_id=job.id, attempt=1)
+    assert first.error_code == "DB_ERROR", (first.error_code, first.error_message)
+    assert LedgerEntry.objects.filter(job_id=job.id).count() == 1
+    assert_runner_alive(runner)
+
+
 def test_a_stored_payload_python_cannot_decode_costs_only_its_own_job(
     start_runner: StartRunner,
 ) -> None:
