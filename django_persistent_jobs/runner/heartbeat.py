@@ -26,10 +26,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from django.db import DatabaseError
+
 from .. import signals
 from ..handlers import registry
 from . import store
-from .db import Backoff, NotNow, run_bounded, run_with_retry
+from .db import (
+    Backoff,
+    NotNow,
+    error_line,
+    is_lost_prepared_statement,
+    run_bounded,
+    run_with_retry,
+)
 from .execute import Outcome, _backoff_for, log_transition
 
 if TYPE_CHECKING:
@@ -356,6 +365,18 @@ def _rescue_job(alias: str, runner_id: str, held: store.HeldJob, message: str,
         # would stall this loop; the job is tried again next round.
         status = run_bounded(alias, apply, what=f"rescuing job {job_id}")
     except NotNow:
+        return False
+    except DatabaseError as exc:
+        if is_lost_prepared_statement(exc):
+            raise  # a pooler's setting, not this job: the loop stops and says what to change
+        # The database refuses this job's settling (a trigger or constraint of the project's
+        # own): nothing this runner can write will release it. It stays as it is, for an
+        # operator, and is tried again next round; the other jobs are rescued meanwhile, and
+        # the rescuer goes on (one such job used to stop every runner that tried it, in turn).
+        logger.error("could not rescue job %s from runner %s: the database refused it (%s); "
+                     "left as it is, tried again next round", job_id, held.locked_by,
+                     error_line(exc), extra={"event": "rescue_refused", "job_id": str(job_id),
+                                             "dead_runner_id": held.locked_by})
         return False
     if status is None:
         return False

@@ -18,7 +18,7 @@ from django_persistent_jobs import JobContext, enqueue, job_handler
 from django_persistent_jobs.handlers import Registry
 from django_persistent_jobs.models import JobRunnerRecord, JobStatus, PersistentJob
 from django_persistent_jobs.runner import Runner, store
-from tests.core_support import claim_as
+from tests.core_support import claim_as, refusing_updates
 from tests.runner_support import (
     Gate,
     OutputReader,
@@ -73,6 +73,30 @@ def test_jobs_of_dead_runners_are_rescued_and_completed(start_runner: StartRunne
     other = wait_status(unregistered.id, JobStatus.COMPLETED, timeout=15)
     assert [a.outcome for a in attempts_of(unregistered.id)] == ["rescued", "completed"]
     assert other.attempts == 2
+
+
+def test_a_job_the_database_refuses_to_rescue_does_not_stop_the_rescuer(
+    start_runner: StartRunner, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A project trigger refuses every update of one lost job: its rescue fails, for ever.
+    That job stays as it is (logged ``rescue_refused``, tried again each round); the others
+    are rescued and the rescuer goes on. It used to stop the rescuer (its rescue loop died),
+    then every runner that tried it in turn."""
+    stuck = enqueue("test.ledger", {"note": "refused"}, priority=9)
+    _claim_as("ghost:refused", register=False)
+    rescued = enqueue("test.ledger", {"note": "rescued"})
+    _claim_as("ghost:refused", register=False)
+    with refusing_updates("pj_refuse_rescue", "persistent_jobs", f"OLD.id = '{stuck.id}'",
+                          "refused by the project"):
+        live = start_runner(concurrency=1)
+        wait_status(rescued.id, JobStatus.COMPLETED, timeout=30)
+        wait_for(lambda: any(getattr(r, "event", None) == "rescue_refused"
+                             for r in caplog.records), 30, "the refused rescue to be logged")
+        assert not live.finished.is_set(), "the rescuer stopped"
+        assert get_job(stuck.id).status == JobStatus.RUNNING
+    later = enqueue("test.ledger", {"note": "after"})
+    wait_status(later.id, JobStatus.COMPLETED, timeout=30)
+    wait_status(stuck.id, JobStatus.COMPLETED, timeout=30)  # rescued once the trigger went
 
 
 def test_rescue_waits_for_the_stale_lock_timeout_then_acts_within_it(
