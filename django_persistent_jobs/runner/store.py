@@ -1024,27 +1024,46 @@ def waiting_jobs_of(cursor: Cursor, runner_ids: Sequence[str]) -> list[HeldJob]:
     return [HeldJob(*row) for row in cursor.fetchall()]
 
 
-def cleanup(cursor: Cursor, status: str, older_than_seconds: float, batch: int = 5000) -> int:
-    """Delete one batch of ``status`` jobs finished more than ``older_than_seconds`` ago.
+#: Finished jobs whose age puts them past their retention: the rows cleanup deletes. A row
+#: without ``finished_at`` (written by hand or by an older release: the runner and the services
+#: always set it) is aged by ``updated_at``, or it would be kept for ever. Both conditions are
+#: served by ``pj_finished_idx`` (a B-tree finds NULLs too).
+_PAST_RETENTION = (
+    "SELECT id FROM persistent_jobs WHERE status = %s "
+    "AND (finished_at < now() - %s * interval '1 second' "
+    "OR (finished_at IS NULL AND updated_at < now() - %s * interval '1 second')) "
+    "AND id <> ALL(%s) LIMIT %s FOR UPDATE SKIP LOCKED"
+)
 
-    A finished row without ``finished_at`` (written by hand or by an older release: the
-    runner and the services always set it) is aged by ``updated_at``, or it would be kept for
-    ever. Both conditions are served by ``pj_finished_idx`` (a B-tree finds NULLs too)."""
+
+def cleanup(cursor: Cursor, status: str, older_than_seconds: float, batch: int = 5000,
+            exclude: Sequence[uuid.UUID] = ()) -> int:
+    """Delete one batch of ``status`` jobs finished more than ``older_than_seconds`` ago (and
+    their attempts), but for ``exclude`` (rows the database refused to delete before)."""
     cursor.execute(
-        """
-        WITH doomed AS (
-            SELECT id FROM persistent_jobs WHERE status = %s
-              AND (finished_at < now() - %s * interval '1 second'
-                   OR (finished_at IS NULL AND updated_at < now() - %s * interval '1 second'))
-            LIMIT %s FOR UPDATE SKIP LOCKED
-        ), gone_attempts AS (
+        f"""
+        WITH doomed AS ({_PAST_RETENTION}), gone_attempts AS (
             DELETE FROM persistent_jobs_attempts WHERE job_id IN (SELECT id FROM doomed)
         )
         DELETE FROM persistent_jobs WHERE id IN (SELECT id FROM doomed)
         """,
-        [status, older_than_seconds, older_than_seconds, batch],
+        [status, older_than_seconds, older_than_seconds, list(exclude), batch],
     )
     return int(cursor.rowcount)
+
+
+def past_retention(cursor: Cursor, status: str, older_than_seconds: float, batch: int,
+                   exclude: Sequence[uuid.UUID] = ()) -> list[uuid.UUID]:
+    """The ids ``cleanup`` would delete next, to delete one at a time."""
+    cursor.execute(_PAST_RETENTION, [status, older_than_seconds, older_than_seconds,
+                                     list(exclude), batch])
+    return [row[0] for row in cursor.fetchall()]
+
+
+def delete_finished(cursor: Cursor, job_id: uuid.UUID) -> None:
+    """Delete one finished job and its attempts."""
+    cursor.execute("DELETE FROM persistent_jobs_attempts WHERE job_id = %s", [job_id])
+    cursor.execute("DELETE FROM persistent_jobs WHERE id = %s", [job_id])
 
 
 def terminate_backend(cursor: Cursor, pid: int, backend_start: Any = None) -> bool:

@@ -165,3 +165,35 @@ def _now() -> Any:
     from django.utils import timezone
 
     return timezone.now()
+
+
+@pytest.mark.django_db
+def test_a_finished_job_the_database_refuses_to_delete_is_kept_and_the_rest_go(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A project's own foreign key to a finished job (what ``ForeignKey(PersistentJob)``
+    makes) refuses its deletion. The batch it is in used to fail as a whole, and the error
+    stopped the runner (the cleanup loop died, at start-up too). Now that job is kept, logged
+    ``cleanup_refused``, and left out of later batches; the rest of the batch goes."""
+    from django_persistent_jobs.runner import cleanup
+
+    days = timedelta(days=1)
+    referenced = finished("completed", 8 * days, attempts=2)
+    others = [finished("completed", 8 * days) for _ in range(3)]
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE pj_test_invoice (job_id uuid REFERENCES persistent_jobs(id))")
+        cursor.execute("INSERT INTO pj_test_invoice VALUES (%s)", [referenced.id])
+    try:
+        assert cleanup_once("default") == 3
+        assert remaining() == {referenced.id}
+        assert JobAttempt.objects.filter(job_id=referenced.id).count() == 2  # kept whole
+        assert any(getattr(r, "event", None) == "cleanup_refused" and r.refused == 1
+                   for r in caplog.records)
+        caplog.clear()
+        more = finished("completed", 8 * days)
+        assert cleanup_once("default") == 1  # left out: the batch is not refused again
+        assert more.id not in remaining() and referenced.id in remaining()
+        assert not any(getattr(r, "event", None) == "cleanup_refused" for r in caplog.records)
+        assert {o.id for o in others} & remaining() == set()
+    finally:
+        cleanup._refused.pop("default", None)
