@@ -210,9 +210,10 @@ def database_refused(exc: BaseException) -> ApiError:
     as the ``jobs`` command reports it, instead of Django's HTML 500 page. Logged with its
     traceback; the request's transaction, if any, is rolled back."""
     _roll_back_requests()
-    logger.error("operator API: the database refused the request: %s", database_error_text(exc),
-                 exc_info=exc, extra={"event": "api_database_error"})
-    return ApiError(500, "database_error", database_error_text(exc))
+    text = database_error_text(exc)
+    logger.error("operator API: the database refused the request: %s", text, exc_info=exc,
+                 extra={"event": "api_database_error"})
+    return ApiError(500, "database_error", text)
 
 
 def _roll_back_requests() -> None:

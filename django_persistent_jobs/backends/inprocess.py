@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import traceback
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +86,7 @@ class _Engine:
     """The state of one in-process backend alias: queue, running attempts, results, threads."""
 
     def __init__(self) -> None:
-        self.results: OrderedDict[str, Any] = OrderedDict()
+        self.results: dict[str, Any] = {}
         #: Finished results' ids, oldest finish first: the ones ``MAX_RESULTS`` drops.
         self.finished: deque[str] = deque()
         self.lock = threading.Condition()

@@ -16,7 +16,7 @@ from django.db import DatabaseError, connections, transaction
 
 from .. import conf
 from . import store
-from .db import error_line, is_lost_prepared_statement, is_transient_error, run_with_retry
+from .db import error_line, is_refusal, run_with_retry
 
 if TYPE_CHECKING:
     from django.db.backends.utils import CursorWrapper as Cursor
@@ -59,16 +59,16 @@ def cleanup_once(alias: str, interrupt: Any = None, *, wait_for_database: bool =
             # (A savepoint when called inside a transaction: a refused batch must not leave
             # the caller's transaction aborted.)
             with transaction.atomic(using=alias):
-                return store.cleanup(cursor, status, keep, BATCH, sorted(refused))
+                return store.cleanup(cursor, status, keep, BATCH, refused)
 
         def one_by_one(cursor: Cursor, status: str = status, keep: float = keep) -> int:
             deleted = 0
-            for job_id in store.past_retention(cursor, status, keep, BATCH, sorted(refused)):
+            for job_id in store.past_retention(cursor, status, keep, BATCH, refused):
                 try:
                     with transaction.atomic(using=alias):
                         store.delete_finished(cursor, job_id)
                 except DatabaseError as exc:
-                    if is_transient_error(exc):
+                    if not is_refusal(exc):
                         raise
                     if len(refused) < MAX_REFUSED:
                         refused.add(job_id)
@@ -81,11 +81,9 @@ def cleanup_once(alias: str, interrupt: Any = None, *, wait_for_database: bool =
             try:
                 deleted = run(delete_batch)
             except DatabaseError as exc:
-                if is_transient_error(exc) or is_lost_prepared_statement(exc):
+                if not is_refusal(exc):
                     raise
                 deleted = run(one_by_one)
-                if not deleted:
-                    break
             if not deleted:
                 break
             total += deleted

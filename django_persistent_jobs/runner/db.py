@@ -40,10 +40,10 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 def is_connection_error(exc: BaseException) -> bool:
     if isinstance(exc, CONNECTION_ERRORS):
         return True
-    # psycopg reports "terminating connection due to administrator command" as a DatabaseError
-    # subclass on some paths; treat anything that left the connection unusable the same way.
     if sqlstate(exc) in SESSION_ENDED_SQLSTATES:
         return True
+    # psycopg reports "terminating connection due to administrator command" as a DatabaseError
+    # subclass on some paths; treat anything that left the connection unusable the same way.
     cause = exc.__cause__
     return isinstance(exc, DatabaseError) and cause is not None and type(cause).__name__ in {
         "AdminShutdown", "OperationalError", "InterfaceError", "ConnectionTimeout",
@@ -141,6 +141,15 @@ def is_transient_error(exc: BaseException) -> bool:
     if code is None:
         return False
     return code[:2] in TRANSIENT_SQLSTATE_CLASSES or code in TRANSIENT_SQLSTATES
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """True if the database refused the statement itself (a trigger or constraint of the
+    project's own, say): not weather to wait out, and not a pooler's lost prepared statement,
+    which no single job causes and which stops the loop that meets it. A loop settling or
+    deleting one job at a time leaves such a job as it is and goes on with the others."""
+    return (isinstance(exc, DatabaseError) and not is_transient_error(exc)
+            and not is_lost_prepared_statement(exc))
 
 
 def reset_connection(alias: str) -> None:

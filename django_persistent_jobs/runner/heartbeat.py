@@ -35,7 +35,7 @@ from .db import (
     Backoff,
     NotNow,
     error_line,
-    is_lost_prepared_statement,
+    is_refusal,
     run_bounded,
     run_with_retry,
 )
@@ -367,7 +367,7 @@ def _rescue_job(alias: str, runner_id: str, held: store.HeldJob, message: str,
     except NotNow:
         return False
     except DatabaseError as exc:
-        if is_lost_prepared_statement(exc):
+        if not is_refusal(exc):
             raise  # a pooler's setting, not this job: the loop stops and says what to change
         # The database refuses this job's settling (a trigger or constraint of the project's
         # own): nothing this runner can write will release it. It stays as it is, for an

@@ -1037,7 +1037,7 @@ _PAST_RETENTION = (
 
 
 def cleanup(cursor: Cursor, status: str, older_than_seconds: float, batch: int = 5000,
-            exclude: Sequence[uuid.UUID] = ()) -> int:
+            exclude: Collection[uuid.UUID] = ()) -> int:
     """Delete one batch of ``status`` jobs finished more than ``older_than_seconds`` ago (and
     their attempts), but for ``exclude`` (rows the database refused to delete before)."""
     cursor.execute(
@@ -1053,7 +1053,7 @@ def cleanup(cursor: Cursor, status: str, older_than_seconds: float, batch: int =
 
 
 def past_retention(cursor: Cursor, status: str, older_than_seconds: float, batch: int,
-                   exclude: Sequence[uuid.UUID] = ()) -> list[uuid.UUID]:
+                   exclude: Collection[uuid.UUID] = ()) -> list[uuid.UUID]:
     """The ids ``cleanup`` would delete next, to delete one at a time."""
     cursor.execute(_PAST_RETENTION, [status, older_than_seconds, older_than_seconds,
                                      list(exclude), batch])

@@ -75,9 +75,7 @@ def cron_problem(expression: object) -> str | None:
     written, expression = expression, croniter_form(expression)
     quartz = len(fields) == 7
     if quartz:
-        # croniter's order, the days still numbered as written (for the messages below).
-        second, minute, hour, day, month, weekday, year = fields
-        fields = [minute, hour, day, month, "*" if weekday == "?" else weekday, second, year]
+        fields = _quartz_in_croniter_order(fields)  # the days still numbered as written
     if any(token in ("R", "H") or token.startswith(("R(", "H(", "H/"))
            for token in re.split(r"[,\s]+", expression)):
         # croniter draws R afresh at every computation (a "daily" schedule would fire several
@@ -109,9 +107,17 @@ def croniter_form(expression: str) -> str:
     fields = expression.split()
     if len(fields) != 7:
         return expression
+    fields = _quartz_in_croniter_order(fields)
+    fields[4] = _quartz_weekday(fields[4])
+    return " ".join(fields)
+
+
+def _quartz_in_croniter_order(fields: list[str]) -> list[str]:
+    """A seven-field (Quartz) expression's fields in croniter's order (the seconds sixth), with
+    ``?`` as ``*``; the days of the week still numbered as Quartz numbers them."""
     second, minute, hour, day, month, weekday, year = (
         "*" if field == "?" else field for field in fields)
-    return " ".join((minute, hour, day, month, _quartz_weekday(weekday), second, year))
+    return [minute, hour, day, month, weekday, second, year]
 
 
 #: A day-of-week number in a Quartz field: not a step (``/2``) or an nth (``#3``), which are
